@@ -1,0 +1,1 @@
+"""HKRAG: holistic knowledge RAG over visually-rich documents."""

@@ -1,0 +1,1 @@
+"""Corpus encoding into shards, FAISS indexes and retrieval evaluation."""

@@ -1,0 +1,1 @@
+"""Retriever training: losses live in hkrag.losses, the loop here."""
