@@ -1,0 +1,194 @@
+"""HKRAG-Ret: the Phi3V dual encoder (paper §3.2, DESIGN §4).
+
+One model embeds queries and document pages. A document is the prompt ``<|image_1|>\\nWhat is shown in
+this image?`` with its page, a query is the dataset's query text; both end with the tokenizer's EOS
+(:func:`format_query`, :func:`format_document` — the single convention used by training, encoding and
+the demo). The embedding is the base model's final hidden state at the last real token (padding-side
+safe), L2-normalised; no LM-head logits and no attention maps are computed.
+
+LoRA (peft) wraps :class:`Phi3VForCausalLM`, so adapter keys are ``base_model.model.model.layers...``
+exactly as the VDocRAG adapters were saved and they load unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+from PIL import Image
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import BatchFeature
+
+from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VModel, Phi3VProcessor
+from hkrag.models.phi3v.loading import PHI3V_HUB_ID, load_phi3v, load_processor, save_processor, tiny_phi3v
+
+logger = logging.getLogger(__name__)
+
+DOCUMENT_PROMPT = "<|image_1|>\nWhat is shown in this image?"
+PHI3_LORA_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+"""Phi-3's fused projection names; targeting ``q_proj``/``v_proj`` would silently match nothing."""
+
+
+def format_query(text: str, eos_token: str) -> str:
+    """Query text as the encoder sees it: the dataset's text (with its instruction) + EOS."""
+    return text + eos_token
+
+
+def format_document(eos_token: str) -> str:
+    """Document prompt as the encoder sees it: the image tag, the fixed question, EOS."""
+    return DOCUMENT_PROMPT + eos_token
+
+
+def last_token_pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Hidden state of the last real token of each row, whichever side the padding is on."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    last = (attention_mask.long() * positions).argmax(dim=1)
+    return hidden_states[torch.arange(hidden_states.shape[0], device=hidden_states.device), last]
+
+
+@dataclass
+class LoraSettings:
+    """LoRA hyper-parameters (config group ``model.lora``)."""
+
+    r: int = 8
+    alpha: int = 64
+    dropout: float = 0.1
+    target_modules: Sequence[str] = PHI3_LORA_TARGETS
+    modules_to_save: Sequence[str] = field(default_factory=tuple)
+
+    def peft_config(self) -> LoraConfig:
+        return LoraConfig(
+            task_type=TaskType.FEATURE_EXTRACTION,
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=list(self.target_modules),
+            modules_to_save=list(self.modules_to_save) or None,
+        )
+
+
+class Phi3VRetriever(nn.Module):
+    """Dual encoder over a (possibly LoRA-wrapped) :class:`Phi3VForCausalLM`.
+
+    Args:
+        model: the causal LM, bare or wrapped by peft; only its base model runs.
+        processor: tokenizer + HD image processor.
+    """
+
+    def __init__(self, model: Phi3VForCausalLM | PeftModel, processor: Phi3VProcessor) -> None:
+        super().__init__()
+        self.model = model
+        self.processor = processor
+
+    @property
+    def backbone(self) -> Phi3VModel:
+        """The base Phi3VModel (LoRA layers, if any, are injected in place)."""
+        lm = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+        return lm.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.backbone.embed_tokens.weight.device
+
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        """Embeddings (B, hidden) in float32, L2-normalised, from a processor batch."""
+        outputs = self.backbone(**inputs, use_cache=False)
+        pooled = last_token_pool(outputs.last_hidden_state, inputs["attention_mask"])
+        return F.normalize(pooled.float(), dim=-1)
+
+    def query_inputs(self, texts: Sequence[str]) -> BatchFeature:
+        """Processor batch for raw query texts."""
+        eos = self.processor.eos_token
+        return self.processor([format_query(t, eos) for t in texts])
+
+    def document_inputs(self, images: Sequence[Image.Image]) -> BatchFeature:
+        """Processor batch for document pages, one page per document."""
+        prompt = format_document(self.processor.eos_token)
+        return self.processor([prompt] * len(images), [[image] for image in images])
+
+    @torch.no_grad()
+    def encode_queries(self, texts: Sequence[str], batch_size: int = 32, progress: bool = False) -> torch.Tensor:
+        return self._encode(texts, self.query_inputs, batch_size, progress)
+
+    @torch.no_grad()
+    def encode_documents(
+        self, images: Sequence[Image.Image], batch_size: int = 8, progress: bool = False
+    ) -> torch.Tensor:
+        return self._encode(images, self.document_inputs, batch_size, progress)
+
+    def _encode(self, items, make_inputs, batch_size: int, progress: bool) -> torch.Tensor:
+        chunks = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+        out = [self(**make_inputs(chunk).to(self.device)).cpu() for chunk in tqdm(chunks, disable=not progress)]
+        return torch.cat(out) if out else torch.empty(0, self.backbone.config.hidden_size)
+
+    def save(self, directory: str | Path) -> None:
+        """Save the LoRA adapter (or the full model when there is none) and the processor."""
+        self.model.save_pretrained(directory)
+        save_processor(self.processor, directory)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        base: str = PHI3V_HUB_ID,
+        adapter: str | None = None,
+        lora: LoraSettings | None = None,
+        trainable: bool = False,
+        num_crops: int = 4,
+        dtype: torch.dtype | str = torch.bfloat16,
+        attn_implementation: str | None = None,
+        gradient_checkpointing: bool = False,
+        **kwargs: Any,
+    ) -> Phi3VRetriever:
+        """Base checkpoint + optional existing adapter (e.g. VDocRAG's) + optional new LoRA.
+
+        ``adapter`` loads an existing adapter (trainable when ``trainable``); otherwise ``lora`` adds a
+        fresh one. ``num_crops=4`` follows VDocRAG's retriever.
+        """
+        model = load_phi3v(base, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
+        return cls.wrap(model, load_processor(base, num_crops), adapter, lora, trainable, gradient_checkpointing)
+
+    @classmethod
+    def tiny(
+        cls,
+        lora: LoraSettings | None = None,
+        num_crops: int = 4,
+        seed: int = 0,
+        texts: Sequence[str] = (),
+        **config_overrides: Any,
+    ) -> Phi3VRetriever:
+        """A random-initialised tiny retriever with an offline tokenizer (tests, demo, CPU bench)."""
+        model, processor = tiny_phi3v(texts=texts, num_crops=num_crops, seed=seed, **config_overrides)
+        return cls.wrap(model, processor, lora=lora, trainable=lora is not None)
+
+    @classmethod
+    def wrap(
+        cls,
+        model: Phi3VForCausalLM,
+        processor: Phi3VProcessor,
+        adapter: str | Path | None = None,
+        lora: LoraSettings | None = None,
+        trainable: bool = False,
+        gradient_checkpointing: bool = False,
+    ) -> Phi3VRetriever:
+        """Attach an existing adapter or a new LoRA to ``model`` and freeze everything else."""
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
+        elif lora is not None:
+            model = get_peft_model(model, lora.peft_config())
+        else:
+            model.requires_grad_(trainable)
+        return cls(model, processor)
+
+
+def lora_module_names(retriever: Phi3VRetriever) -> set[str]:
+    """Leaf names of the modules carrying LoRA weights (``qkv_proj``, ...), for checks and logs."""
+    return {name.split(".")[-1] for name, module in retriever.model.named_modules() if hasattr(module, "lora_A")}
