@@ -179,7 +179,7 @@ class Phi3VRetriever(nn.Module):
     ) -> Phi3VRetriever:
         """Attach an existing adapter or a new LoRA to ``model`` and freeze everything else."""
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)
         if adapter is not None:
             model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
         elif lora is not None:
@@ -187,6 +187,14 @@ class Phi3VRetriever(nn.Module):
         else:
             model.requires_grad_(trainable)
         return cls(model, processor)
+
+
+def enable_checkpointing(model: Phi3VForCausalLM) -> None:
+    """Non-reentrant activation checkpointing (the method was renamed within transformers 5.x)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def lora_module_names(retriever: Phi3VRetriever) -> set[str]:

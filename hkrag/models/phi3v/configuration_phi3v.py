@@ -67,6 +67,9 @@ class Phi3VConfig(Phi3Config):
         rope_scaling: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        # The original file pins flash_attention_2; attention is chosen at load time instead
+        # (`default_attn_implementation`), so a machine without flash-attn still loads it.
+        kwargs.pop("_attn_implementation", None)
         if rope_scaling is not None and kwargs.get("rope_parameters") is None:
             kwargs["rope_parameters"] = _longrope_parameters(
                 rope_scaling,

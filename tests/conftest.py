@@ -1,0 +1,44 @@
+"""Shared fixtures: a tiny random Phi3V (same code path as the 4.2B model) and a few pages."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+REFERENCE_PHI3V = Path(__file__).resolve().parents[2] / "shared" / "reference" / "phi3v"
+
+
+@pytest.fixture(scope="session")
+def reference_phi3v() -> Path:
+    """The public Phi-3-vision config/tokenizer files (no weights); tests skip when absent."""
+    if not (REFERENCE_PHI3V / "config.json").exists():
+        pytest.skip(f"reference Phi-3-vision files not found at {REFERENCE_PHI3V}")
+    return REFERENCE_PHI3V
+
+
+@pytest.fixture
+def tiny():
+    """A fresh tiny causal Phi3V and its offline processor."""
+    from hkrag.models.phi3v import tiny_phi3v
+
+    model, processor = tiny_phi3v(num_crops=4, seed=0)
+    return model.eval(), processor
+
+
+@pytest.fixture
+def pages() -> list[Image.Image]:
+    """Pages of different sizes and orientations, with content so embeddings differ."""
+    out = []
+    for i, (w, h) in enumerate([(100, 80), (300, 120), (40, 200), (56, 56)]):
+        image = Image.new("RGB", (w, h), (255, 255, 255))
+        image.paste((40 * i, 200 - 30 * i, 90), (w // 4, h // 4, w // 2, h // 2))
+        out.append(image)
+    return out

@@ -1,0 +1,116 @@
+"""HKRAG-Ret dual encoder: one EOS convention, padding-safe pooling, LoRA names and round trip."""
+
+import pytest
+import torch
+
+from hkrag.retriever import (
+    PHI3_LORA_TARGETS,
+    LoraSettings,
+    enable_checkpointing,
+    Phi3VRetriever,
+    format_document,
+    format_query,
+    last_token_pool,
+    lora_module_names,
+)
+
+QUERIES = [
+    "Instruct: I’m looking for an image that answers the question.\nQuery: What is the total revenue?",
+    "Instruct: I’m looking for an image that answers the question.\nQuery: Which code is printed in the footnote of the slide?",
+    "Query: year",
+]
+
+
+@pytest.fixture
+def retriever():
+    r = Phi3VRetriever.tiny(lora=LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
+    with torch.no_grad():
+        for name, p in r.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)  # a non-trivial adapter
+    return r.eval()
+
+
+def test_last_token_pool_by_hand():
+    hidden = torch.arange(2 * 4 * 1, dtype=torch.float).view(2, 4, 1)
+    right = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    left = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    assert last_token_pool(hidden, right).flatten().tolist() == [1.0, 7.0]
+    assert last_token_pool(hidden, left).flatten().tolist() == [3.0, 7.0]
+
+
+def test_one_eos_convention_for_queries_and_documents(retriever, pages):
+    eos = retriever.processor.tokenizer.eos_token_id
+    for batch in (retriever.query_inputs(QUERIES), retriever.document_inputs(pages)):
+        last = last_token_pool(batch["input_ids"].unsqueeze(-1), batch["attention_mask"]).flatten()
+        assert (last == eos).all()
+    assert format_query("q", "<E>") == "q<E>"
+    assert format_document("<E>") == "<|image_1|>\nWhat is shown in this image?<E>"
+
+
+def test_embeddings_are_unit_norm_and_distinct(retriever, pages):
+    docs = retriever.encode_documents(pages)
+    assert docs.shape == (len(pages), retriever.backbone.config.hidden_size)
+    torch.testing.assert_close(docs.norm(dim=-1), torch.ones(len(pages)))
+    assert torch.cdist(docs, docs).triu(1)[torch.triu_indices(4, 4, 1).unbind()].min() > 1e-3
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_document_alone_equals_padded_mixed_batch(retriever, pages, side):
+    prompt = format_document(retriever.processor.eos_token)
+    with torch.no_grad():
+        batch = retriever(**retriever.processor([prompt] * len(pages), [[p] for p in pages], padding_side=side))
+        alone = torch.cat([retriever(**retriever.processor(prompt, [p], padding_side=side)) for p in pages])
+    torch.testing.assert_close(batch, alone, atol=1e-5, rtol=1e-4)
+
+
+def test_left_and_right_padding_give_the_same_query_embeddings(retriever):
+    texts = [format_query(q, retriever.processor.eos_token) for q in QUERIES]
+    with torch.no_grad():
+        right = retriever(**retriever.processor(texts, padding_side="right"))
+        left = retriever(**retriever.processor(texts, padding_side="left"))
+    torch.testing.assert_close(right, left, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(right, retriever.encode_queries(QUERIES, batch_size=1), atol=1e-5, rtol=1e-4)
+
+
+def test_lora_targets_phi3_fused_projections(retriever):
+    assert lora_module_names(retriever) == set(PHI3_LORA_TARGETS) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    trainable = {n for n, p in retriever.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_saved_adapter_reloads_to_bit_identical_embeddings(retriever, pages, tmp_path):
+    before = retriever.encode_documents(pages[:2])
+    retriever.save(tmp_path)
+    base, processor = Phi3VRetriever.tiny(seed=0).model, retriever.processor
+    reloaded = Phi3VRetriever.wrap(base, processor, adapter=tmp_path).eval()
+    assert torch.equal(reloaded.encode_documents(pages[:2]), before)
+    assert not any(p.requires_grad for p in reloaded.parameters())
+
+
+def test_existing_adapter_can_keep_training(retriever, tmp_path):
+    retriever.save(tmp_path)
+    resumed = Phi3VRetriever.wrap(Phi3VRetriever.tiny(seed=0).model, retriever.processor, tmp_path, trainable=True)
+    trainable = [n for n, p in resumed.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_embeddings_never_touch_the_lm_head(retriever, pages):
+    with torch.no_grad():
+        retriever.model.get_base_model().lm_head.weight.fill_(float("nan"))
+    assert torch.isfinite(retriever.encode_documents(pages[:1])).all()
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(pages):
+    def grads(checkpointing):
+        r = Phi3VRetriever.tiny(lora=LoraSettings(r=4, dropout=0.0), seed=0)
+        if checkpointing:
+            enable_checkpointing(r.model.get_base_model())
+        r.train()
+        r(**r.document_inputs(pages[:2])).sum().backward()
+        return {n: p.grad.clone() for n, p in r.named_parameters() if p.requires_grad}
+
+    plain, checkpointed = grads(False), grads(True)
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        torch.testing.assert_close(plain[name], checkpointed[name], msg=name)
