@@ -2,9 +2,9 @@
 
 One model embeds queries and document pages. A document is the prompt ``<|image_1|>\\nWhat is shown in
 this image?`` with its page, a query is the dataset's query text; both end with the tokenizer's EOS
-(:func:`format_query`, :func:`format_document` — the single convention used by training, encoding and
-the demo). The embedding is the base model's final hidden state at the last real token (padding-side
-safe), L2-normalised; no LM-head logits and no attention maps are computed.
+(``hkrag.data.collators``: the single convention used by training, encoding and the demo). The
+embedding is the base model's final hidden state at the last real token (padding-side safe),
+L2-normalised; no LM-head logits and no attention maps are computed.
 
 LoRA (peft) wraps :class:`Phi3VForCausalLM`, so adapter keys are ``base_model.model.model.layers...``
 exactly as the VDocRAG adapters were saved and they load unchanged.
@@ -26,24 +26,14 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import BatchFeature
 
+from hkrag.data.collators import RetrieverCollator
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VModel, Phi3VProcessor
 from hkrag.models.phi3v.loading import PHI3V_HUB_ID, load_phi3v, load_processor, save_processor, tiny_phi3v
 
 logger = logging.getLogger(__name__)
 
-DOCUMENT_PROMPT = "<|image_1|>\nWhat is shown in this image?"
 PHI3_LORA_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 """Phi-3's fused projection names; targeting ``q_proj``/``v_proj`` would silently match nothing."""
-
-
-def format_query(text: str, eos_token: str) -> str:
-    """Query text as the encoder sees it: the dataset's text (with its instruction) + EOS."""
-    return text + eos_token
-
-
-def format_document(eos_token: str) -> str:
-    """Document prompt as the encoder sees it: the image tag, the fixed question, EOS."""
-    return DOCUMENT_PROMPT + eos_token
 
 
 def last_token_pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -103,15 +93,17 @@ class Phi3VRetriever(nn.Module):
         pooled = last_token_pool(outputs.last_hidden_state, inputs["attention_mask"])
         return F.normalize(pooled.float(), dim=-1)
 
+    @property
+    def collator(self) -> RetrieverCollator:
+        return RetrieverCollator(self.processor)
+
     def query_inputs(self, texts: Sequence[str]) -> BatchFeature:
         """Processor batch for raw query texts."""
-        eos = self.processor.eos_token
-        return self.processor([format_query(t, eos) for t in texts])
+        return self.collator.queries(texts)
 
     def document_inputs(self, images: Sequence[Image.Image]) -> BatchFeature:
         """Processor batch for document pages, one page per document."""
-        prompt = format_document(self.processor.eos_token)
-        return self.processor([prompt] * len(images), [[image] for image in images])
+        return self.collator.documents(images)
 
     @torch.no_grad()
     def encode_queries(self, texts: Sequence[str], batch_size: int = 32, progress: bool = False) -> torch.Tensor:

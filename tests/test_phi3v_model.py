@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from PIL import Image
 from safetensors.torch import save_file
 
 from hkrag.models.phi3v import Phi3VConfig, Phi3VForCausalLM

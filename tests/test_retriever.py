@@ -3,20 +3,19 @@
 import pytest
 import torch
 
+from hkrag.data.collators import format_document, format_query
 from hkrag.retriever import (
     PHI3_LORA_TARGETS,
     LoraSettings,
-    enable_checkpointing,
     Phi3VRetriever,
-    format_document,
-    format_query,
+    enable_checkpointing,
     last_token_pool,
     lora_module_names,
 )
 
 QUERIES = [
     "Instruct: I’m looking for an image that answers the question.\nQuery: What is the total revenue?",
-    "Instruct: I’m looking for an image that answers the question.\nQuery: Which code is printed in the footnote of the slide?",
+    "Instruct: I’m looking for an image that answers the question.\nQuery: Which code is in the footnote?",
     "Query: year",
 ]
 

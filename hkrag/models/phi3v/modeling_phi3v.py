@@ -67,7 +67,7 @@ class Phi3VImageEmbedding(nn.Module):
 
     def merge_2x2(self, features: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         """(rows*cols, p*p, c) crop features -> (rows*m, cols*m, 4c) grid, m = p/2, crops row-major."""
-        p, m, c = self.config.patches_per_side, self.config.merged_per_side, features.shape[-1]
+        m, c = self.config.merged_per_side, features.shape[-1]
         grid = features.reshape(rows * cols, m, 2, m, 2, c).permute(0, 1, 3, 2, 4, 5)
         grid = grid.reshape(rows, cols, m, m, 4 * c).permute(0, 2, 1, 3, 4)
         return grid.reshape(rows * m, cols * m, 4 * c)
@@ -124,7 +124,7 @@ class Phi3VModel(Phi3VPreTrainedModel, Phi3Model):
         num_placeholders = int(is_image.sum())
         if num_placeholders:
             if pixel_values is None or image_sizes is None:
-                raise ValueError(f"input_ids hold {num_placeholders} image placeholders but no pixel_values/image_sizes")
+                raise ValueError(f"input_ids hold {num_placeholders} image placeholders but no pixel_values")
             features = self.vision_embed_tokens(pixel_values, image_sizes)
             if features.shape[0] != num_placeholders:
                 raise ValueError(

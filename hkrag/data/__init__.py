@@ -1,0 +1,1 @@
+"""Data: OpenDocVQA loaders, the built-in synthetic corpus, PDF ingestion, collators."""
