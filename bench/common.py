@@ -1,0 +1,66 @@
+"""Shared bench helpers: the machine, a model-FLOPs estimate, a measured matmul peak, timing."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+
+from hkrag.models.phi3v import Phi3VConfig
+
+
+def machine() -> str:
+    """One line naming the hardware the figures came from."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {torch.get_num_threads()} threads; {gpu}; torch {torch.__version__}"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Mean seconds per call after one warm-up call."""
+    fn()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 8192, repeats: int = 20) -> float:
+    """Measured dense matmul FLOP/s on ``device`` in ``dtype`` (the denominator of MFU)."""
+    if device.type == "cpu":
+        n, repeats = 1024, 5
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / timed(lambda: a @ b, device, repeats)
+
+
+def forward_flops(config: Phi3VConfig, text_tokens: int, crops: int, backward: bool = False) -> float:
+    """Model FLOPs of one forward (x3 with backward): 2 x params x tokens plus attention scores.
+
+    LM tokens include the image tokens; the vision tower runs on ``crops`` crops of
+    ``patches + 1`` tokens each. Embedding lookups and the unused LM head are not counted.
+    """
+    lm, vc = config, config.vision_config
+    lm_params = lm.num_hidden_layers * (4 * lm.hidden_size**2 + 3 * lm.hidden_size * lm.intermediate_size)
+    lm_flops = 2 * lm_params * text_tokens + 4 * lm.num_hidden_layers * text_tokens**2 * lm.hidden_size / 2
+    seq = config.patches_per_side**2 + 1
+    vit_params = vc.num_hidden_layers * (4 * vc.hidden_size**2 + 2 * vc.hidden_size * vc.intermediate_size)
+    vit_flops = crops * (2 * vit_params * seq + 4 * vc.num_hidden_layers * seq**2 * vc.hidden_size)
+    proj_tokens = text_tokens  # upper bound: projection runs on image tokens only
+    proj_flops = 2 * proj_tokens * (config.image_feature_dim + lm.hidden_size) * lm.hidden_size
+    total = lm_flops + vit_flops + proj_flops
+    return 3 * total if backward else total
