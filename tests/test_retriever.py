@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hkrag.data.collators import format_document, format_query
+from hkrag.data.collators import document_prompt, query_prompt
 from hkrag.retriever import (
     PHI3_LORA_TARGETS,
     LoraSettings,
@@ -43,8 +43,8 @@ def test_one_eos_convention_for_queries_and_documents(retriever, pages):
     for batch in (retriever.query_inputs(QUERIES), retriever.document_inputs(pages)):
         last = last_token_pool(batch["input_ids"].unsqueeze(-1), batch["attention_mask"]).flatten()
         assert (last == eos).all()
-    assert format_query("q", "<E>") == "q<E>"
-    assert format_document("<E>") == "<|image_1|>\nWhat is shown in this image?<E>"
+    assert query_prompt("q", "<E>") == "q<E>"
+    assert document_prompt("<E>") == "<|image_1|>\nWhat is shown in this image?<E>"
 
 
 def test_embeddings_are_unit_norm_and_distinct(retriever, pages):
@@ -56,7 +56,7 @@ def test_embeddings_are_unit_norm_and_distinct(retriever, pages):
 
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_document_alone_equals_padded_mixed_batch(retriever, pages, side):
-    prompt = format_document(retriever.processor.eos_token)
+    prompt = document_prompt(retriever.processor.eos_token)
     with torch.no_grad():
         batch = retriever(**retriever.processor([prompt] * len(pages), [[p] for p in pages], padding_side=side))
         alone = torch.cat([retriever(**retriever.processor(prompt, [p], padding_side=side)) for p in pages])
@@ -64,7 +64,7 @@ def test_document_alone_equals_padded_mixed_batch(retriever, pages, side):
 
 
 def test_left_and_right_padding_give_the_same_query_embeddings(retriever):
-    texts = [format_query(q, retriever.processor.eos_token) for q in QUERIES]
+    texts = [query_prompt(q, retriever.processor.eos_token) for q in QUERIES]
     with torch.no_grad():
         right = retriever(**retriever.processor(texts, padding_side="right"))
         left = retriever(**retriever.processor(texts, padding_side="left"))

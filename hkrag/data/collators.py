@@ -17,12 +17,12 @@ from hkrag.models.phi3v import Phi3VProcessor
 DOCUMENT_PROMPT = "<|image_1|>\nWhat is shown in this image?"
 
 
-def format_query(text: str, eos_token: str) -> str:
+def query_prompt(text: str, eos_token: str) -> str:
     """Query text as the encoder sees it: the dataset's text (with its instruction) + EOS."""
     return text + eos_token
 
 
-def format_document(eos_token: str) -> str:
+def document_prompt(eos_token: str) -> str:
     """Document prompt as the encoder sees it: the image tag, the fixed question, EOS."""
     return DOCUMENT_PROMPT + eos_token
 
@@ -40,10 +40,10 @@ class RetrieverCollator:
 
     def queries(self, texts: Sequence[str]) -> BatchFeature:
         eos = self.processor.eos_token
-        return self.processor([format_query(t, eos) for t in texts], max_length=self.max_length)
+        return self.processor([query_prompt(t, eos) for t in texts], max_length=self.max_length)
 
     def documents(self, images: Sequence[Image.Image]) -> BatchFeature:
-        prompt = format_document(self.processor.eos_token)
+        prompt = document_prompt(self.processor.eos_token)
         return self.processor([prompt] * len(images), [[im] for im in images], max_length=self.max_length)
 
     def __call__(self, pairs: Sequence[tuple[str, Image.Image]]) -> dict[str, BatchFeature]:
