@@ -1,0 +1,295 @@
+"""OpenDocVQA QA sets and page corpora, read (and written) in the hub layout.
+
+Everything goes through ``datasets.load_dataset(source, name=config, split=split)``, where
+``source`` is a hub id (``NTT-hil-insight/OpenDocVQA``, ``NTT-hil-insight/OpenDocVQA-Corpus``)
+or a local directory in the same layout: one folder per config holding
+``{split}-*.parquet`` files and a ``README.md`` whose ``configs:`` front matter maps configs
+and splits to files. The synthetic corpus and PDF ingestion write that layout with
+:func:`save_split`, so the demo runs exactly the loader path of the real data.
+
+QA rows: ``query_id, query, answers, relevant_doc_ids`` (+ optional ``evidence``).
+Corpus rows: ``doc_id, image``. Training uses the default config's ``train`` split, tests use
+``<dataset>`` / ``all`` configs with split ``test`` (see :func:`pools`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+from PIL import Image
+
+from hkrag.data.images import DEFAULT_MAX_PIXELS, open_image
+
+logger = logging.getLogger(__name__)
+
+QA_HUB_ID = "NTT-hil-insight/OpenDocVQA"
+CORPUS_HUB_ID = "NTT-hil-insight/OpenDocVQA-Corpus"
+DATASETS = ("chartqa", "slidevqa", "infovqa", "dude")
+ALL_POOL = "all"
+QUERY_PREFIX = "Instruct: I’m looking for an image that answers the question.\nQuery: "
+
+QA_COLUMNS = ("query_id", "query", "answers", "relevant_doc_ids")
+CORPUS_COLUMNS = ("doc_id", "image")
+_strings = datasets.List(datasets.Value("string"))
+QA_FEATURES = datasets.Features(
+    {
+        "query_id": datasets.Value("string"),
+        "query": datasets.Value("string"),
+        "answers": _strings,
+        "relevant_doc_ids": _strings,
+        "evidence": datasets.Value("string"),
+    }
+)
+CORPUS_FEATURES = datasets.Features({"doc_id": datasets.Value("string"), "image": datasets.Image()})
+
+
+def format_query(question: str) -> str:
+    """Prefix a question with the OpenDocVQA retrieval instruction."""
+    return QUERY_PREFIX + question
+
+
+@dataclass(frozen=True)
+class QAExample:
+    """One question with its gold answers and the pages that answer it."""
+
+    query_id: str
+    query: str
+    answers: tuple[str, ...]
+    relevant_doc_ids: tuple[str, ...]
+    evidence: str | None = None
+
+
+def load_qa(
+    source: str | Path = QA_HUB_ID, config: str | None = None, split: str = "train", **load_kwargs: Any
+) -> list[QAExample]:
+    """Load a QA set. ``load_kwargs`` go to ``datasets.load_dataset`` (e.g. ``cache_dir``).
+
+    An empty query (blank, or the instruction prefix alone) or a repeated ``query_id`` is a
+    broken data set, not a known gap, so it raises ``ValueError`` naming the row instead of
+    quietly shrinking the evaluation.
+    """
+    dataset = _load(source, config, split, QA_COLUMNS, load_kwargs)
+    columns = [c for c in (*QA_COLUMNS, "evidence") if c in dataset.column_names]
+    examples, seen = [], set()
+    for row in dataset.select_columns(columns):
+        example = QAExample(
+            query_id=str(row["query_id"]),
+            query=row["query"] or "",
+            answers=tuple(row["answers"] or ()),
+            relevant_doc_ids=tuple(str(d) for d in row["relevant_doc_ids"] or ()),
+            evidence=row.get("evidence"),
+        )
+        if not example.query.removeprefix(QUERY_PREFIX).strip():
+            raise ValueError(f"{_name(source, config, split)}: query {example.query_id!r} has an empty query")
+        if example.query_id in seen:
+            raise ValueError(f"{_name(source, config, split)}: duplicate query_id {example.query_id!r}")
+        seen.add(example.query_id)
+        examples.append(example)
+    logger.info("loaded %d queries from %s", len(examples), _name(source, config, split))
+    return examples
+
+
+@dataclass(frozen=True)
+class CorpusPage:
+    doc_id: str
+    image: Image.Image
+
+
+class Corpus:
+    """A page corpus indexed by position and by ``doc_id``, decoding one image at a time.
+
+    Only the ``doc_id`` column is read up front (an id -> row map); images stay encoded in the
+    Arrow table until a page is requested, so a 200k-page corpus never sits in memory decoded.
+    ``corpus[i]`` and ``corpus["doc id"]`` both return a :class:`CorpusPage`.
+    """
+
+    def __init__(self, dataset: datasets.Dataset, name: str = "corpus", max_pixels: int | None = DEFAULT_MAX_PIXELS):
+        _require_columns(dataset, CORPUS_COLUMNS, name)
+        image_feature = dataset.features["image"]
+        if isinstance(image_feature, datasets.Image) and image_feature.decode:
+            dataset = dataset.cast_column("image", datasets.Image(decode=False))
+        self.dataset = dataset
+        self.name = name
+        self.max_pixels = max_pixels
+        self.doc_ids = [str(doc_id) for doc_id in dataset["doc_id"][:]]
+        self._rows: dict[str, int] = {}
+        for row, doc_id in enumerate(self.doc_ids):
+            if doc_id in self._rows:
+                raise ValueError(f"{name}: duplicate doc_id {doc_id!r} (rows {self._rows[doc_id]} and {row})")
+            self._rows[doc_id] = row
+
+    def __len__(self) -> int:
+        return len(self.doc_ids)
+
+    def __contains__(self, doc_id: object) -> bool:
+        return doc_id in self._rows
+
+    def __iter__(self) -> Iterator[CorpusPage]:
+        return (self[row] for row in range(len(self)))
+
+    def __getitem__(self, key: int | str) -> CorpusPage:
+        row = self.index(key) if isinstance(key, str) else key
+        doc_id = self.doc_ids[row]
+        image = open_image(self.dataset[row]["image"], doc_id, max_pixels=self.max_pixels)
+        return CorpusPage(doc_id, image)
+
+    def index(self, doc_id: str) -> int:
+        """Row of ``doc_id``; ``KeyError`` naming the id and corpus if absent."""
+        try:
+            return self._rows[doc_id]
+        except KeyError:
+            raise KeyError(f"doc_id {doc_id!r} is not in {self.name}") from None
+
+    def __repr__(self) -> str:
+        return f"Corpus(name={self.name!r}, pages={len(self)})"
+
+
+def load_corpus(
+    source: str | Path = CORPUS_HUB_ID,
+    config: str | None = None,
+    split: str = "train",
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    **load_kwargs: Any,
+) -> Corpus:
+    """Load a page corpus (``doc_id, image``) as a lazily decoding :class:`Corpus`."""
+    dataset = _load(source, config, split, CORPUS_COLUMNS, load_kwargs)
+    corpus = Corpus(dataset, name=_name(source, config, split), max_pixels=max_pixels)
+    logger.info("loaded %s", corpus)
+    return corpus
+
+
+def pools(dataset: str) -> dict[str, str]:
+    """Corpus configs to search for a QA config: its own pages, and every data set's pages."""
+    return {"single": dataset, "all": ALL_POOL}
+
+
+def qrels(qa: Iterable[QAExample]) -> dict[str, dict[str, int]]:
+    """Binary relevance judgements ``{query_id: {doc_id: 1}}`` from ``relevant_doc_ids``."""
+    return {ex.query_id: dict.fromkeys(ex.relevant_doc_ids, 1) for ex in qa}
+
+
+@dataclass(frozen=True)
+class TrainingPair:
+    """A query with its positives that exist in the training corpus (never empty)."""
+
+    query_id: str
+    query: str
+    positives: tuple[str, ...]
+
+    def positive(self, epoch: int = 0) -> str:
+        """The positive used in ``epoch``: multi-positive queries rotate through theirs."""
+        return self.positives[epoch % len(self.positives)]
+
+
+def training_pairs(qa: Iterable[QAExample], corpus: Corpus) -> list[TrainingPair]:
+    """Pair each query with its positives present in ``corpus``.
+
+    OpenDocVQA's train split names ~2,100 pages its corpus lacks: those ids are dropped and a
+    query left with none is skipped, both counted in one warning instead of a ``KeyError``.
+    """
+    pairs, missing_ids, skipped = [], 0, 0
+    for ex in qa:
+        present = tuple(doc_id for doc_id in ex.relevant_doc_ids if doc_id in corpus)
+        missing_ids += len(ex.relevant_doc_ids) - len(present)
+        if present:
+            pairs.append(TrainingPair(ex.query_id, ex.query, present))
+        else:
+            skipped += 1
+    if missing_ids or skipped:
+        logger.warning(
+            "%d relevant_doc_ids are missing from %s; %d queries without any positive were skipped",
+            missing_ids,
+            corpus.name,
+            skipped,
+        )
+    return pairs
+
+
+def save_split(
+    rows: Iterable[dict[str, Any]],
+    root: str | Path,
+    config: str,
+    split: str,
+    features: datasets.Features,
+    batch_size: int = 64,
+) -> Path:
+    """Stream ``rows`` into ``root/config/{split}-00000-of-00001.parquet`` and register it in README.md.
+
+    Rows are encoded with ``features`` (images as PIL, bytes or paths) and written in batches,
+    so large corpora need no more memory than one batch. Other configs in the card are kept.
+    """
+    root = Path(root)
+    path = root / config / f"{split}-00000-of-00001.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    schema = features.arrow_schema
+    count = 0
+    with pq.ParquetWriter(path, schema) as writer:
+        for batch in _batched(rows, batch_size):
+            encoded = [features.encode_example(row) for row in batch]
+            writer.write_table(pa.Table.from_pylist(encoded, schema=schema))
+            count += len(batch)
+    _register(root, config, split, f"{config}/{split}-*.parquet")
+    logger.info("wrote %d rows to %s", count, path)
+    return path
+
+
+def _load(
+    source: str | Path, config: str | None, split: str, required: tuple[str, ...], load_kwargs: dict[str, Any]
+) -> datasets.Dataset:
+    dataset = datasets.load_dataset(str(source), name=config, split=split, **load_kwargs)
+    _require_columns(dataset, required, _name(source, config, split))
+    return dataset
+
+
+def _require_columns(dataset: datasets.Dataset, required: tuple[str, ...], name: str) -> None:
+    missing = [c for c in required if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"{name}: missing columns {missing} (has {dataset.column_names})")
+
+
+def _name(source: str | Path, config: str | None, split: str) -> str:
+    return f"{source}[{config or 'default'}/{split}]"
+
+
+def _batched(rows: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    batch = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _register(root: Path, config: str, split: str, pattern: str) -> None:
+    """Add (or replace) ``config``/``split`` in the ``configs:`` front matter of root/README.md."""
+    card = root / "README.md"
+    meta, body = _read_card(card)
+    configs = meta.setdefault("configs", [])
+    entry = next((c for c in configs if c["config_name"] == config), None)
+    if entry is None:
+        entry = {"config_name": config, "data_files": []}
+        configs.append(entry)
+    files = [f for f in entry["data_files"] if f["split"] != split] + [{"split": split, "path": pattern}]
+    entry["data_files"] = sorted(files, key=lambda f: f["split"])
+    configs.sort(key=lambda c: (c["config_name"] != "default", c["config_name"]))
+    card.write_text("---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n" + body, encoding="utf-8")
+
+
+def _read_card(card: Path) -> tuple[dict[str, Any], str]:
+    if not card.exists():
+        return {}, "Pages and questions in the OpenDocVQA layout, written by `hkrag.data`.\n"
+    text = card.read_text(encoding="utf-8")
+    if text.startswith("---\n"):
+        front, _, body = text[4:].partition("\n---\n")
+        return yaml.safe_load(front) or {}, body
+    return {}, text

@@ -1,0 +1,146 @@
+"""Render PDFs into a page corpus in the OpenDocVQA layout (``doc_id, image``), one row per page.
+
+    python -m hkrag.data.pdf reports/*.pdf --out data/reports --dpi 144
+
+Page ``n`` (1-based) of ``report.pdf`` becomes ``doc_id = "report.pdf#p{n}"``. A PDF that is
+encrypted, corrupt, empty or whose name collides with an earlier one is reported (logged,
+and summarised at the end) and skipped; the others are still ingested. Each PDF is rendered
+whole before it is written, so a file that fails half-way leaves no partial pages behind.
+The command exits non-zero only when no page at all was ingested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import itertools
+import logging
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pypdfium2 as pdfium
+from tqdm.auto import tqdm
+
+from hkrag.data.opendocvqa import CORPUS_FEATURES, save_split
+
+logger = logging.getLogger(__name__)
+
+
+class PdfError(ValueError):
+    """A PDF that cannot be ingested; the message names the file and the problem."""
+
+    def __init__(self, path: str | Path, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = str(path)
+        self.problem = problem
+
+
+@dataclass
+class IngestReport:
+    """What :func:`ingest` did: pages written, files ingested, and why each failed file failed."""
+
+    pages: int = 0
+    files: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+    output: Path | None = None
+
+
+def render_pdf(path: str | Path, dpi: int = 144) -> list[tuple[str, bytes]]:
+    """Render every page of ``path`` to PNG bytes, as ``(doc_id, png)`` pairs in page order."""
+    path = Path(path)
+    document = _open(path)
+    try:
+        if len(document) == 0:
+            raise PdfError(path, "the PDF has no pages")
+        return [(f"{path.name}#p{i + 1}", _render_page(document, i, dpi, path)) for i in range(len(document))]
+    finally:
+        document.close()
+
+
+def _open(path: Path) -> pdfium.PdfDocument:
+    if not path.is_file():
+        raise PdfError(path, "file not found")
+    if path.stat().st_size == 0:
+        raise PdfError(path, "empty file (0 bytes)")
+    try:
+        return pdfium.PdfDocument(path)
+    except pdfium.PdfiumError as error:
+        raise PdfError(path, f"{_diagnose(path)}: {error}") from error
+
+
+def _diagnose(path: Path) -> str:
+    """PDFium's error codes are unreliable (a page-less PDF reports a password error), so look
+    for the encryption dictionary itself before calling a file encrypted."""
+    return "encrypted (password required)" if b"/Encrypt" in path.read_bytes() else "corrupt or unreadable"
+
+
+def _render_page(document: pdfium.PdfDocument, index: int, dpi: int, path: Path) -> bytes:
+    try:
+        image = document[index].render(scale=dpi / 72).to_pil()
+    except pdfium.PdfiumError as error:
+        raise PdfError(path, f"page {index + 1} cannot be rendered ({error})") from error
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def ingest(
+    pdfs: Iterable[str | Path],
+    out_dir: str | Path,
+    dpi: int = 144,
+    config: str = "default",
+    split: str = "train",
+) -> IngestReport:
+    """Render ``pdfs`` into ``out_dir/config/{split}-*.parquet``; failed files are reported, not fatal.
+
+    Nothing is written when no page could be rendered. Load the result with
+    ``hkrag.data.opendocvqa.load_corpus(out_dir, config, split)``.
+    """
+    report = IngestReport()
+    rows = _rows([Path(p) for p in pdfs], dpi, report)
+    first = next(rows, None)
+    if first is not None:
+        report.output = save_split(itertools.chain([first], rows), out_dir, config, split, CORPUS_FEATURES)
+    logger.info("ingested %d pages from %d PDFs into %s", report.pages, report.files, report.output)
+    if report.failed:
+        summary = "; ".join(f"{path} ({problem})" for path, problem in report.failed.items())
+        logger.warning("%d PDFs skipped: %s", len(report.failed), summary)
+    return report
+
+
+def _rows(paths: list[Path], dpi: int, report: IngestReport) -> Iterator[dict]:
+    names: dict[str, Path] = {}
+    progress = tqdm(paths, desc="rendering PDFs", unit="pdf")
+    for path in progress:
+        try:
+            if path.name in names:
+                raise PdfError(path, f"same file name as {names[path.name]}; doc_ids would collide")
+            pages = render_pdf(path, dpi)
+        except PdfError as error:
+            logger.warning("%s", error)
+            report.failed[str(path)] = error.problem
+            continue
+        names[path.name] = path
+        report.files += 1
+        report.pages += len(pages)
+        progress.set_postfix(pages=report.pages)
+        yield from ({"doc_id": doc_id, "image": {"bytes": png, "path": None}} for doc_id, png in pages)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Render PDFs into a page corpus (doc_id, image).")
+    parser.add_argument("pdfs", nargs="+", type=Path, help="PDF files to ingest")
+    parser.add_argument("--out", required=True, type=Path, help="corpus directory (OpenDocVQA layout)")
+    parser.add_argument("--dpi", type=int, default=144, help="render resolution (default: 144)")
+    parser.add_argument("--config", default="default", help="config name to write (default: default)")
+    parser.add_argument("--split", default="train", help="split name to write (default: train)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    report = ingest(args.pdfs, args.out, dpi=args.dpi, config=args.config, split=args.split)
+    return 0 if report.pages else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""A built-in, seeded document-page corpus in the OpenDocVQA layout (no download needed).
+
+Pages come in four styles (``synchart``, ``synslide``, ``syntable``, ``syninfo``). Each page
+carries *salient* content (a large title, a highlighted colour label and a big headline
+number) and *fine print* (a source line and a reference line in small type). Pages that
+share a style and a title form a group whose members differ only in label, number and fine
+print, so a ``fine_print`` query (which names a fine-print word) can only be resolved by
+reading the fine print of its positive, while a ``salient`` query is resolved by large text.
+
+Everything visible is drawn from small closed vocabularies, reused across pages and splits:
+the test split holds new combinations of the same words, which a tiny random-initialised
+vision-language model can learn on a CPU in minutes. See ``docs/data.md``.
+
+    python -m hkrag.data.synthetic --out data/synthetic --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import logging
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont
+
+from hkrag.data.opendocvqa import ALL_POOL, CORPUS_FEATURES, QA_FEATURES, format_query, save_split
+
+logger = logging.getLogger(__name__)
+
+STYLES = {"synchart": "chart", "synslide": "slide", "syntable": "table", "syninfo": "infographic"}
+"""Config name -> the noun queries use for pages of that style."""
+TITLES = ("SALES", "ENERGY", "TRAFFIC", "RAINFALL", "EXPORTS", "BUDGET", "HOUSING", "TOURISM")
+LABELS = {
+    "RED": (214, 39, 40),
+    "BLUE": (31, 119, 180),
+    "GREEN": (44, 160, 44),
+    "ORANGE": (255, 127, 14),
+    "PURPLE": (148, 103, 189),
+    "TEAL": (23, 170, 190),
+    "PINK": (227, 119, 194),
+    "BROWN": (140, 86, 75),
+}
+SOURCES = ("ALPHA", "BRAVO", "DELTA", "ECHO", "KILO", "LIMA", "OSCAR", "TANGO")
+CODES = ("K7", "M2", "P9", "R4", "T5", "W3", "X8", "Z6")
+YEARS = tuple(str(year) for year in range(2017, 2025))
+
+REFERENCE_SIZE = (224, 168)
+"""Layouts and font sizes are written for this page size and scale with the configured one."""
+MIN_FINE_PRINT_PX = 9
+"""Smallest accepted cap height of fine print, in pixels of the rendered page."""
+INK = (25, 25, 25)
+FINE_INK = (70, 70, 70)
+PAPER = (255, 255, 255)
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """What to generate. Query counts are per split; pages = styles x groups x group_size."""
+
+    seed: int = 0
+    n_train: int = 320
+    n_test: int = 100
+    train_groups_per_style: int = 8
+    test_groups_per_style: int = 4
+    group_size: int = 6
+    width: int = 224
+    height: int = 168
+    fine_print_size: int = 14
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.group_size <= min(len(LABELS), len(SOURCES), len(CODES)):
+            raise ValueError(f"group_size must be in [1, {len(CODES)}], got {self.group_size}")
+        for split in ("train", "test"):
+            groups = getattr(self, f"{split}_groups_per_style")
+            if not 1 <= groups <= len(TITLES):
+                raise ValueError(f"{split}_groups_per_style must be in [1, {len(TITLES)}], got {groups}")
+            pages = len(STYLES) * groups * self.group_size
+            if not 0 <= getattr(self, f"n_{split}") <= 2 * pages:
+                raise ValueError(f"n_{split} must be in [0, {2 * pages}] for {pages} {split} pages")
+
+
+@dataclass(frozen=True)
+class PageSpec:
+    """The content of one page; ``render_page`` turns it into pixels."""
+
+    doc_id: str
+    style: str
+    title: str
+    label: str
+    value: int
+    source: str
+    code: str
+    year: str
+    bars: tuple[int, ...]
+    accent: int
+    page_no: int
+
+
+@dataclass(frozen=True)
+class TextItem:
+    """A string drawn on a page, with the pixel size it was drawn at."""
+
+    text: str
+    kind: str
+    font_size: int
+    cap_height: int
+    box: tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class SyntheticPaths:
+    """Where ``generate`` wrote things: QA and corpus roots (load them with ``hkrag.data.opendocvqa``)."""
+
+    root: Path
+    qa: Path
+    corpus: Path
+    pages: Path
+
+
+def generate(out_dir: str | Path, config: SyntheticConfig = SyntheticConfig()) -> SyntheticPaths:
+    """Render pages and questions for both splits and write them in the OpenDocVQA layout.
+
+    QA configs: ``default`` (train), one per style (train, test). Corpus configs: ``default``
+    (train), one per style (test) and ``all`` (test). ``pages.jsonl`` records every drawn string.
+    """
+    root = Path(out_dir)
+    paths = SyntheticPaths(root, root / "qa", root / "corpus", root / "pages.jsonl")
+    root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(config.seed)
+    train = _page_specs(rng, config, "train", taken=set())
+    test = _page_specs(rng, config, "test", taken={_signature(p) for p in train})
+    rendered = {spec.doc_id: render_page(spec, config) for spec in train + test}
+    queries = {"train": _queries(rng, train, config.n_train), "test": _queries(rng, test, config.n_test)}
+    images = {doc_id: _png(image) for doc_id, (image, _) in rendered.items()}
+
+    def corpus_rows(specs: list[PageSpec]) -> Iterator[dict]:
+        return ({"doc_id": s.doc_id, "image": {"bytes": images[s.doc_id], "path": None}} for s in specs)
+
+    save_split(queries["train"], paths.qa, "default", "train", QA_FEATURES)
+    save_split(corpus_rows(train), paths.corpus, "default", "train", CORPUS_FEATURES)
+    save_split(corpus_rows(test), paths.corpus, ALL_POOL, "test", CORPUS_FEATURES)
+    for style in STYLES:
+        for split, rows in queries.items():
+            style_rows = [q for q in rows if q["relevant_doc_ids"][0].startswith(style)]
+            save_split(style_rows, paths.qa, style, split, QA_FEATURES)
+        style_pages = [s for s in test if s.style == style]
+        save_split(corpus_rows(style_pages), paths.corpus, style, "test", CORPUS_FEATURES)
+    with paths.pages.open("w", encoding="utf-8") as f:
+        for split, specs in (("train", train), ("test", test)):
+            for spec in specs:
+                items = [dataclasses.asdict(item) for item in rendered[spec.doc_id][1]]
+                f.write(json.dumps({"split": split, **dataclasses.asdict(spec), "items": items}) + "\n")
+    counts = (len(train), len(test), len(queries["train"]), len(queries["test"]))
+    logger.info("synthetic corpus: %d train / %d test pages, %d train / %d test queries in %s", *counts, root)
+    return paths
+
+
+def render_page(spec: PageSpec, config: SyntheticConfig = SyntheticConfig()) -> tuple[Image.Image, list[TextItem]]:
+    """Draw one page; returns the image and every string drawn on it (for tests and oracles)."""
+    canvas = _Canvas(config.width, config.height, config.fine_print_size)
+    _RENDERERS[spec.style](canvas, spec)
+    canvas.fine_print(spec)
+    return canvas.image, canvas.items
+
+
+def _page_specs(rng: random.Random, config: SyntheticConfig, split: str, taken: set[tuple]) -> list[PageSpec]:
+    """Groups of pages sharing (style, title); within a group labels, values and fine print differ."""
+    groups = getattr(config, f"{split}_groups_per_style")
+    specs = []
+    for style in STYLES:
+        style_specs: list[PageSpec] = []
+        for title in rng.sample(TITLES, groups):
+            values = rng.sample(range(10, 100), config.group_size)
+            fillers = [v for v in range(20, 96) if v not in values]
+            columns = zip(
+                rng.sample(list(LABELS), config.group_size),
+                rng.sample(SOURCES, config.group_size),
+                rng.sample(CODES, config.group_size),
+                values,
+                strict=True,
+            )
+            for label, source, code, value in columns:
+                spec = PageSpec(
+                    doc_id=f"{style}-{split}-{len(style_specs):03d}",
+                    style=style,
+                    title=title,
+                    label=label,
+                    value=value,
+                    source=source,
+                    code=code,
+                    year=rng.choice(YEARS),
+                    bars=tuple(rng.choices(fillers, k=4)),
+                    accent=rng.randrange(4),
+                    page_no=rng.randint(1, 9),
+                )
+                while _signature(spec) in taken:
+                    spec = dataclasses.replace(spec, year=rng.choice(YEARS), page_no=rng.randint(1, 9))
+                taken.add(_signature(spec))
+                style_specs.append(spec)
+        specs += style_specs
+    return specs
+
+
+def _signature(spec: PageSpec) -> tuple:
+    """What makes two pages the same document; test pages never repeat a train page."""
+    return (spec.style, spec.title, spec.label, spec.value, spec.source, spec.code, spec.year, spec.page_no)
+
+
+def _queries(rng: random.Random, specs: list[PageSpec], n: int) -> list[dict]:
+    """Half fine-print, half salient questions, each on a distinct random page, in page order."""
+    n_fine = n // 2
+    chosen = [(spec, "fine_print") for spec in rng.sample(specs, n_fine)]
+    chosen += [(spec, "salient") for spec in rng.sample(specs, n - n_fine)]
+    order = {spec.doc_id: i for i, spec in enumerate(specs)}
+    chosen.sort(key=lambda item: (order[item[0].doc_id], item[1]))
+    rows = []
+    for spec, evidence in chosen:
+        question, answers = rng.choice(TEMPLATES[evidence])
+        fields = {**dataclasses.asdict(spec), "noun": STYLES[spec.style]}
+        rows.append(
+            {
+                "query_id": f"{spec.doc_id}-{evidence}",
+                "query": format_query(question.format(**fields)),
+                "answers": [answer.format(**fields) for answer in answers],
+                "relevant_doc_ids": [spec.doc_id],
+                "evidence": evidence,
+            }
+        )
+    return rows
+
+
+TEMPLATES = {
+    "salient": [
+        ("What is the {label} value on the {title} {noun}?", ("{value}%", "{value}")),
+        ("Which colour shows {value}% on the {title} {noun}?", ("{label}",)),
+    ],
+    "fine_print": [
+        ("What is the reference code of the {title} {noun} sourced from {source}?", ("{code}",)),
+        ("In which year was the {title} {noun} with reference {code} published?", ("{year}",)),
+    ],
+}
+"""(question, answers) format strings per evidence type; fields are PageSpec's plus ``noun``.
+Salient questions name large text only, fine-print questions name a fine-print word."""
+
+
+class _Canvas:
+    """An RGB page that records every string it draws; coordinates are in REFERENCE_SIZE units."""
+
+    def __init__(self, width: int, height: int, fine_print_size: int):
+        self.image = Image.new("RGB", (width, height), PAPER)
+        self.draw = ImageDraw.Draw(self.image)
+        self.sx, self.sy = width / REFERENCE_SIZE[0], height / REFERENCE_SIZE[1]
+        self.fine_print_size = fine_print_size
+        self.items: list[TextItem] = []
+
+    def xy(self, x: float, y: float) -> tuple[int, int]:
+        return round(x * self.sx), round(y * self.sy)
+
+    def box(self, x0: float, y0: float, x1: float, y1: float) -> tuple[int, int, int, int]:
+        return (*self.xy(x0, y0), *self.xy(x1, y1))
+
+    def text(self, x: float, y: float, text: str, size: int, kind: str, fill=INK, anchor: str = "la") -> None:
+        font = _font(max(1, round(size * min(self.sx, self.sy))))
+        left, top, right, bottom = font.getbbox("H")
+        box = self.draw.textbbox(self.xy(x, y), text, font=font, anchor=anchor)
+        self.draw.text(self.xy(x, y), text, font=font, fill=fill, anchor=anchor)
+        self.items.append(TextItem(text, kind, int(font.size), bottom - top, box))
+
+    def fine_print(self, spec: PageSpec) -> None:
+        """Source and reference lines in small type at the foot of every page."""
+        lines = (f"SOURCE: {spec.source} / {spec.year}", f"REF {spec.code}  P.{spec.page_no}")
+        for y, line in zip((128, 148), lines, strict=True):
+            self.text(8, y, line, self.fine_print_size, "fine_print", fill=FINE_INK)
+
+
+@cache
+def _font(size: int) -> ImageFont.FreeTypeFont:
+    """Pillow's bundled scalable font: identical on every machine, no system fonts needed."""
+    return ImageFont.load_default(size=size)
+
+
+def _tint(colour: tuple[int, int, int], amount: float) -> tuple[int, int, int]:
+    return tuple(round(c + (255 - c) * amount) for c in colour)
+
+
+def _chart(c: _Canvas, s: PageSpec) -> None:
+    c.text(8, 4, s.title, 22, "salient")
+    c.draw.line([c.xy(10, 120), c.xy(140, 120)], fill=INK, width=1)
+    for i, height in enumerate(s.bars):
+        fill = LABELS[s.label] if i == s.accent else (190, 190, 190)
+        c.draw.rectangle(c.box(16 + 31 * i, 120 - height * 0.85, 38 + 31 * i, 119), fill=fill)
+    c.text(148, 40, f"{s.value}%", 30, "salient")
+    c.text(148, 80, s.label, 16, "salient", fill=LABELS[s.label])
+
+
+def _slide(c: _Canvas, s: PageSpec) -> None:
+    c.draw.rectangle(c.box(0, 0, 224, 34), fill=(30, 50, 90))
+    c.text(8, 6, s.title, 22, "salient", fill=PAPER)
+    c.text(10, 44, f"{s.value}%", 40, "salient")
+    c.draw.rectangle(c.box(124, 52, 140, 68), fill=LABELS[s.label])
+    c.text(146, 52, s.label, 16, "salient", fill=LABELS[s.label])
+    for i, width in enumerate(s.bars[:2]):
+        c.draw.rectangle(c.box(124, 84 + 12 * i, 124 + width, 90 + 12 * i), fill=(200, 200, 200))
+    c.draw.line([c.xy(0, 124), c.xy(224, 124)], fill=(120, 120, 120), width=1)
+
+
+def _table(c: _Canvas, s: PageSpec) -> None:
+    c.text(8, 4, s.title, 22, "salient")
+    rows = [("Q1", f"{s.bars[0]}%", "filler"), ("Q2", f"{s.bars[1]}%", "filler")]
+    rows.insert(s.accent % 3, (s.label, f"{s.value}%", "salient"))
+    for i, (name, value, kind) in enumerate(rows):
+        top = 34 + 28 * i
+        if kind == "salient":
+            c.draw.rectangle(c.box(8, top, 216, top + 28), fill=_tint(LABELS[s.label], 0.6))
+        c.draw.rectangle(c.box(8, top, 216, top + 28), outline=INK, width=1)
+        c.text(14, top + 6, name, 16, kind)
+        c.text(130, top + 6, value, 16, kind)
+    c.draw.line([c.xy(120, 34), c.xy(120, 118)], fill=INK, width=1)
+
+
+def _infographic(c: _Canvas, s: PageSpec) -> None:
+    c.draw.rectangle(c.box(0, 0, 224, 168), fill=_tint(LABELS[s.label], 0.85))
+    c.text(8, 4, s.title, 22, "salient")
+    c.draw.ellipse(c.box(20, 38, 96, 114), fill=LABELS[s.label])
+    c.text(58, 76, f"{s.value}%", 24, "salient", fill=PAPER, anchor="mm")
+    c.text(108, 44, s.label, 16, "salient", fill=LABELS[s.label])
+    for i in range(s.bars[2] // 20):
+        c.draw.rectangle(c.box(108 + 18 * i, 80, 120 + 18 * i, 92), fill=LABELS[s.label])
+
+
+_RENDERERS = {"synchart": _chart, "synslide": _slide, "syntable": _table, "syninfo": _infographic}
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, type=Path, help="output dir (qa/, corpus/, pages.jsonl)")
+    for field in dataclasses.fields(SyntheticConfig):
+        flag = "--" + field.name.replace("_", "-")
+        parser.add_argument(flag, type=int, default=field.default, help=f"default: {field.default}")
+    args = vars(parser.parse_args(argv))
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    out = args.pop("out")
+    generate(out, SyntheticConfig(**args))
+
+
+if __name__ == "__main__":
+    main()
