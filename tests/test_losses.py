@@ -1,0 +1,222 @@
+"""Hybrid-masking losses (paper Eqs. 1-5) against values worked out by hand."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hkrag.losses import (
+    HybridMaskLoss,
+    correlation,
+    hybrid_mask,
+    info_nce,
+    masked_cosine,
+    split_mask,
+)
+
+# Two queries and two documents (rows normalised below). With alpha = 1 the pair masks follow
+# from the pattern of |q_i ⊙ d_j| alone (the z-scores do not depend on the scale):
+#   (1,1,1,1)⊙(4,1,1,1) -> |.| = (4,1,1,1):    one high, three low -> (1, ½, ½, ½)
+#   (1,1,1,1)⊙(1,-3,3,3) -> (1,3,3,3):          one low, three high -> (0, ½, ½, ½)
+#   (1,8,4,4)⊙(4,1,1,1) -> (4,8,4,4):           one high at dim 1   -> (½, 1, ½, ½)
+#   (1,8,4,4)⊙(1,-3,3,3) -> (1,24,12,12): Cn = sigmoid(z) = (.200, .809, .492, .492),
+#       μ = .499, σ = .215 -> thresholds .283 / .714                -> (0, 1, ½, ½)
+Q = [[1.0, 1.0, 1.0, 1.0], [1.0, 8.0, 4.0, 4.0]]
+D = [[4.0, 1.0, 1.0, 1.0], [1.0, -3.0, 3.0, 3.0]]
+PAIR_MASKS = [
+    [[1.0, 0.5, 0.5, 0.5], [0.0, 0.5, 0.5, 0.5]],
+    [[0.5, 1.0, 0.5, 0.5], [0.0, 1.0, 0.5, 0.5]],
+]
+ALPHA, TAU, BETA = 1.0, 0.5, 0.7
+
+
+def tensors(rows_q=Q, rows_d=D, requires_grad=False):
+    q = F.normalize(torch.tensor(rows_q, dtype=torch.float64), dim=-1).requires_grad_(requires_grad)
+    d = F.normalize(torch.tensor(rows_d, dtype=torch.float64), dim=-1).requires_grad_(requires_grad)
+    return q, d
+
+
+def seeded(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def cos(u, v):
+    dot = sum(a * b for a, b in zip(u, v, strict=True))
+    return dot / (math.sqrt(sum(a * a for a in u)) * math.sqrt(sum(b * b for b in v)))
+
+
+def masked(doc, mask):
+    return [a * m for a, m in zip(doc, mask, strict=True)]
+
+
+def nce(sim, tau):
+    """Eq. 3 by hand: mean over rows of -log softmax(row / tau)[diagonal]."""
+    rows = range(len(sim))
+    return sum(math.log(sum(math.exp(s / tau) for s in sim[i])) - sim[i][i] / tau for i in rows) / len(sim)
+
+
+def transpose(sim):
+    return [list(col) for col in zip(*sim, strict=True)]
+
+
+def hand_similarities(mask_of):
+    return [[cos(Q[i], masked(D[j], mask_of(i, j))) for j in range(2)] for i in range(2)]
+
+
+PAIRWISE = hand_similarities(lambda i, j: PAIR_MASKS[i][j])
+POSITIVE_ONLY = hand_similarities(lambda i, j: PAIR_MASKS[j][j])
+PLAIN = [[cos(Q[i], D[j]) for j in range(2)] for i in range(2)]
+
+
+def test_correlation_of_a_two_valued_pattern_is_sigmoid_of_plus_minus_root3():
+    q, d = tensors()
+    high, low = 1 / (1 + math.exp(-math.sqrt(3))), 1 / (1 + math.exp(1 / math.sqrt(3)))
+    assert correlation(q[0], d[0]).tolist() == pytest.approx([high, low, low, low], abs=1e-5)
+    assert correlation(q[0], d[1]).tolist() == pytest.approx([1 - high, 1 - low, 1 - low, 1 - low], abs=1e-5)
+
+
+def test_hybrid_mask_pairs_match_hand_values():
+    q, d = tensors()
+    assert hybrid_mask(q[:, None], d[None], ALPHA).tolist() == PAIR_MASKS
+    assert hybrid_mask(q, d, ALPHA).tolist() == [PAIR_MASKS[0][0], PAIR_MASKS[1][1]]
+
+
+def test_hybrid_mask_scaling_moves_the_thresholds():
+    q, d = tensors()
+    # alpha < 1/sqrt(3): the three low dims of (4,1,1,1) fall below μ - α·σ
+    assert hybrid_mask(q[0], d[0], 0.5).tolist() == [1.0, 0.0, 0.0, 0.0]
+    # alpha > sqrt(3): nothing passes μ + α·σ and nothing falls below μ - α·σ
+    assert hybrid_mask(q[0], d[0], 2.0).tolist() == [0.5, 0.5, 0.5, 0.5]
+
+
+@pytest.mark.parametrize(
+    ("positive_only", "sim"), [(False, PAIRWISE), (True, POSITIVE_ONLY)], ids=["pairwise", "positive-only"]
+)
+@pytest.mark.parametrize(("use_din", "use_sin"), [(False, False), (True, False), (False, True), (True, True)])
+def test_loss_matches_hand_computation(positive_only, sim, use_din, use_sin):
+    q, d = tensors()
+    loss_fn = HybridMaskLoss(
+        tau=TAU,
+        alpha=ALPHA,
+        beta=BETA,
+        num_sub_masks=1,
+        use_din=use_din,
+        use_sin=use_sin,
+        mask_positive_only=positive_only,
+    )
+    din = (nce(sim, TAU) + nce(transpose(sim), TAU)) / 2
+    sin = nce(sim, TAU)  # one sub-mask: M_H^1 = M_H
+    expected = (din if use_din else nce(PLAIN, TAU)) + (BETA * sin if use_sin else 0.0)
+    out = loss_fn(q, d, generator=seeded())
+    assert out.loss.item() == pytest.approx(expected, rel=1e-9)
+    assert set(out.components) == {"din" if use_din else "infonce"} | ({"sin"} if use_sin else set())
+    if use_din:
+        assert out.components["din"].item() == pytest.approx(din, rel=1e-9)
+
+
+def test_pairwise_and_positive_only_share_the_diagonal_but_not_the_negatives():
+    q, d = tensors()
+    pairwise = masked_cosine(q, d, hybrid_mask(q[:, None], d[None], ALPHA))
+    positive = masked_cosine(q, d, hybrid_mask(q, d, ALPHA))
+    assert torch.allclose(pairwise.diagonal(), positive.diagonal())
+    assert not torch.allclose(pairwise, positive)
+    assert pairwise.tolist() == [pytest.approx(row) for row in PAIRWISE]
+
+
+def test_pairwise_equals_positive_only_where_it_must():
+    torch.manual_seed(0)
+    q, d = F.normalize(torch.randn(2, 5, 16), dim=-1)
+
+    def both(q, d, **kwargs):
+        losses = (HybridMaskLoss(mask_positive_only=pos, **kwargs)(q, d, seeded(3)) for pos in (False, True))
+        return [out.loss for out in losses]
+
+    assert torch.allclose(*both(q[:1], d[:1]))  # one pair: its mask is the positive one
+    assert torch.allclose(*both(q, d, alpha=100.0, use_sin=False))  # every mask is ½ everywhere
+    assert not torch.allclose(*both(q, d))
+
+
+def test_mask_entries_are_zero_half_or_one_and_carry_no_gradient():
+    torch.manual_seed(0)
+    q, d = F.normalize(torch.randn(2, 8, 32), dim=-1).requires_grad_()
+    mask = hybrid_mask(q[:, None], d[None], 0.5)
+    assert set(mask.unique().tolist()) == {0.0, 0.5, 1.0}
+    assert not mask.requires_grad
+
+
+def test_split_mask_parts_are_disjoint_random_and_sum_to_the_mask():
+    torch.manual_seed(0)
+    q, d = F.normalize(torch.randn(2, 6, 64), dim=-1)
+    mask = hybrid_mask(q[:, None], d[None], 0.5)
+    generator = seeded()
+    parts = split_mask(mask, 3, generator)
+    assert len(parts) == 3
+    assert torch.equal(sum(parts), mask)
+    assert ((torch.stack(parts) != 0).sum(0) <= 1).all()
+    for part in parts:
+        assert torch.equal(part[part != 0], mask[part != 0])
+        assert (part != 0).any()
+    assert not torch.equal(split_mask(mask, 3, generator)[0], parts[0])  # fresh split each call
+    first, again, other = (split_mask(mask, 3, seeded(seed))[0] for seed in (1, 1, 2))
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+def test_din_with_huge_alpha_is_symmetric_infonce():
+    torch.manual_seed(0)
+    q, d = F.normalize(torch.randn(2, 8, 32), dim=-1)
+    sim = q @ d.T
+    symmetric = (info_nce(sim, 0.05) + info_nce(sim.T, 0.05)) / 2
+    for positive_only in (False, True):
+        loss = HybridMaskLoss(tau=0.05, alpha=1e6, use_sin=False, mask_positive_only=positive_only)(q, d).loss
+        assert torch.allclose(loss, symmetric)
+
+
+def test_gradients_reach_both_sides_and_agree_with_finite_differences():
+    torch.manual_seed(0)
+    q, d = (F.normalize(torch.randn(4, 12, dtype=torch.float64), dim=-1).requires_grad_() for _ in range(2))
+    for positive_only in (False, True):
+        loss_fn = HybridMaskLoss(tau=0.5, mask_positive_only=positive_only)
+        loss_fn(q, d, seeded()).loss.backward()
+        for grad in (q.grad, d.grad):
+            assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+        q.grad = d.grad = None
+        torch.autograd.gradcheck(lambda a, b, f=loss_fn: f(a, b, seeded()).loss, (q, d), fast_mode=True)
+
+
+def test_chunked_pairwise_masks_give_the_same_loss_and_gradients():
+    torch.manual_seed(0)
+    q, d = (F.normalize(torch.randn(9, 16), dim=-1).requires_grad_() for _ in range(2))
+    results = []
+    for max_chunk_elements in (2**20, 40):  # one chunk vs one query row per chunk
+        loss = HybridMaskLoss(tau=0.1, use_sin=False, max_chunk_elements=max_chunk_elements)(q, d).loss
+        results.append((loss.detach(), *torch.autograd.grad(loss, (q, d))))
+    for one, many in zip(*results, strict=True):
+        assert torch.allclose(one, many, atol=1e-6)
+
+
+def test_fully_masked_document_has_zero_similarity_and_finite_gradient():
+    q, d = tensors(requires_grad=True)
+    for mask in (torch.zeros(2, 4, dtype=q.dtype), torch.zeros(2, 2, 4, dtype=q.dtype)):
+        sim = masked_cosine(q, d, mask)
+        assert sim.abs().sum() == 0
+        grads = torch.autograd.grad(sim.sum(), (q, d))
+        assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_half_precision_inputs_are_computed_in_float32():
+    torch.manual_seed(0)
+    q, d = F.normalize(torch.randn(2, 4, 16), dim=-1)
+    loss_fn = HybridMaskLoss(tau=0.1)
+    full = loss_fn(q, d, seeded()).loss
+    half = loss_fn(q.bfloat16(), d.bfloat16(), seeded()).loss
+    assert half.dtype == torch.float32
+    assert torch.allclose(full, half, atol=0.1)
+
+
+def test_mask_statistics_are_shares_over_positive_pairs():
+    q, d = tensors()
+    metrics = HybridMaskLoss(alpha=ALPHA)(q, d).metrics
+    # positive masks (1, ½, ½, ½) and (0, 1, ½, ½): two ones, five halves, one zero
+    expected = {"mask/one": 2 / 8, "mask/half": 5 / 8, "mask/zero": 1 / 8}
+    assert {name: value.item() for name, value in metrics.items()} == expected
