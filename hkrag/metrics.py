@@ -1,0 +1,148 @@
+"""Retrieval metrics computed by trec_eval (through ``pytrec_eval``), and paper-style tables.
+
+Definitions (binary qrels: a document is relevant iff its grade is >= 1):
+
+* ``ndcg@k``  — trec_eval ``ndcg_cut.k``: gain = grade, discount log2(rank + 1), normalised by
+  the ideal ranking of all judged documents.
+* ``recall@k`` — trec_eval ``recall.k``: relevant documents in the top k / all relevant documents.
+* ``mrr@k``   — trec_eval ``recip_rank`` of the run truncated to its top k: 1 / rank of the first
+  relevant document within the top k, else 0.
+
+Ranking and ties follow trec_eval: documents sorted by score descending, ties broken by doc id
+descending (string comparison), whatever order the run dict has. Queries judged in ``qrels`` but
+absent from the run score 0 on every metric (a failed query counts, it is never dropped); queries
+in the run but not judged are excluded with a warning; queries whose qrels list no relevant
+document are excluded with a warning, since no metric is defined for them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import pytrec_eval
+
+log = logging.getLogger(__name__)
+
+Run = Mapping[str, Mapping[str, float]]
+Qrels = Mapping[str, Mapping[str, int]]
+
+
+def qrels_from_rows(rows: Iterable[Mapping], *, qid_key: str = "query_id", docs_key: str = "relevant_doc_ids") -> dict:
+    """Binary qrels ``{query_id: {doc_id: 1}}`` from OpenDocVQA-style QA rows."""
+    return {str(row[qid_key]): {str(d): 1 for d in row[docs_key]} for row in rows}
+
+
+def load_qrels(path: str | Path) -> dict[str, dict[str, int]]:
+    """Read qrels from JSON ``{qid: {docid: grade}}`` or a TREC file ``qid 0 docid grade``."""
+    path = Path(path)
+    if path.suffix == ".json":
+        return {str(q): {str(d): int(g) for d, g in docs.items()} for q, docs in json.loads(path.read_text()).items()}
+    qrels: dict[str, dict[str, int]] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.split()
+        if len(parts) != 4:
+            raise ValueError(f"{path}:{number}: expected 'qid iter docid grade', got {line!r}")
+        qrels.setdefault(parts[0], {})[parts[2]] = int(parts[3])
+    return qrels
+
+
+def check_qrels(qrels: Qrels, corpus_ids: Iterable[str]) -> list[tuple[str, str]]:
+    """Judged (query, doc) pairs whose document is not in the corpus; logs how many."""
+    corpus = set(corpus_ids)
+    missing = [(q, d) for q, docs in qrels.items() for d in docs if d not in corpus]
+    if missing:
+        log.warning(
+            "%d judged document(s) of %d queries are absent from the corpus (e.g. %s); they can never be retrieved",
+            len(missing),
+            len({q for q, _ in missing}),
+            missing[0],
+        )
+    return missing
+
+
+def trec_order(docs: Mapping[str, float]) -> list[str]:
+    """Doc ids in trec_eval's ranking order: score descending, then doc id descending."""
+    return sorted(docs, key=lambda d: (float(docs[d]), d), reverse=True)
+
+
+def truncate(run: Run, k: int) -> dict[str, dict[str, float]]:
+    """The run cut to each query's top k in trec_eval order."""
+    return {q: {d: float(docs[d]) for d in trec_order(docs)[:k]} for q, docs in run.items()}
+
+
+def _names(ks: Sequence[int], ndcg_ks: Sequence[int], mrr_k: int) -> dict[str, str]:
+    """Our metric name -> pytrec_eval result key."""
+    names = {f"ndcg@{k}": f"ndcg_cut_{k}" for k in ndcg_ks}
+    names.update({f"recall@{k}": f"recall_{k}" for k in ks})
+    names[f"mrr@{mrr_k}"] = "recip_rank"
+    return names
+
+
+def evaluate_run(
+    run: Run,
+    qrels: Qrels,
+    ks: Sequence[int] = (1, 5, 10),
+    *,
+    ndcg_ks: Sequence[int] = (5,),
+    mrr_k: int = 10,
+) -> dict:
+    """nDCG@k, recall@k and MRR@k per query and averaged over the judged queries.
+
+    Returns ``{"mean": {metric: value}, "per_query": {qid: {metric: value}}, "num_queries": n,
+    "unjudged": [qids in run not in qrels], "no_run": [judged qids the run lacks]}``.
+    """
+    judged = {q: {d: int(g) for d, g in docs.items()} for q, docs in qrels.items() if any(g > 0 for g in docs.values())}
+    if len(judged) < len(qrels):
+        log.warning("%d queries have no relevant document in qrels; excluded", len(qrels) - len(judged))
+    if not judged:
+        raise ValueError("qrels hold no query with a relevant document")
+    unjudged = sorted(set(run) - set(judged))
+    if unjudged:
+        log.warning("%d run queries are not in qrels and are excluded (e.g. %s)", len(unjudged), unjudged[0])
+    no_run = sorted(q for q in judged if not run.get(q))
+    if no_run:
+        log.warning("%d judged queries have no retrieved documents; they score 0 (e.g. %s)", len(no_run), no_run[0])
+
+    names = _names(ks, ndcg_ks, mrr_k)
+    measures = {f"ndcg_cut.{k}" for k in ndcg_ks} | {f"recall.{k}" for k in ks}
+    scored = {q: {d: float(s) for d, s in docs.items()} for q, docs in run.items() if q in judged and docs}
+    full = pytrec_eval.RelevanceEvaluator(judged, measures).evaluate(scored)
+    mrr = pytrec_eval.RelevanceEvaluator(judged, {"recip_rank"}).evaluate(truncate(scored, mrr_k))
+    per_query = {
+        q: {name: float({**full.get(q, {}), **mrr.get(q, {})}.get(key, 0.0)) for name, key in names.items()}
+        for q in sorted(judged)
+    }
+    mean = {name: sum(v[name] for v in per_query.values()) / len(per_query) for name in names}
+    return {"mean": mean, "per_query": per_query, "num_queries": len(per_query), "unjudged": unjudged, "no_run": no_run}
+
+
+def format_table(
+    results: Mapping[str, Mapping[str, Mapping[str, float]]],
+    *,
+    datasets: Sequence[str] | None = None,
+    pools: Sequence[str] = ("single", "all"),
+    scale: float = 100.0,
+    digits: int = 1,
+) -> str:
+    """Markdown table like the paper's Table 2: one row per method, columns dataset × pool + average.
+
+    ``results[method][dataset][pool]`` is a metric value in [0, 1] (shown × ``scale``). A missing
+    cell shows "–", and the average of a pool is shown only when every dataset has a value.
+    """
+    datasets = list(datasets or dict.fromkeys(d for by_ds in results.values() for d in by_ds))
+    columns = [(d, p) for d in [*datasets, "Avg."] for p in pools]
+    header = "| Method | " + " | ".join(f"{d} {p.capitalize()}" for d, p in columns) + " |"
+    lines = [header, "|---" * (len(columns) + 1) + "|"]
+    for method, by_dataset in results.items():
+        cells = {(d, p): by_dataset.get(d, {}).get(p) for d in datasets for p in pools}
+        for p in pools:
+            values = [cells[d, p] for d in datasets]
+            cells["Avg.", p] = None if None in values else sum(values) / len(values)
+        shown = ["–" if cells[c] is None else f"{scale * cells[c]:.{digits}f}" for c in columns]
+        lines.append(f"| {method} | " + " | ".join(shown) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""DocumentIndex: exact search, compressed kinds, -1 handling, errors, save/load."""
+
+import logging
+
+import numpy as np
+import pytest
+
+from hkrag.index.faiss_index import DocumentIndex, IndexSpec, gpu_count
+
+FAST_PQ = "ivfpq:nlist=4,m=4,nbits=4,nprobe=4"
+
+
+def unit(n, dim=16, seed=0):
+    x = np.random.default_rng(seed).standard_normal((n, dim)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+@pytest.fixture(scope="module")
+def docs():
+    return [f"d{i}" for i in range(300)], unit(300)
+
+
+def test_spec_parsing_round_trip():
+    spec = IndexSpec.parse("ivfpq:nlist=64,m=8,nbits=6,nprobe=4")
+    assert (spec.kind, spec.nlist, spec.m, spec.nbits, spec.nprobe) == ("ivfpq", 64, 8, 6, 4)
+    assert IndexSpec.parse(str(spec)) == spec
+    assert IndexSpec.parse(" SQ8 ").factory_string() == "SQ8"
+    with pytest.raises(ValueError, match="unknown index kind 'hnsw'"):
+        IndexSpec.parse("hnsw")
+    with pytest.raises(ValueError, match="bad index parameter 'efs=3'"):
+        IndexSpec.parse("ivfpq:efs=3")
+
+
+def test_flat_is_exact_inner_product(docs):
+    ids, x = docs
+    index = DocumentIndex.build(ids, x)
+    queries = unit(7, seed=1)
+    scores, found = index.search(queries, 5)
+    expected = np.argsort(-(queries @ x.T), axis=1)[:, :5]
+    assert found == [[ids[j] for j in row] for row in expected]
+    np.testing.assert_allclose(np.stack(scores), np.sort(queries @ x.T, axis=1)[:, ::-1][:, :5], rtol=1e-5)
+
+
+def test_cpu_placement_is_logged(docs, caplog):
+    with caplog.at_level(logging.INFO, logger="hkrag.index.faiss_index"):
+        index = DocumentIndex.build(*docs, use_gpu=False)
+    assert not index.on_gpu
+    assert "flat index on CPU (disabled by use_gpu=False)" in caplog.text
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="checks the CPU-only fallback")
+def test_gpu_absent_is_logged_or_refused(docs, caplog):
+    with caplog.at_level(logging.INFO, logger="hkrag.index.faiss_index"):
+        DocumentIndex.build(*docs)
+    assert "flat index on CPU (FAISS has no GPU support or sees no GPU)" in caplog.text
+    with pytest.raises(RuntimeError, match="use_gpu=True but FAISS has no GPU support"):
+        DocumentIndex.build(*docs, use_gpu=True)
+
+
+@pytest.mark.parametrize("spec", ["sq8", "fp16", FAST_PQ])
+def test_compressed_kinds_find_the_query_document(docs, spec):
+    ids, x = docs
+    index = DocumentIndex.build(ids, x, spec)
+    _, found = index.search(x[:20], 10)
+    assert np.mean([ids[i] in f for i, f in enumerate(found)]) >= 0.9
+    assert index.nbytes() < DocumentIndex.build(ids, x).nbytes()
+
+
+def test_k_beyond_corpus_never_invents_documents():
+    ids, x = ["a", "b", "c"], unit(3)
+    scores, found = DocumentIndex.build(ids, x).search(x, 10)
+    assert [sorted(f) for f in found] == [["a", "b", "c"]] * 3
+    assert all(len(s) == 3 for s in scores)
+
+
+def test_minus_one_slots_are_dropped_not_mapped_to_the_last_document(docs):
+    ids, x = docs
+    index = DocumentIndex.build(ids, x, "ivfpq:nlist=16,m=4,nbits=4,nprobe=1")
+    scores, rows = index.search_arrays(x[:50], 200)
+    assert (rows == -1).any(), "one probed list of ~19 docs cannot fill k=200"
+    got_scores, found = index.search(x[:50], 200)
+    for raw, s, f in zip(rows, got_scores, found, strict=True):
+        assert f == [ids[r] for r in raw if r >= 0] and len(s) == len(f)
+    assert sum(ids[-1] in f for f in found) < 50
+
+
+def test_to_run_is_a_trec_run(docs):
+    ids, x = docs
+    run = DocumentIndex.build(ids, x).to_run(["q0", "q1"], x[:2], 3)
+    assert list(run) == ["q0", "q1"] and run["q0"]["d0"] == pytest.approx(1.0)
+    assert all(len(docs) == 3 and all(isinstance(v, float) for v in docs.values()) for docs in run.values())
+    with pytest.raises(ValueError, match="1 query ids for 2 query vectors"):
+        DocumentIndex.build(ids, x).to_run(["q0"], x[:2], 3)
+
+
+def test_errors_are_clear(docs):
+    ids, x = docs
+    with pytest.raises(ValueError, match="empty corpus"):
+        DocumentIndex.build([], np.zeros((0, 16), np.float32))
+    index = DocumentIndex.build(ids, x)
+    with pytest.raises(ValueError, match="queries have dimension 8 but the index has 16"):
+        index.search(unit(2, dim=8), 3)
+    with pytest.raises(ValueError, match="k must be positive"):
+        index.search(x[:1], 0)
+    with pytest.raises(ValueError, match="duplicate document ids"):
+        DocumentIndex.build(["a", "a"], unit(2))
+    with pytest.raises(ValueError, match="m=5 must divide the vector dimension 16"):
+        DocumentIndex.build(ids, x, "ivfpq:m=5")
+    with pytest.raises(ValueError, match="fewer than the 256 centroids"):
+        DocumentIndex.build(ids[:200], x[:200], "ivfpq:nlist=2,m=4,nbits=8")
+    with pytest.raises(RuntimeError, match="must be trained before adding"):
+        DocumentIndex(16, "sq8").add(["a"], unit(1))
+    with pytest.raises(ValueError, match="nprobe only applies to ivfpq"):
+        index.nprobe = 4
+    with pytest.raises(ValueError, match="index is empty"):
+        DocumentIndex(16).search(x[:1], 1)
+
+
+@pytest.mark.parametrize("spec", ["flat", "sq8", FAST_PQ])
+def test_save_load_round_trip(docs, tmp_path, spec):
+    ids, x = docs
+    index = DocumentIndex.build(ids, x, spec)
+    if index.spec.kind == "ivfpq":
+        index.nprobe = 2
+    loaded = DocumentIndex.load(index.save(tmp_path), use_gpu=False)
+    assert loaded.spec == index.spec and loaded.ids == ids
+    a, b = index.search(x[:10], 5), loaded.search(x[:10], 5)
+    assert a[1] == b[1]
+    np.testing.assert_array_equal(np.stack(a[0]), np.stack(b[0]))
