@@ -160,3 +160,18 @@ def test_save_split_replaces_its_split_and_keeps_other_configs(tmp_path):
     assert load_corpus(tmp_path, "x", "test", cache_dir=cache).doc_ids == ["c2", "c3"]
     assert load_corpus(tmp_path, cache_dir=cache).doc_ids == ["c1", "c2", "c3"]
     assert (tmp_path / "README.md").read_text().count("config_name") == 2
+
+
+def test_two_local_copies_with_the_same_layout_load_their_own_rows(tmp_path):
+    """datasets' own cache key ignores the folder's location: each copy must still load its rows."""
+    from hkrag.data.opendocvqa import QA_FEATURES, save_split
+
+    for name, count in (("a", 2), ("b", 3)):
+        rows = [
+            {"query_id": f"{name}{i}", "query": f"question {i}", "answers": ["x"], "relevant_doc_ids": ["d"],
+             "evidence": "salient"}
+            for i in range(count)
+        ]
+        save_split(rows, tmp_path / name / "qa", "default", "train", QA_FEATURES)
+    assert [ex.query_id for ex in load_qa(tmp_path / "a" / "qa", "default", "train")] == ["a0", "a1"]
+    assert [ex.query_id for ex in load_qa(tmp_path / "b" / "qa", "default", "train")] == ["b0", "b1", "b2"]

@@ -14,6 +14,7 @@ Corpus rows: ``doc_id, image``. Training uses the default config's ``train`` spl
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -244,9 +245,35 @@ def save_split(
 def _load(
     source: str | Path, config: str | None, split: str, required: tuple[str, ...], load_kwargs: dict[str, Any]
 ) -> datasets.Dataset:
+    if _looks_local(source) and not Path(source).exists():
+        raise FileNotFoundError(
+            f"data path {source} does not exist: give a local copy in the hub layout or a hub id like owner/name"
+        )
+    if _looks_local(source):
+        load_kwargs = {"cache_dir": str(_local_cache_dir(Path(source))), **load_kwargs}
     dataset = datasets.load_dataset(str(source), name=config, split=split, **load_kwargs)
     _require_columns(dataset, required, _name(source, config, split))
     return dataset
+
+
+def _local_cache_dir(root: Path) -> Path:
+    """A cache folder keyed by the files' relative paths, sizes and mtimes.
+
+    ``datasets`` keys its cache of a local folder on the folder's name and layout, so two different
+    ``.../qa`` folders (or one rewritten in place) would silently share one cached copy.
+    """
+    files = sorted(p for p in root.rglob("*") if p.is_file() and ".cache" not in p.relative_to(root).parts)
+    stamp = hashlib.sha256()
+    for path in files:
+        info = path.stat()
+        stamp.update(f"{path.relative_to(root)}|{info.st_size}|{info.st_mtime_ns}\n".encode())
+    return root / ".cache" / stamp.hexdigest()[:16]
+
+
+def _looks_local(source: str | Path) -> bool:
+    """A path rather than a hub id (``owner/name``)."""
+    text = str(source)
+    return isinstance(source, Path) or text.startswith(("/", ".", "~")) or text.count("/") != 1
 
 
 def _require_columns(dataset: datasets.Dataset, required: tuple[str, ...], name: str) -> None:

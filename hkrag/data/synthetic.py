@@ -78,8 +78,8 @@ class SyntheticConfig:
             raise ValueError(f"group_size must be in [1, {len(CODES)}], got {self.group_size}")
         for split in ("train", "test"):
             groups = getattr(self, f"{split}_groups_per_style")
-            if not 1 <= groups <= len(TITLES):
-                raise ValueError(f"{split}_groups_per_style must be in [1, {len(TITLES)}], got {groups}")
+            if groups < 1:
+                raise ValueError(f"{split}_groups_per_style must be >= 1, got {groups}")
             pages = len(STYLES) * groups * self.group_size
             if not 0 <= getattr(self, f"n_{split}") <= 2 * pages:
                 raise ValueError(f"n_{split} must be in [0, {2 * pages}] for {pages} {split} pages")
@@ -175,7 +175,7 @@ def _page_specs(rng: random.Random, config: SyntheticConfig, split: str, taken: 
     specs = []
     for style in STYLES:
         style_specs: list[PageSpec] = []
-        for title in rng.sample(TITLES, groups):
+        for title in _titles(rng, groups):
             values = rng.sample(range(10, 100), config.group_size)
             fillers = [v for v in range(20, 96) if v not in values]
             columns = zip(
@@ -205,6 +205,12 @@ def _page_specs(rng: random.Random, config: SyntheticConfig, split: str, taken: 
                 style_specs.append(spec)
         specs += style_specs
     return specs
+
+
+def _titles(rng: random.Random, groups: int) -> list[str]:
+    """``groups`` titles: shuffled passes over TITLES, so beyond 8 groups titles repeat across groups."""
+    passes = -(-groups // len(TITLES))
+    return [title for _ in range(passes) for title in rng.sample(TITLES, len(TITLES))][:groups]
 
 
 def _signature(spec: PageSpec) -> tuple:
