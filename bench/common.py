@@ -64,3 +64,15 @@ def forward_flops(config: Phi3VConfig, text_tokens: int, crops: int, backward: b
     proj_flops = 2 * proj_tokens * (config.image_feature_dim + lm.hidden_size) * lm.hidden_size
     total = lm_flops + vit_flops + proj_flops
     return 3 * total if backward else total
+
+
+def used_crops(image_sizes: torch.Tensor, crop: int) -> int:
+    """Crops the vision tower actually runs: the global view plus the HD grid of every image."""
+    return sum(1 + (h // crop) * (w // crop) for h, w in image_sizes.tolist())
+
+
+def print_mfu(flops: float, seconds: float, device: torch.device, dtype: torch.dtype) -> None:
+    """Achieved model FLOP/s against the measured matmul peak of the same device and dtype."""
+    peak = matmul_peak(device, dtype)
+    print(f"model FLOPs {flops / seconds / 1e12:.3f} TFLOP/s; matmul peak {peak / 1e12:.3f} TFLOP/s; "
+          f"MFU {flops / seconds / peak:.1%}")

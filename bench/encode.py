@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import forward_flops, machine, matmul_peak, timed
+from common import forward_flops, machine, print_mfu, timed, used_crops
 from PIL import Image
 
 from hkrag.models.phi3v import Phi3VConfig, Phi3VForCausalLM, default_attn_implementation
@@ -65,8 +65,7 @@ def main() -> None:
     batch = retriever.document_inputs(pages(args.batch_size)).to(device)
     batch["pixel_values"] = batch["pixel_values"].to(dtype)
     tokens = int(batch["attention_mask"].sum())
-    crop = retriever.processor.image_processor.crop_size
-    crops = sum(1 + (h // crop) * (w // crop) for h, w in batch["image_sizes"].tolist())
+    crops = used_crops(batch["image_sizes"], retriever.processor.image_processor.crop_size)
 
     with torch.inference_mode():
         seconds = timed(lambda: retriever(**batch), device, args.batches)
@@ -76,9 +75,7 @@ def main() -> None:
           f"attention {retriever.backbone.config._attn_implementation}, num_crops {args.num_crops}")
     print(f"batch {args.batch_size} docs, {tokens} tokens, {crops} crops: {seconds * 1e3:.1f} ms/batch")
     print(f"throughput: {args.batch_size / seconds:.2f} docs/s, {tokens / seconds:.0f} tokens/s")
-    peak = matmul_peak(device, dtype)
-    print(f"model FLOPs {flops / seconds / 1e12:.3f} TFLOP/s; matmul peak {peak / 1e12:.3f} TFLOP/s; "
-          f"MFU {flops / seconds / peak:.1%}")
+    print_mfu(flops, seconds, device, dtype)
 
 
 if __name__ == "__main__":
