@@ -82,14 +82,19 @@ def masked_cosine(q: Tensor, d: Tensor, mask: Tensor | None = None, eps: float =
     return dot / norm
 
 
-def info_nce(sim: Tensor, tau: float) -> Tensor:
+def info_nce(sim: Tensor, tau: float, ignore: Tensor | None = None) -> Tensor:
     """InfoNCE ``L_IN`` of Eq. 3 from similarities whose diagonal holds the positives.
 
     Row ``i`` of ``sim`` is scored against all columns, target ``i``, mean over rows.
     ``L_IN(a, b)`` is ``info_nce(sim(a, b))`` and ``L_IN(b, a)`` is ``info_nce(sim(a, b).T)``.
+    ``ignore`` (bool, same shape, never on the diagonal) drops logits that are not negatives, e.g.
+    column ``j`` when document ``j`` is the same page as row ``i``'s positive.
     """
+    logits = sim / tau
+    if ignore is not None:
+        logits = logits.masked_fill(ignore, float("-inf"))
     target = torch.arange(sim.shape[0], device=sim.device)
-    return F.cross_entropy(sim / tau, target)
+    return F.cross_entropy(logits, target)
 
 
 @dataclass
@@ -172,19 +177,25 @@ class HybridMaskLoss(nn.Module):
             f"use_sin={self.use_sin}, mask_positive_only={self.mask_positive_only}"
         )
 
-    def forward(self, q: Tensor, d: Tensor, generator: torch.Generator | None = None) -> LossOutput:
-        """Loss of the global batch ``q, d`` (``(B, D)``, positives on the diagonal)."""
+    def forward(
+        self, q: Tensor, d: Tensor, generator: torch.Generator | None = None, ignore: Tensor | None = None
+    ) -> LossOutput:
+        """Loss of the global batch ``q, d`` (``(B, D)``, positives on the diagonal).
+
+        ``ignore`` (``(B, B)`` bool, symmetric, false on the diagonal) marks query-document pairs that
+        are not negatives (the same page is the positive of both rows); they leave every softmax.
+        """
         q, d = _at_least_float32(q), _at_least_float32(d)
         positive_mask = hybrid_mask(q, d, self.alpha, self.eps)
         sims = self._masked_similarities(q, d, positive_mask, generator)
         if self.use_din:
-            loss = (info_nce(sims[0], self.tau) + info_nce(sims[0].T, self.tau)) / 2
+            loss = (info_nce(sims[0], self.tau, ignore) + info_nce(sims[0].T, self.tau, ignore)) / 2
             components = {"din": loss}
         else:
-            loss = info_nce(masked_cosine(q, d), self.tau)
+            loss = info_nce(masked_cosine(q, d), self.tau, ignore)
             components = {"infonce": loss}
         if self.use_sin:
-            sub_losses = [info_nce(sim, self.tau) for sim in sims[-self.num_sub_masks :]]
+            sub_losses = [info_nce(sim, self.tau, ignore) for sim in sims[-self.num_sub_masks :]]
             components["sin"] = torch.stack(sub_losses).mean()
             loss = loss + self.beta * components["sin"]
         return LossOutput(

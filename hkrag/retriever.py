@@ -132,7 +132,7 @@ class Phi3VRetriever(nn.Module):
         adapter: str | None = None,
         lora: LoraSettings | None = None,
         trainable: bool = False,
-        num_crops: int = 4,
+        num_crops: int | None = 4,
         dtype: torch.dtype | str = torch.bfloat16,
         attn_implementation: str | None = None,
         gradient_checkpointing: bool = False,
@@ -141,7 +141,7 @@ class Phi3VRetriever(nn.Module):
         """Base checkpoint + optional existing adapter (e.g. VDocRAG's) + optional new LoRA.
 
         ``adapter`` loads an existing adapter (trainable when ``trainable``); otherwise ``lora`` adds a
-        fresh one. ``num_crops=4`` follows VDocRAG's retriever.
+        fresh one. ``num_crops=4`` follows VDocRAG's retriever; ``None`` keeps the saved value.
         """
         model = load_phi3v(base, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
         return cls.wrap(model, load_processor(base, num_crops), adapter, lora, trainable, gradient_checkpointing)

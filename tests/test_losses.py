@@ -220,3 +220,22 @@ def test_mask_statistics_are_shares_over_positive_pairs():
     # positive masks (1, ½, ½, ½) and (0, 1, ½, ½): two ones, five halves, one zero
     expected = {"mask/one": 2 / 8, "mask/half": 5 / 8, "mask/zero": 1 / 8}
     assert {name: value.item() for name, value in metrics.items()} == expected
+
+
+def test_ignored_pairs_leave_the_softmax():
+    """Two queries sharing one positive page: the duplicate column is not a negative of either row."""
+    q = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.0, 1.0]])
+    d = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])  # rows 0 and 1 share a page
+    ignore = torch.tensor([[False, True, False], [True, False, False], [False, False, False]])
+    sim = q @ d.T
+    tau = 0.5
+    # row 0: logits [1, -, 0]/tau; row 1: [-, 0.8, 0.6]/tau; row 2: [0, 0, 1]/tau
+    expected = (
+        -math.log(math.exp(2) / (math.exp(2) + 1))
+        - math.log(math.exp(1.6) / (math.exp(1.6) + math.exp(1.2)))
+        - math.log(math.exp(2) / (math.exp(2) + 2))
+    ) / 3
+    assert info_nce(sim, tau, ignore).item() == pytest.approx(expected, rel=1e-6)
+    plain = HybridMaskLoss(tau=tau, use_din=False, use_sin=False)
+    assert plain(q, d, ignore=ignore).loss.item() == pytest.approx(expected, rel=1e-6)
+    assert plain(q, d).loss.item() > expected

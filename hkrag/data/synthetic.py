@@ -51,6 +51,8 @@ CODES = ("K7", "M2", "P9", "R4", "T5", "W3", "X8", "Z6")
 YEARS = tuple(str(year) for year in range(2017, 2025))
 
 REFERENCE_SIZE = (224, 168)
+CONFIG_FILE = "synthetic_config.json"
+"""Written into the output folder: the settings it was generated with (marks the folder as ours)."""
 """Layouts and font sizes are written for this page size and scale with the configured one."""
 MIN_FINE_PRINT_PX = 9
 """Smallest accepted cap height of fine print, in pixels of the rendered page."""
@@ -151,6 +153,7 @@ def generate(out_dir: str | Path, config: SyntheticConfig = SyntheticConfig()) -
             save_split(style_rows, paths.qa, style, split, QA_FEATURES)
         style_pages = [s for s in test if s.style == style]
         save_split(corpus_rows(style_pages), paths.corpus, style, "test", CORPUS_FEATURES)
+    (root / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=2))
     with paths.pages.open("w", encoding="utf-8") as f:
         for split, specs in (("train", train), ("test", test)):
             for spec in specs:
@@ -170,12 +173,15 @@ def render_page(spec: PageSpec, config: SyntheticConfig = SyntheticConfig()) -> 
 
 
 def _page_specs(rng: random.Random, config: SyntheticConfig, split: str, taken: set[tuple]) -> list[PageSpec]:
-    """Groups of pages sharing (style, title); within a group labels, values and fine print differ."""
+    """Documents of pages sharing (style, title); within one, labels, values and fine print differ.
+
+    Doc ids read ``<style>-<split>-d<document>-p<page>``, like pages of a multi-page document.
+    """
     groups = getattr(config, f"{split}_groups_per_style")
     specs = []
     for style in STYLES:
         style_specs: list[PageSpec] = []
-        for title in _titles(rng, groups):
+        for group, title in enumerate(_titles(rng, groups)):
             values = rng.sample(range(10, 100), config.group_size)
             fillers = [v for v in range(20, 96) if v not in values]
             columns = zip(
@@ -185,9 +191,9 @@ def _page_specs(rng: random.Random, config: SyntheticConfig, split: str, taken: 
                 values,
                 strict=True,
             )
-            for label, source, code, value in columns:
+            for page, (label, source, code, value) in enumerate(columns, start=1):
                 spec = PageSpec(
-                    doc_id=f"{style}-{split}-{len(style_specs):03d}",
+                    doc_id=f"{style}-{split}-d{group:03d}-p{page}",
                     style=style,
                     title=title,
                     label=label,

@@ -82,15 +82,14 @@ class Phi3VImageEmbedding(nn.Module):
         crop = self.config.crop_size
         grids = [(int(h) // crop, int(w) // crop) for h, w in image_sizes.tolist()]
         used = [pixel_values[i, : 1 + rows * cols] for i, (rows, cols) in enumerate(grids)]
-        dtype = self.img_processor.vision_model.dtype
+        dtype = next(self.img_processor.parameters()).dtype
         features = self.crop_features(torch.cat(used).to(dtype)).split([len(u) for u in used])
         tokens = []
         for (rows, cols), feats in zip(grids, features):
             sub = self.with_row_separators(self.merge_2x2(feats[1:], rows, cols))
             glb = self.with_row_separators(self.merge_2x2(feats[:1], 1, 1))
             tokens.extend([sub, self.glb_GN.reshape(1, -1).to(sub.dtype), glb])
-        projection_dtype = self.img_projection[0].weight.dtype
-        return self.img_projection(torch.cat(tokens).to(projection_dtype))
+        return self.img_projection(torch.cat(tokens).to(next(self.img_projection.parameters()).dtype))
 
 
 class Phi3VPreTrainedModel(Phi3PreTrainedModel):

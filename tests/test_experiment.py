@@ -1,0 +1,90 @@
+"""Composed runs: train.py's report and eval.py agree; config and data errors say what to fix."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from hkrag.data.opendocvqa import load_qa
+from hkrag.experiment import run_evaluation, run_training
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_DATA = [
+    "data.synthetic.n_train=40", "data.synthetic.n_test=12", "data.synthetic.train_groups_per_style=2",
+    "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=3", "data.eval_datasets=[synchart,syninfo]",
+]
+
+
+def config(name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name=name, overrides=overrides)
+
+
+def test_eval_py_reproduces_the_training_report(tmp_path):
+    data = [f"paths.data_dir={tmp_path / 'data'}", *SMALL_DATA]
+    train_cfg = config("train", [
+        *data, f"paths.output_dir={tmp_path / 'run'}", "model.num_crops=4", "trainer.global_batch_size=8",
+        "trainer.chunk_size=4", "trainer.max_steps=2", "trainer.save_every=null", "eval.doc_batch_size=16",
+    ])
+    report = run_training(train_cfg, tmp_path / "run")
+    assert report["steps"] == 2 and (tmp_path / "run" / "report.md").is_file()
+    eval_cfg = config("eval", [*data, f"paths.output_dir={tmp_path / 'eval'}", f"run_dir={tmp_path / 'run'}",
+                               "eval.doc_batch_size=5"])
+    evaluated = run_evaluation(eval_cfg, tmp_path / "eval")["results"]
+    for dataset, by_pool in report["after"].items():
+        for pool, result in by_pool.items():
+            assert evaluated[dataset][pool]["all"] == pytest.approx(result["all"], abs=1e-6), (dataset, pool)
+            assert set(result) == {"all", "num_queries", "salient", "fine_print"}
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_unknown_config_key_is_named():
+    result = run_script("train.py", "trainer.bogus_key=1")
+    assert result.returncode != 0
+    assert "bogus_key" in result.stderr
+
+
+def test_missing_data_path_is_named(tmp_path):
+    missing = tmp_path / "nowhere"
+    result = run_script("train.py", "data=opendocvqa", f"data.qa_source={missing}", f"hydra.run.dir={tmp_path}/o")
+    assert result.returncode != 0
+    assert f"data path {missing} does not exist" in result.stderr
+
+
+def test_unknown_experiment_lists_the_choices():
+    result = run_script("train.py", "experiment=nope")
+    assert result.returncode != 0
+    assert "hkrag_retriever" in result.stderr
+
+
+def test_generated_corpus_is_regenerated_when_its_settings_change(tmp_path):
+    from omegaconf import OmegaConf
+
+    from hkrag.experiment import prepare_data
+
+    data = OmegaConf.create({"root": str(tmp_path / "syn"), "synthetic": {
+        "n_train": 8, "n_test": 4, "train_groups_per_style": 1, "test_groups_per_style": 1, "group_size": 2}})
+    prepare_data(data)
+    stamp = (tmp_path / "syn" / "synthetic_config.json").stat().st_mtime_ns
+    prepare_data(data)  # same settings: kept as is
+    assert (tmp_path / "syn" / "synthetic_config.json").stat().st_mtime_ns == stamp
+    data.synthetic.n_train = 6
+    prepare_data(data)
+    assert len(load_qa(tmp_path / "syn" / "qa", "default", "train")) == 6
+
+
+def test_foreign_folder_is_never_overwritten(tmp_path):
+    from omegaconf import OmegaConf
+
+    from hkrag.experiment import prepare_data
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not written by hkrag.data.synthetic"):
+        prepare_data(OmegaConf.create({"root": str(tmp_path / "mine"), "synthetic": {"n_train": 8}}))
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
