@@ -23,10 +23,12 @@ from hkrag.data.opendocvqa import Corpus, QAExample, load_corpus, load_qa, pools
 from hkrag.distributed import is_main, rank, world_size
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import config_hash, encode_corpus, load_shards
-from hkrag.metrics import evaluate_run, format_table
+from hkrag.metrics import check_qrels, evaluate_run, format_table
 from hkrag.retriever import Phi3VRetriever
 
 logger = logging.getLogger(__name__)
+
+REPORTED_METRICS = ("ndcg@5", "recall@1", "recall@5", "recall@10", "mrr@10")
 
 
 @dataclass
@@ -113,11 +115,13 @@ def evaluate_retrieval(
             index = DocumentIndex.build(
                 corpus.doc_ids, np.stack([embeddings[d] for d in corpus.doc_ids]), cfg.index, use_gpu=cfg.use_gpu
             )
+            check_qrels(qrels(qa), corpus.doc_ids)  # counted warning: such documents score as misses
             run = index.to_run([ex.query_id for ex in qa], queries.numpy(), cfg.top_k)
             results.setdefault(dataset, {})[pool] = score(run, qa)
             logger.info("%s/%s nDCG@5 %.4f", dataset, pool, results[dataset][pool]["all"]["ndcg@5"])
     retriever.train(was_training)
-    return {"results": results, "table": retrieval_table(results)} if is_main() else {}
+    tables = "\n\n".join(retrieval_table(results, metric) for metric in REPORTED_METRICS)
+    return {"results": results, "table": tables} if is_main() else {}
 
 
 def retrieval_table(results: dict[str, dict[str, Any]], metric: str = "ndcg@5") -> str:

@@ -88,3 +88,25 @@ def test_foreign_folder_is_never_overwritten(tmp_path):
     with pytest.raises(FileExistsError, match="not written by hkrag.data.synthetic"):
         prepare_data(OmegaConf.create({"root": str(tmp_path / "mine"), "synthetic": {"n_train": 8}}))
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_evaluation_warns_about_positives_missing_from_the_pool(tmp_path, caplog):
+    from omegaconf import OmegaConf
+
+    from hkrag.data.opendocvqa import QAExample, load_corpus
+    from hkrag.evaluation import RetrievalEvalConfig, evaluate_retrieval
+    from hkrag.experiment import prepare_data
+    from hkrag.retriever import Phi3VRetriever
+
+    root = tmp_path / "syn"
+    prepare_data(OmegaConf.create({"root": str(root), "synthetic": {
+        "n_train": 8, "n_test": 4, "train_groups_per_style": 1, "test_groups_per_style": 1, "group_size": 2}}))
+    pool = load_corpus(root / "corpus", "synchart", "test")
+    qa = [QAExample("q1", "Query: chart", ("x",), (pool.doc_ids[0], "not-in-the-pool"), "salient")]
+    cfg = RetrievalEvalConfig(str(root / "qa"), str(root / "corpus"), ["synchart"], pools=["single"])
+    retriever = Phi3VRetriever.tiny(num_crops=4)
+    with caplog.at_level("WARNING"):
+        result = evaluate_retrieval(retriever, cfg, tmp_path / "work", {"model": "tiny"}, load_qa_fn=lambda *a: qa)
+    assert "1 judged document(s) of 1 queries are absent from the corpus" in caplog.text
+    assert result["results"]["synchart"]["single"]["all"]["recall@10"] == pytest.approx(0.5)
+    assert "recall@5 (x100)" in result["table"] and "mrr@10 (x100)" in result["table"]
