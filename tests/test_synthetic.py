@@ -39,7 +39,7 @@ def words(page: dict, kind: str) -> set[str]:
 def test_same_seed_gives_identical_bytes_and_other_seed_does_not(tmp_path):
     a, b = generate(tmp_path / "a", SMALL), generate(tmp_path / "b", SMALL)
     files = sorted(p.relative_to(a.root) for p in a.root.rglob("*") if p.is_file())
-    assert len(files) == 2 + 1 + 9 + 6  # READMEs, pages.jsonl, QA and corpus parquet files
+    assert len(files) == 2 + 1 + 1 + 9 + 6  # READMEs, pages.jsonl, synthetic_config.json, QA and corpus parquet
     for name in files:
         assert (a.root / name).read_bytes() == (b.root / name).read_bytes(), name
     c = generate(tmp_path / "c", SyntheticConfig(**{**SMALL.__dict__, "seed": 4}))
