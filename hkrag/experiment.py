@@ -38,6 +38,15 @@ from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
 logger = logging.getLogger(__name__)
 
 
+def make_accelerator(cpu: bool, **kwargs: Any) -> Accelerator:
+    """An Accelerator on the CPU when asked or when CUDA is absent.
+
+    Under ``accelerate launch`` without GPUs, only a CPU accelerator joins the (gloo) process group;
+    otherwise every process would run alone, each thinking it is rank 0.
+    """
+    return Accelerator(cpu=cpu or not torch.cuda.is_available(), **kwargs)
+
+
 def shared_output_dir(accelerator: Accelerator, local_dir: str | Path) -> Path:
     """Rank 0's run directory, broadcast so every rank writes under the same path."""
     chosen = broadcast_object_list([str(local_dir)], from_process=0)[0] if accelerator.num_processes > 1 else local_dir
@@ -112,7 +121,7 @@ def eval_config(cfg: DictConfig) -> RetrievalEvalConfig:
 
 def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     """Train and evaluate as ``cfg`` says; returns the report (rank 0) or ``{}``."""
-    accelerator = Accelerator(mixed_precision=cfg.trainer.precision, cpu=cfg.trainer.get("cpu", False))
+    accelerator = make_accelerator(cfg.trainer.get("cpu", False), mixed_precision=cfg.trainer.precision)
     output_dir = shared_output_dir(accelerator, output_dir)
     set_seed(cfg.trainer.seed)
     if accelerator.is_main_process:
@@ -211,7 +220,7 @@ def run_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     """``eval.py task=retrieval``: encode, search single and all pools, write ``retrieval.{json,md}``."""
     if cfg.task != "retrieval":
         raise ValueError(f"task={cfg.task!r} is not available yet; use task=retrieval")
-    accelerator = Accelerator(cpu=cfg.get("cpu", False))
+    accelerator = make_accelerator(cfg.get("cpu", False))
     output_dir = shared_output_dir(accelerator, output_dir)
     model_cfg = trained_model_config(cfg.model, cfg.run_dir) if cfg.get("run_dir") else cfg.model
     if accelerator.is_main_process:

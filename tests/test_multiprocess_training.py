@@ -21,28 +21,39 @@ OVERRIDES = [
 ]
 
 
-def losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def logged(run_dir: Path, key: str) -> list:
+    return [json.loads(line)[key] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def launch(*args: str, processes: int, env: dict) -> None:
+    """Run a script on the CPU in ``processes`` gloo ranks (accelerate's torchrun launcher)."""
+    command = [sys.executable, *args] if processes == 1 else [
+        "accelerate", "launch", "--config_file", "conf/accelerate/cpu2.yaml", "--num_processes", str(processes), *args]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate CLI")
-def test_two_processes_log_the_losses_of_one(tmp_path):
+def test_two_processes_match_one_in_training_and_evaluation(tmp_path):
     env = {**os.environ, "HKRAG_DATA_DIR": str(tmp_path / "data"), "WANDB_MODE": "disabled", "CUDA_VISIBLE_DEVICES": ""}
-    single = subprocess.run(
-        [sys.executable, "train.py", *OVERRIDES, f"hydra.run.dir={tmp_path / 'one'}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert single.returncode == 0, single.stderr[-3000:]
-    # --multi_gpu picks the torchrun launcher; without CUDA each rank runs on the CPU with gloo.
-    double = subprocess.run(
-        ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-         "--mixed_precision", "no", "--dynamo_backend", "no", "train.py", *OVERRIDES,
-         f"hydra.run.dir={tmp_path / 'two'}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert double.returncode == 0, double.stderr[-3000:]
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert len(one) == len(two) == 3
-    assert two == pytest.approx(one, rel=1e-5, abs=1e-6)
-    assert (tmp_path / "two" / "checkpoints" / "final" / "adapter").is_dir()
+    for n, name in ((1, "one"), (2, "two")):
+        launch("train.py", *OVERRIDES, f"hydra.run.dir={tmp_path / name}", processes=n, env=env)
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert logged(one, "processes") == [1, 1, 1] and logged(two, "processes") == [2, 2, 2]
+    assert logged(two, "loss") == pytest.approx(logged(one, "loss"), rel=1e-5, abs=1e-6)
+    assert (two / "checkpoints" / "final" / "adapter").is_dir()
+
+    evaluation = ["eval.py", f"run_dir={one}", *OVERRIDES[:5], "eval.shard_size=5"]
+    for n, name in ((1, "eval-one"), (2, "eval-two")):
+        launch(*evaluation, f"hydra.run.dir={tmp_path / name}", processes=n, env=env)
+    single = json.loads((tmp_path / "eval-one" / "retrieval.json").read_text())
+    double = json.loads((tmp_path / "eval-two" / "retrieval.json").read_text())
+    assert flat(double) == pytest.approx(flat(single), abs=1e-6)
+
+
+def flat(tree: dict, prefix: str = "") -> dict[str, float]:
+    out = {}
+    for key, value in tree.items():
+        out.update(flat(value, f"{prefix}{key}/") if isinstance(value, dict) else {prefix + key: value})
+    return out

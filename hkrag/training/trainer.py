@@ -230,7 +230,8 @@ class RetrieverTrainer:
 
     def _record(self, output: LossOutput, norm: float | None, seconds: float) -> dict[str, Any]:
         record = {"loss": output.loss.item(), "lr": self.scheduler.get_last_lr()[0],
-                  "samples_per_s": self.config.global_batch_size / seconds, "epoch": self.state.epoch}
+                  "samples_per_s": self.config.global_batch_size / seconds, "epoch": self.state.epoch,
+                  "processes": self.accelerator.num_processes}
         record.update({f"loss/{k}": v.item() for k, v in output.components.items()})
         record.update({k: v.item() for k, v in output.metrics.items()})
         if norm is not None:
