@@ -127,6 +127,13 @@ class RetrieverTrainer:
         scheduler = get_scheduler(
             config.scheduler, optimizer, int(config.warmup_ratio * self.total_steps), self.total_steps
         )
+        plugin = accelerator.state.deepspeed_plugin
+        if plugin is not None:  # no dataloader is prepared, so DeepSpeed cannot resolve "auto" batch sizes
+            plugin.deepspeed_config.update(
+                train_micro_batch_size_per_gpu=self.sampler.local_batch_size,
+                train_batch_size=config.global_batch_size,
+                gradient_accumulation_steps=1,
+            )
         self.model, self.optimizer, self.scheduler = accelerator.prepare(retriever, optimizer, scheduler)
         self.run_logger = run_logger or RunLogger(self.output_dir, enabled=accelerator.is_main_process)
         self.state = TrainState()
