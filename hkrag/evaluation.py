@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,6 @@ class RetrievalEvalConfig:
     shard_size: int = 1024
     dtype: str = "float32"
     use_gpu: bool | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def barrier() -> None:

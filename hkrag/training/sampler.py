@@ -44,13 +44,19 @@ class GlobalBatchSampler:
         if groups is not None and len(groups) != num_items:
             raise ValueError(f"{len(groups)} group keys for {num_items} items")
         self.groups = groups
+        self._cached: tuple[int, list[int]] | None = None
 
     def __len__(self) -> int:
         """Optimizer steps per epoch."""
         return self.num_items // self.global_batch_size
 
     def order(self, epoch: int) -> list[int]:
-        """The epoch's item order: a seeded permutation, grouped when ``groups`` is set."""
+        """The epoch's item order: a seeded permutation, grouped when ``groups`` is set (cached per epoch)."""
+        if self._cached is None or self._cached[0] != epoch:
+            self._cached = (epoch, self._permute(epoch))
+        return self._cached[1]
+
+    def _permute(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed + epoch)
         order = torch.randperm(self.num_items, generator=generator).tolist()
         if self.groups is None:
