@@ -1,0 +1,96 @@
+"""Atomic file writes: every file the project writes goes through here.
+
+A file is written to a hidden temporary name in the same folder, flushed to disk, and renamed over
+the target. A crash, a full disk or an exception mid-write leaves the previous version intact (and no
+half-written file under the real name); the error names the path that could not be written.
+Folders (checkpoints, parquet corpora) use :func:`atomic_directory`: built under a temporary name and
+swapped into place only when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+
+class WriteError(OSError):
+    """A file or folder could not be written; the previous version, if any, is intact."""
+
+    def __init__(self, path: str | Path, error: BaseException) -> None:
+        reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+        super().__init__(getattr(error, "errno", None), f"could not write {path}: {reason}; the previous version (if any) is intact")
+        self.path = Path(path)
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def atomic_write(path: str | Path, write: Callable[[IO], Any], mode: str = "w") -> Path:
+    """Write ``path`` through ``write(file)`` on a temporary file, then rename it into place.
+
+    ``mode`` is ``"w"`` (text, UTF-8) or ``"wb"``. Raises :class:`WriteError` naming ``path``.
+    """
+    path = Path(path)
+    tmp = _temporary(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as error:
+        tmp.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise WriteError(path, error) from error
+        raise
+    return path
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Atomically write ``text`` (UTF-8) to ``path``."""
+    return atomic_write(path, lambda f: f.write(text))
+
+
+def write_bytes(path: str | Path, data: bytes) -> Path:
+    """Atomically write ``data`` to ``path``."""
+    return atomic_write(path, lambda f: f.write(data), "wb")
+
+
+def write_json(path: str | Path, obj: Any, indent: int | None = 2) -> Path:
+    """Atomically write ``obj`` as JSON to ``path``."""
+    return write_text(path, json.dumps(obj, indent=indent, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Build a folder under a temporary name; on success it replaces ``path`` whole.
+
+    Yields the temporary folder to write into. If the body raises, the temporary folder is removed and
+    ``path`` keeps its previous content. The swap renames the old folder aside before renaming the new
+    one in, so at every instant one complete version exists under ``path`` or its ``.old`` name.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    old = path.with_name(f".{path.name}.{os.getpid()}.old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        yield tmp
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+    except BaseException as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not path.exists():
+            os.replace(old, path)
+        if isinstance(error, OSError) and not isinstance(error, WriteError):
+            raise WriteError(path, error) from error
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,241 @@
+"""The LVLM interface: ask a vision-language model about page images, get text *and* token probabilities.
+
+Paper §3.3, DESIGN §7. Every backend (our Phi3V, Qwen2.5-VL, any OpenAI-compatible server, a scripted
+one for tests) takes a list of :class:`LVLMRequest` and returns one :class:`LVLMResult` each, batching
+where it can. The Judger routes on the per-token log-probabilities, so a backend that cannot return
+them raises :class:`LVLMResponseError` instead of returning a silent empty answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from PIL import Image
+
+from hkrag.data.images import ImageError, open_image
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class PageImage:
+    """A page image in a prompt.
+
+    ``image`` is anything :func:`hkrag.data.images.open_image` decodes (PIL image, bytes, path, HF image
+    dict); ``key`` names the page (its ``doc_id``): errors cite it, and local backends reuse the page's
+    image features across the calls of a query by it.
+    """
+
+    image: Any
+    key: str
+
+    def load(self) -> Image.Image:
+        """The decoded page; :class:`hkrag.data.images.ImageError` naming ``key`` when it cannot be used."""
+        return open_image(self.image, self.key)
+
+    def fingerprint(self) -> str:
+        """A content hash of the page (for response caches): the key plus a digest of the pixels or bytes."""
+        data = self.image
+        if isinstance(data, dict):
+            data = data.get("bytes") or data.get("path")
+        if isinstance(data, Image.Image):
+            buffer = io.BytesIO()
+            data.save(buffer, format="PNG")
+            data = buffer.getvalue()
+        if not isinstance(data, (bytes, bytearray)):
+            data = str(data).encode()
+        return f"{self.key}:{hashlib.sha256(data).hexdigest()[:16]}"
+
+
+Content = str | PageImage
+
+
+@dataclass
+class Message:
+    """One chat turn; ``content`` mixes text and page images in order."""
+
+    role: str
+    content: list[Content]
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"message role must be one of {ROLES}, got {self.role!r}")
+        if isinstance(self.content, (str, PageImage)):
+            self.content = [self.content]
+
+    @property
+    def images(self) -> list[PageImage]:
+        return [part for part in self.content if isinstance(part, PageImage)]
+
+    @property
+    def text(self) -> str:
+        return "".join(part for part in self.content if isinstance(part, str))
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How to generate. ``temperature == 0`` is greedy (the default, and what the paper's agents use).
+
+    ``top_logprobs``: how many alternatives to return per generated token besides the chosen one
+    (0 = chosen token only). ``stop``: strings that end generation (not included in the text).
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    top_logprobs: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class LVLMRequest:
+    """Chat messages (text and page images) plus generation settings."""
+
+    messages: list[Message]
+    settings: GenerationSettings = field(default_factory=GenerationSettings)
+
+    @classmethod
+    def user(cls, *content: Content, settings: GenerationSettings | None = None) -> LVLMRequest:
+        """A single user turn, e.g. ``LVLMRequest.user(page1, page2, "Question: ...")``."""
+        return cls([Message("user", list(content))], settings or GenerationSettings())
+
+    @property
+    def images(self) -> list[PageImage]:
+        """Every page image of the conversation in order (``<|image_1|>`` … for Phi3V)."""
+        return [image for message in self.messages for image in message.images]
+
+    def fingerprint(self, model: str) -> str:
+        """SHA-256 of (model, messages with page content hashes, settings): the response-cache key."""
+        messages = [
+            {"role": m.role, "content": [p if isinstance(p, str) else {"page": p.fingerprint()} for p in m.content]}
+            for m in self.messages
+        ]
+        payload = json.dumps({"model": model, "messages": messages, "settings": asdict(self.settings)}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token: its text, id (when known), log-probability, alternatives, entropy.
+
+    ``top`` holds up to ``top_logprobs`` ``(token, logprob)`` alternatives, best first. ``entropy`` is the
+    full next-token distribution's entropy in nats; only local backends know it exactly.
+    """
+
+    token: str
+    logprob: float
+    token_id: int | None = None
+    top: list[tuple[str, float]] = field(default_factory=list)
+    entropy: float | None = None
+
+
+@dataclass
+class LVLMResult:
+    """What a backend returns for one request."""
+
+    text: str
+    tokens: list[TokenLogprob]
+    prompt_tokens: int
+    completion_tokens: int
+    latency_s: float
+    finish_reason: str
+    backend: str
+    model: str
+    vocab_size: int | None = None
+    cached: bool = False
+
+    @property
+    def logprobs(self) -> list[float]:
+        return [t.logprob for t in self.tokens]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LVLMResult:
+        tokens = [TokenLogprob(**{**t, "top": [tuple(a) for a in t.get("top", [])]}) for t in data["tokens"]]
+        return cls(**{**data, "tokens": tokens})
+
+
+class LVLMError(RuntimeError):
+    """An LVLM call that did not produce a usable answer (after any retries)."""
+
+
+class LVLMTimeoutError(LVLMError):
+    """The call exceeded its time limit."""
+
+
+class LVLMHTTPError(LVLMError):
+    """The server answered with an HTTP error status (after any retries)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class LVLMResponseError(LVLMError):
+    """The response was malformed or lacked what was asked for (e.g. no ``logprobs``)."""
+
+
+class LVLMBackend(ABC):
+    """A vision-language model that returns text with per-token log-probabilities.
+
+    Subclasses set ``name`` (the backend kind) and ``model`` (what produced the answers, written into
+    every result and report) and implement :meth:`generate`.
+    """
+
+    name: str = "lvlm"
+    model: str = ""
+
+    @abstractmethod
+    def generate(self, requests: Sequence[LVLMRequest]) -> list[LVLMResult]:
+        """One result per request, in order; batched where the backend can."""
+
+    def __call__(self, request: LVLMRequest) -> LVLMResult:
+        return self.generate([request])[0]
+
+    def close(self) -> None:
+        """Release what the backend holds (threads, connections); the default does nothing."""
+
+    def __enter__(self) -> LVLMBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = [
+    "Content",
+    "GenerationSettings",
+    "ImageError",
+    "LVLMBackend",
+    "LVLMError",
+    "LVLMHTTPError",
+    "LVLMRequest",
+    "LVLMResponseError",
+    "LVLMResult",
+    "LVLMTimeoutError",
+    "Message",
+    "PageImage",
+    "TokenLogprob",
+]
