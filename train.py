@@ -1,13 +1,13 @@
 """Train the HKRAG retriever: ``python train.py [experiment=...] [key=value ...]``.
 
 Runs as is on one CPU/GPU, and as ``accelerate launch [--config_file conf/accelerate/...] train.py ...``
-on several GPUs (DDP or DeepSpeed). All logic lives in :mod:`hkrag.training.run`.
+on several GPUs (DDP or DeepSpeed). All logic lives in :mod:`hkrag.tasks.training`.
 """
 
 import hydra
 from omegaconf import DictConfig
 
-from hkrag.experiment import run_training
+from hkrag.tasks.training import run_training
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")

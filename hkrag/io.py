@@ -23,7 +23,8 @@ class WriteError(OSError):
 
     def __init__(self, path: str | Path, error: BaseException) -> None:
         reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
-        super().__init__(getattr(error, "errno", None), f"could not write {path}: {reason}; the previous version (if any) is intact")
+        message = f"could not write {path}: {reason}; the previous version (if any) is intact"
+        super().__init__(getattr(error, "errno", None), message)
         self.path = Path(path)
 
 

@@ -8,7 +8,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from hkrag.data.opendocvqa import load_qa
-from hkrag.experiment import run_evaluation, run_training
+from hkrag.tasks.retrieval import run_retrieval_evaluation as run_evaluation
+from hkrag.tasks.training import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_DATA = [
@@ -65,7 +66,7 @@ def test_unknown_experiment_lists_the_choices():
 def test_generated_corpus_is_regenerated_when_its_settings_change(tmp_path):
     from omegaconf import OmegaConf
 
-    from hkrag.experiment import prepare_data
+    from hkrag.tasks.common import prepare_data
 
     data = OmegaConf.create({"root": str(tmp_path / "syn"), "synthetic": {
         "n_train": 8, "n_test": 4, "train_groups_per_style": 1, "test_groups_per_style": 1, "group_size": 2}})
@@ -81,7 +82,7 @@ def test_generated_corpus_is_regenerated_when_its_settings_change(tmp_path):
 def test_foreign_folder_is_never_overwritten(tmp_path):
     from omegaconf import OmegaConf
 
-    from hkrag.experiment import prepare_data
+    from hkrag.tasks.common import prepare_data
 
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
@@ -95,8 +96,8 @@ def test_evaluation_warns_about_positives_missing_from_the_pool(tmp_path, caplog
 
     from hkrag.data.opendocvqa import QAExample, load_corpus
     from hkrag.evaluation import RetrievalEvalConfig, evaluate_retrieval
-    from hkrag.experiment import prepare_data
     from hkrag.retriever import Phi3VRetriever
+    from hkrag.tasks.common import prepare_data
 
     root = tmp_path / "syn"
     prepare_data(OmegaConf.create({"root": str(root), "synthetic": {

@@ -215,7 +215,8 @@ class LVLMBackend(ABC):
         return self.generate([request])[0]
 
     def close(self) -> None:
-        """Release what the backend holds (threads, connections); the default does nothing."""
+        """Release what the backend holds (threads, connections); the default holds nothing."""
+        return None
 
     def __enter__(self) -> LVLMBackend:
         return self

@@ -1,0 +1,115 @@
+"""What the agentic generator records per query: every LVLM call and the query's outcome.
+
+One :class:`QueryOutcome` per query is one line of the run's JSONL trace (``to_dict``/``from_dict``
+round-trip). The answer evaluation fills ``judge`` and ``metrics``; the reports and the HTML page read
+nothing else, so a trace alone reproduces every number of a run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hkrag.lvlm.base import LVLMResult, PageImage
+
+ROUTES = ("LQP", "HQP", "single_pass", "failed")
+"""Low-uncertainty pair (Judger → Summarizer verifies), high-uncertainty pair (→ Decoupler), a baseline
+without the Judger, or a query that failed before it was routed."""
+
+
+@dataclass
+class Query:
+    """A question for the generator with its ranked pages (retrieved, gold, or none) and gold answers."""
+
+    query_id: str
+    question: str
+    pages: list[PageImage]
+    gold: list[str] = field(default_factory=list)
+    dataset: str = ""
+    pool: str = ""
+
+
+@dataclass
+class CallRecord:
+    """One LVLM call: which agent asked what about which pages, and what came back at what cost."""
+
+    agent: str
+    prompt: str
+    page_ids: list[str]
+    output: str = ""
+    num_tokens: int = 0
+    mean_logprob: float | None = None
+    min_logprob: float | None = None
+    uncertainty: float | None = None
+    estimator: str | None = None
+    latency_s: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached: bool = False
+    error: str | None = None
+
+    @classmethod
+    def from_result(cls, agent: str, prompt: str, page_ids: list[str], result: LVLMResult) -> CallRecord:
+        """A record of a successful call (log-probabilities summarised as mean and minimum)."""
+        logprobs = result.logprobs
+        return cls(
+            agent=agent,
+            prompt=prompt,
+            page_ids=list(page_ids),
+            output=result.text,
+            num_tokens=len(logprobs),
+            mean_logprob=sum(logprobs) / len(logprobs) if logprobs else None,
+            min_logprob=min(logprobs) if logprobs else None,
+            latency_s=result.latency_s,
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            cached=result.cached,
+        )
+
+
+@dataclass
+class QueryOutcome:
+    """A query's path through the generator and its final answer.
+
+    ``failed`` queries (an error, or a cap on calls/tokens/seconds/iterations reached) keep
+    ``answer == ""``, name the reason in ``failure`` and count as wrong in every metric: they are never
+    dropped from a denominator.
+    """
+
+    query_id: str
+    question: str
+    gold: list[str]
+    dataset: str = ""
+    pool: str = ""
+    retrieved: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    route: str = "failed"
+    uncertainty: float | None = None
+    estimator: str | None = None
+    iterations: int = 0
+    answer: str = ""
+    failed: bool = False
+    failure: str | None = None
+    calls: list[CallRecord] = field(default_factory=list)
+    wall_s: float = 0.0
+    judge: dict[str, Any] | None = None
+    metrics: dict[str, float] | None = None
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.calls)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(c.prompt_tokens for c in self.calls)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.calls)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> QueryOutcome:
+        return cls(**{**data, "calls": [CallRecord(**c) for c in data.get("calls", [])]})

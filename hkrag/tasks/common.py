@@ -1,0 +1,124 @@
+"""What every task composes from config: the accelerator, the shared run directory, data and the retriever.
+
+``hkrag.tasks.training`` (``train.py``), ``hkrag.tasks.retrieval`` (``eval.py task=retrieval``) and the
+RAG task build on these; entry points only call a task's ``run_*`` function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from omegaconf import DictConfig, OmegaConf
+
+from hkrag.data.synthetic import CONFIG_FILE, SyntheticConfig, generate
+from hkrag.evaluation import RetrievalEvalConfig
+from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
+from hkrag.models.phi3v.loading import save_processor, tiny_phi3v
+from hkrag.retriever import LoraSettings, Phi3VRetriever
+
+logger = logging.getLogger(__name__)
+
+
+def make_accelerator(cpu: bool, **kwargs: Any) -> Accelerator:
+    """An Accelerator on the CPU when asked or when CUDA is absent.
+
+    Under ``accelerate launch`` without GPUs, only a CPU accelerator joins the (gloo) process group;
+    otherwise every process would run alone, each thinking it is rank 0.
+    """
+    return Accelerator(cpu=cpu or not torch.cuda.is_available(), **kwargs)
+
+
+def shared_output_dir(accelerator: Accelerator, local_dir: str | Path) -> Path:
+    """Rank 0's run directory, broadcast so every rank writes under the same path."""
+    chosen = broadcast_object_list([str(local_dir)], from_process=0)[0] if accelerator.num_processes > 1 else local_dir
+    return Path(chosen)
+
+
+def prepare_data(data_cfg: DictConfig) -> None:
+    """Generate the built-in synthetic corpus when absent or generated with other settings.
+
+    A folder is regenerated only if it carries the generator's own ``synthetic_config.json`` (so it
+    is ours and deterministic from those settings); anything else at that path raises.
+    """
+    if data_cfg.get("synthetic") is None:
+        return
+    root, config = Path(data_cfg.root), SyntheticConfig(**data_cfg.synthetic)
+    marker = root / CONFIG_FILE
+    if marker.is_file() and json.loads(marker.read_text()) == dataclasses.asdict(config):
+        return
+    if root.exists() and any(root.iterdir()):
+        if not marker.is_file():
+            raise FileExistsError(f"{root} exists but was not written by hkrag.data.synthetic; set data.root elsewhere")
+        logger.warning("%s was generated with other settings: regenerating it", root)
+        shutil.rmtree(root)
+    logger.info("generating the built-in synthetic corpus in %s", root)
+    generate(root, config)
+
+
+def build_retriever(
+    model_cfg: DictConfig, texts: list[str] | None = None, trainable: bool = True, save_base_to: Path | None = None
+) -> Phi3VRetriever:
+    """The tiny random retriever (``kind: tiny``) or the real checkpoint (``kind: phi3v``).
+
+    ``model.adapter`` continues an existing adapter; otherwise ``model.lora`` adds a new one when
+    ``trainable``. ``save_base_to`` writes the random tiny base (before any adapter) so that runs can
+    be reloaded like real checkpoints.
+    """
+    adapter = model_cfg.get("adapter")
+    lora = LoraSettings(**model_cfg.lora) if trainable and model_cfg.get("lora") and not adapter else None
+    if model_cfg.kind == "tiny":
+        model, processor = tiny_phi3v(texts=texts or (), num_crops=model_cfg.num_crops, seed=model_cfg.seed,
+                                      **model_cfg.get("config", {}))
+        if save_base_to is not None:
+            save_tiny_base(model, processor, save_base_to)
+        return Phi3VRetriever.wrap(model, processor, adapter, lora, trainable)
+    if model_cfg.kind == "phi3v":
+        return Phi3VRetriever.from_pretrained(
+            model_cfg.base, adapter=adapter, lora=lora, trainable=trainable, num_crops=model_cfg.num_crops,
+            dtype=getattr(torch, model_cfg.dtype), attn_implementation=model_cfg.get("attn_implementation"),
+            gradient_checkpointing=trainable and model_cfg.gradient_checkpointing,
+        )
+    raise ValueError(f"model.kind must be 'tiny' or 'phi3v', got {model_cfg.kind!r}")
+
+
+def save_tiny_base(model: Phi3VForCausalLM, processor: Phi3VProcessor, directory: Path) -> Path:
+    """Write the random tiny base model + processor so ``eval.py`` can load it like a real checkpoint."""
+    model.save_pretrained(directory)
+    save_processor(processor, directory)
+    return directory
+
+
+def eval_config(cfg: DictConfig) -> RetrievalEvalConfig:
+    settings = OmegaConf.to_container(cfg.eval, resolve=True)
+    return RetrievalEvalConfig(qa_source=cfg.data.qa_source, corpus_source=cfg.data.corpus_source, **settings)
+
+
+def trained_model_config(model_cfg: DictConfig, run_dir: str | Path) -> DictConfig:
+    """Model config that loads a ``train.py`` run: its saved tiny base (if any) and final adapter."""
+    run_dir = Path(run_dir)
+    adapter = run_dir / "checkpoints" / "final" / "adapter"
+    if not adapter.is_dir():
+        raise FileNotFoundError(f"{run_dir} has no checkpoints/final/adapter: is it a finished train.py run directory?")
+    overrides = {"adapter": str(adapter)}
+    if (run_dir / "base" / "config.json").is_file():
+        overrides.update(kind="phi3v", base=str(run_dir / "base"), dtype="float32", num_crops=None)
+    return OmegaConf.merge(model_cfg, overrides)
+
+
+def flat_summary(report: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for when in ("before", "after"):
+        for dataset, by_pool in (report.get(when) or {}).items():
+            for pool, result in by_pool.items():
+                for label, metrics in result.items():
+                    if isinstance(metrics, dict):
+                        out[f"{when}/{dataset}/{pool}/{label}/ndcg@5"] = metrics["ndcg@5"]
+    return out

@@ -1,0 +1,48 @@
+"""``eval.py task=retrieval``: a retriever evaluated as in the paper's Table 2.
+
+A retriever (base + adapter, or a ``train.py`` run's directory) evaluated by the same
+:func:`hkrag.evaluation.evaluate_retrieval` the training report used.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from hkrag.evaluation import evaluate_retrieval
+from hkrag.tasks.common import (
+    build_retriever,
+    eval_config,
+    flat_summary,
+    make_accelerator,
+    prepare_data,
+    shared_output_dir,
+    trained_model_config,
+)
+from hkrag.training.reporting import RunLogger
+
+
+def run_retrieval_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
+    """``eval.py task=retrieval``: encode, search single and all pools, write ``retrieval.{json,md}``."""
+    accelerator = make_accelerator(cfg.get("cpu", False))
+    output_dir = shared_output_dir(accelerator, output_dir)
+    model_cfg = trained_model_config(cfg.model, cfg.run_dir) if cfg.get("run_dir") else cfg.model
+    if accelerator.is_main_process:
+        prepare_data(cfg.data)
+    accelerator.wait_for_everyone()
+    retriever = build_retriever(model_cfg, trainable=False)
+    retriever.model.to(accelerator.device)
+    identity = {"model": str(model_cfg.get("base", "tiny")), "adapter": model_cfg.get("adapter")}
+    result = evaluate_retrieval(retriever, eval_config(cfg), output_dir, identity)
+    if accelerator.is_main_process:
+        (output_dir / "retrieval.json").write_text(json.dumps(result["results"], indent=2))
+        (output_dir / "retrieval.md").write_text(result["table"] + "\n")
+        print(result["table"])
+        run_logger = RunLogger(output_dir, project=cfg.logger.project, wandb_mode=cfg.logger.wandb_mode,
+                               config=OmegaConf.to_container(cfg, resolve=True), name=cfg.get("run_name"))
+        run_logger.summary(flat_summary({"after": result["results"]}))
+        run_logger.finish()
+    return result

@@ -1,0 +1,114 @@
+"""``train.py``: train the retriever and report retrieval before and after (DESIGN §9).
+
+One shared run directory for all ranks; data (the built-in corpus is generated on first use); retriever
+(tiny random model or the real checkpoint, optionally starting from an existing adapter); loss;
+retrieval evaluation before training; training; a final checkpoint; evaluation after; a report
+(``report.json`` + ``report.md``) written by rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from accelerate.utils import set_seed
+from omegaconf import DictConfig, OmegaConf
+
+from hkrag.data.opendocvqa import load_corpus, load_qa, training_pairs
+from hkrag.evaluation import evaluate_retrieval
+from hkrag.index.shards import config_hash
+from hkrag.losses import HybridMaskLoss
+from hkrag.retriever import Phi3VRetriever
+from hkrag.tasks.common import (
+    build_retriever,
+    eval_config,
+    flat_summary,
+    make_accelerator,
+    prepare_data,
+    shared_output_dir,
+)
+from hkrag.training.checkpoint import latest_checkpoint
+from hkrag.training.reporting import RunLogger
+from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
+
+
+def trainer_config(cfg: DictConfig) -> TrainerConfig:
+    """``trainer`` + ``optim`` groups as a :class:`TrainerConfig` (``precision``/``cpu`` go to accelerate)."""
+    values = {**OmegaConf.to_container(cfg.trainer, resolve=True), **OmegaConf.to_container(cfg.optim, resolve=True)}
+    values["betas"] = tuple(values["betas"])
+    return TrainerConfig(**{k: v for k, v in values.items() if k not in ("precision", "cpu")})
+
+
+def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
+    """Train and evaluate as ``cfg`` says; returns the report (rank 0) or ``{}``."""
+    accelerator = make_accelerator(cfg.trainer.get("cpu", False), mixed_precision=cfg.trainer.precision)
+    output_dir = shared_output_dir(accelerator, output_dir)
+    set_seed(cfg.trainer.seed)
+    if accelerator.is_main_process:
+        prepare_data(cfg.data)
+    accelerator.wait_for_everyone()
+
+    train_qa = load_qa(cfg.data.qa_source, cfg.data.train.qa_config, cfg.data.train.split)
+    corpus = load_corpus(cfg.data.corpus_source, cfg.data.train.corpus_config, cfg.data.train.split)
+    pairs = training_pairs(train_qa, corpus)
+    tiny_base = output_dir / "base" if cfg.model.kind == "tiny" and accelerator.is_main_process else None
+    retriever = build_retriever(cfg.model, texts=[ex.query for ex in train_qa], save_base_to=tiny_base)
+    base = output_dir / "base" if cfg.model.kind == "tiny" else cfg.model.base
+    identity = {"model": str(base), "config": OmegaConf.to_container(cfg.model)}
+
+    run_logger = RunLogger(output_dir, project=cfg.logger.project, wandb_mode=cfg.logger.wandb_mode,
+                           config=OmegaConf.to_container(cfg, resolve=True), name=cfg.get("run_name"),
+                           enabled=accelerator.is_main_process)
+    trainer_cfg = trainer_config(cfg)
+    loss_fn = HybridMaskLoss(**cfg.loss)
+    trainer = RetrieverTrainer(retriever, loss_fn, pairs, corpus, trainer_cfg, accelerator, output_dir, run_logger)
+    resume = _resume_path(cfg.get("resume"), output_dir)
+    if resume:
+        trainer.resume(resume)
+
+    evaluate = cfg.eval_before_after and cfg.get("eval") is not None
+    before = _evaluate(retriever, cfg, output_dir / "eval-before", identity) if evaluate and not resume else None
+    trainer.fit()
+    final = trainer.save("final")
+    identity["adapter"] = str(final / "adapter")
+    after = _evaluate(retriever, cfg, output_dir / "eval-after", identity) if evaluate else None
+
+    report = {}
+    if accelerator.is_main_process:
+        report = write_report(output_dir, cfg, before, after, trainer.state.step, final)
+        run_logger.summary(flat_summary(report))
+    run_logger.finish()
+    accelerator.wait_for_everyone()
+    return report
+
+
+def _resume_path(resume: str | None, output_dir: Path) -> Path | None:
+    if not resume:
+        return None
+    if resume == "latest":
+        found = latest_checkpoint(output_dir)
+        if found is None:
+            raise FileNotFoundError(f"resume=latest but {output_dir}/checkpoints holds no finished checkpoint")
+        return found
+    return Path(resume)
+
+
+def _evaluate(retriever: Phi3VRetriever, cfg: DictConfig, work_dir: Path, identity: dict) -> dict | None:
+    return evaluate_retrieval(retriever, eval_config(cfg), work_dir, identity) or None
+
+
+def write_report(output_dir: Path, cfg: DictConfig, before: dict | None, after: dict | None, steps: int,
+                 checkpoint: Path) -> dict[str, Any]:
+    """``report.json`` and ``report.md`` with the before/after retrieval tables."""
+    report = {"steps": steps, "checkpoint": str(checkpoint), "config_hash": config_hash(OmegaConf.to_container(cfg)),
+              "before": before and before["results"], "after": after and after["results"]}
+    (output_dir / "report.json").write_text(json.dumps(report, indent=2))
+    lines = [f"# Retriever training report\n\nsteps: {steps}; checkpoint: `{checkpoint}`\n"]
+    for title, result in (("Before training", before), ("After training", after)):
+        if result:
+            lines += [f"## {title}\n", result["table"], ""]
+    text = "\n".join(lines)
+    (output_dir / "report.md").write_text(text)
+    print(text)
+    return report
