@@ -88,7 +88,8 @@ def info_nce(sim: Tensor, tau: float, ignore: Tensor | None = None) -> Tensor:
     Row ``i`` of ``sim`` is scored against all columns, target ``i``, mean over rows.
     ``L_IN(a, b)`` is ``info_nce(sim(a, b))`` and ``L_IN(b, a)`` is ``info_nce(sim(a, b).T)``.
     ``ignore`` (bool, same shape, never on the diagonal) drops logits that are not negatives, e.g.
-    column ``j`` when document ``j`` is the same page as row ``i``'s positive.
+    column ``j`` when document ``j`` is one of query ``i``'s positive pages. For ``sim.T`` pass
+    ``ignore.T``: the roles of rows and columns swap with it.
     """
     logits = sim / tau
     if ignore is not None:
@@ -170,26 +171,31 @@ class HybridMaskLoss(nn.Module):
         self.max_chunk_elements = max_chunk_elements
         self.eps = eps
 
+    def settings(self) -> dict[str, float | int | bool]:
+        """The settings that define the objective (``max_chunk_elements`` only bounds memory)."""
+        names = ("tau", "alpha", "beta", "num_sub_masks", "use_din", "use_sin", "mask_positive_only", "eps")
+        return {name: getattr(self, name) for name in names}
+
     def extra_repr(self) -> str:
-        return (
-            f"tau={self.tau}, alpha={self.alpha}, beta={self.beta}, "
-            f"num_sub_masks={self.num_sub_masks}, use_din={self.use_din}, "
-            f"use_sin={self.use_sin}, mask_positive_only={self.mask_positive_only}"
-        )
+        return ", ".join(f"{name}={value}" for name, value in self.settings().items())
 
     def forward(
         self, q: Tensor, d: Tensor, generator: torch.Generator | None = None, ignore: Tensor | None = None
     ) -> LossOutput:
         """Loss of the global batch ``q, d`` (``(B, D)``, positives on the diagonal).
 
-        ``ignore`` (``(B, B)`` bool, symmetric, false on the diagonal) marks query-document pairs that
-        are not negatives (the same page is the positive of both rows); they leave every softmax.
+        ``ignore`` (``(B, B)`` bool, false on the diagonal) marks query-document pairs that are not
+        negatives: ``ignore[i, j]`` when document ``j`` is one of query ``i``'s positives (with several
+        positives per query it is not symmetric). Such a pair leaves query ``i``'s softmax in every
+        query-to-document term, and query ``i`` leaves document ``j``'s softmax in the
+        document-to-query term of Eq. 4, which therefore uses ``ignore.T``.
         """
         q, d = _at_least_float32(q), _at_least_float32(d)
         positive_mask = hybrid_mask(q, d, self.alpha, self.eps)
         sims = self._masked_similarities(q, d, positive_mask, generator)
         if self.use_din:
-            loss = (info_nce(sims[0], self.tau, ignore) + info_nce(sims[0].T, self.tau, ignore)) / 2
+            ignore_t = None if ignore is None else ignore.T
+            loss = (info_nce(sims[0], self.tau, ignore) + info_nce(sims[0].T, self.tau, ignore_t)) / 2
             components = {"din": loss}
         else:
             loss = info_nce(masked_cosine(q, d), self.tau, ignore)

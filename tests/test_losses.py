@@ -239,3 +239,34 @@ def test_ignored_pairs_leave_the_softmax():
     plain = HybridMaskLoss(tau=tau, use_din=False, use_sin=False)
     assert plain(q, d, ignore=ignore).loss.item() == pytest.approx(expected, rel=1e-6)
     assert plain(q, d).loss.item() > expected
+
+
+def test_multi_positive_exclusion_is_transposed_for_the_document_to_query_term():
+    """Query 0 has two positive pages, d0 (its row) and d1 (row 1's); queries 1 and 2 have one each.
+
+    q->d: d1 is not a negative of query 0. d->q: query 0 is not a negative of d1 (d1 is relevant to it),
+    but query 1 stays a negative of d0 (d0 is not relevant to query 1): the mask is not symmetric.
+    """
+    rows_q = [[1.0, 2.0, 3.0], [3.0, 1.0, 2.0], [2.0, 3.0, 1.0]]
+    rows_d = [[1.0, 2.0, 4.0], [4.0, 1.0, 2.0], [2.0, 4.0, 1.0]]
+    q, d = tensors(rows_q, rows_d)
+    ignore = torch.tensor([[False, True, False], [False, False, False], [False, False, False]])
+    sim = [[cos(rows_q[i], rows_d[j]) for j in range(3)] for i in range(3)]
+
+    def nce_without(sim, skipped, tau):
+        """Eq. 3 by hand, leaving the (row, column) pairs in ``skipped`` out of each row's softmax."""
+        terms = [math.log(sum(math.exp(s / tau) for j, s in enumerate(row) if (i, j) not in skipped)) - row[i] / tau
+                 for i, row in enumerate(sim)]
+        return sum(terms) / len(terms)
+
+    q_to_d = nce_without(sim, {(0, 1)}, TAU)  # row q0 drops d1
+    d_to_q = nce_without(transpose(sim), {(1, 0)}, TAU)  # row d1 drops q0; row d0 keeps q1
+    # alpha -> inf: every mask is ½ everywhere, so masked cosines are plain cosines (no |q ⊙ d| is constant)
+    din = HybridMaskLoss(tau=TAU, alpha=1e6, use_sin=False)
+    assert din(q, d, ignore=ignore).loss.item() == pytest.approx((q_to_d + d_to_q) / 2, rel=1e-9)
+    both = {(0, 1), (1, 0)}  # the old, symmetric mask drops q1-d0 in both directions too
+    symmetric = (nce_without(sim, both, TAU) + nce_without(transpose(sim), both, TAU)) / 2
+    assert din(q, d, ignore=ignore | ignore.T).loss.item() != pytest.approx(din(q, d, ignore=ignore).loss.item())
+    assert din(q, d, ignore=ignore | ignore.T).loss.item() == pytest.approx(symmetric, rel=1e-9)
+    baseline = HybridMaskLoss(tau=TAU, use_din=False, use_sin=False)  # Eq. 3 is query-to-document only
+    assert baseline(q, d, ignore=ignore).loss.item() == pytest.approx(q_to_d, rel=1e-9)

@@ -2,20 +2,27 @@
 
 import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
+from hydra import compose, initialize_config_dir
 
 from hkrag.data.opendocvqa import TrainingPair, load_corpus, load_qa, training_pairs
 from hkrag.data.synthetic import SyntheticConfig, generate
 from hkrag.losses import HybridMaskLoss, LossOutput
+from hkrag.models.phi3v.loading import load_phi3v
 from hkrag.retriever import LoraSettings, Phi3VRetriever
-from hkrag.training.checkpoint import CheckpointError, latest_checkpoint
+from hkrag.tasks.training import run_settings
+from hkrag.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, resolve_resume
 from hkrag.training.reporting import RunLogger
 from hkrag.training.sampler import GlobalBatchSampler
 from hkrag.training.trainer import NonFiniteLossError, RetrieverTrainer, TrainerConfig, document_groups
 
+ROOT = Path(__file__).resolve().parents[1]
 SMALL = SyntheticConfig(n_train=40, n_test=12, train_groups_per_style=2, test_groups_per_style=1, group_size=3)
 
 
@@ -33,9 +40,9 @@ def train_data(synthetic_root):
     return training_pairs(qa, corpus), corpus
 
 
-def make_trainer(train_data, output_dir, loss_fn=None, **overrides):
+def make_trainer(train_data, output_dir, loss_fn=None, lora_rank=4, **overrides):
     pairs, corpus = train_data
-    retriever = Phi3VRetriever.tiny(lora=LoraSettings(r=4, dropout=0.1), num_crops=4, seed=0)
+    retriever = Phi3VRetriever.tiny(lora=LoraSettings(r=lora_rank, dropout=0.1), num_crops=4, seed=0)
     settings = dict(global_batch_size=8, chunk_size=4, epochs=2, lr=1e-3, seed=3, num_workers=0)
     settings.update(overrides)
     config = TrainerConfig(**settings)
@@ -45,10 +52,15 @@ def make_trainer(train_data, output_dir, loss_fn=None, **overrides):
     )
 
 
-def losses(trainer):
+def losses(trainer, key="loss"):
     seen = []
-    trainer.fit(on_log=lambda record: seen.append(record["loss"]))
+    trainer.fit(on_log=lambda record: seen.append(record[key]))
     return seen
+
+
+# Linear schedule, warmup 0.5 over 6 steps, peak 1e-3: the rate after each optimizer step.
+LINEAR_WARMUP_LRS = [1e-3 / 3, 2e-3 / 3, 1e-3, 2e-3 / 3, 1e-3 / 3, 0.0]
+LINEAR_WARMUP = dict(max_steps=6, lr=1e-3, warmup_ratio=0.5, scheduler="linear")
 
 
 def test_rank_slices_make_up_the_single_process_batch():
@@ -78,9 +90,56 @@ def test_shared_positive_pages_are_not_negatives(train_data, tmp_path):
     pairs, corpus = train_data
     two_pages = [pairs[0], next(p for p in pairs if p.positives != pairs[0].positives)]
     trainer = make_trainer((two_pages * 4, corpus), tmp_path, global_batch_size=8, max_steps=1)
-    ignore = trainer.shared_positives()
+    ignore = trainer.in_batch_positives()
     assert ignore.shape == (8, 8) and not ignore.diagonal().any()
     assert ignore.sum() == 8 * 3  # each row shares its page with 3 others
+
+
+def test_every_positive_of_a_multi_positive_query_is_excluded(train_data, tmp_path):
+    _, corpus = train_data
+    pairs = [TrainingPair("a", "qa", ("p1", "p2")), TrainingPair("b", "qb", ("p2",)),
+             TrainingPair("c", "qc", ("p3",)), TrainingPair("d", "qd", ("p1",))]
+    trainer = make_trainer((pairs * 2, corpus), tmp_path, global_batch_size=8, max_steps=1)
+    # Epoch 0: a draws p1, so its rows count for a and d; b's rows (p2) are relevant to a but not to d.
+    # Epoch 1: a draws p2, so its rows now count for a and b and no longer for d.
+    relevant = [{"a": "abd", "b": "b", "c": "c", "d": "ad"}, {"a": "abd", "b": "ab", "c": "c", "d": "d"}]
+    for epoch in (0, 1):
+        trainer.state.epoch = epoch
+        ids = [(pairs * 2)[i].query_id for i in trainer.sampler.global_batch(epoch, 0)]
+        expected = [[i != j and ids[j] in relevant[epoch][ids[i]] for j in range(8)] for i in range(8)]
+        ignore = trainer.in_batch_positives()
+        assert ignore.tolist() == expected
+        assert not torch.equal(ignore, ignore.T)  # a's row ignores b's page, b's row keeps a's (epoch 0) or d's
+
+
+def test_logged_learning_rate_warms_up_and_decays_once_per_step(train_data, tmp_path):
+    trainer = make_trainer(train_data, tmp_path, global_batch_size=4, chunk_size=None, **LINEAR_WARMUP)
+    assert losses(trainer, "lr") == pytest.approx(LINEAR_WARMUP_LRS, abs=1e-12)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["lr"] for row in rows] == pytest.approx(LINEAR_WARMUP_LRS, abs=1e-12)
+
+
+def test_scheduler_steps_once_per_optimizer_step_with_several_processes(train_data, tmp_path, monkeypatch):
+    """accelerate's prepared scheduler would step twice per optimizer step here (6.7e-4, 6.7e-4, 0, ...)."""
+    trainer = make_trainer(train_data, tmp_path, **LINEAR_WARMUP)
+    for state in (PartialState, AcceleratorState):  # what accelerate's scheduler wrapper reads
+        monkeypatch.setitem(state._shared_state, "num_processes", 2)
+    assert trainer.accelerator.num_processes == 2
+    seen = []
+    for _ in range(6):
+        trainer.optimizer_step(LossOutput(loss=torch.tensor(0.0)))
+        seen.append(trainer.scheduler.get_last_lr()[0])
+    assert seen == pytest.approx(LINEAR_WARMUP_LRS, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [({"max_steps": -1}, "trainer.max_steps=-1"), ({"max_steps": 0}, "trainer.max_steps=0"),
+     ({"epochs": 0}, "trainer.epochs=0")],
+)
+def test_a_run_without_optimizer_steps_is_refused(train_data, tmp_path, overrides, named):
+    with pytest.raises(ValueError, match=rf"nothing to train: .*{named}.*40 training pairs.*global_batch_size=8"):
+        make_trainer(train_data, tmp_path, **overrides)
 
 
 def test_sampler_errors_name_the_fix():
@@ -155,3 +214,111 @@ def test_checkpoint_of_another_model_is_refused(train_data, tmp_path):
         from hkrag.training.checkpoint import load_checkpoint
 
         load_checkpoint(checkpoint, other.retriever.model, other.optimizer, other.scheduler, 0)
+
+
+def test_latest_checkpoint_skips_temporaries_and_unfinished_folders(tmp_path):
+    for name, finished in (("step-2", True), ("step-10.tmp", True), (".step-11.123.tmp", True), ("step-12", False),
+                           ("step-x", True), ("final", True)):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+        if finished:
+            (tmp_path / "checkpoints" / name / "state.json").write_text("{}")
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-2"
+    assert resolve_resume("auto", tmp_path) == resolve_resume("latest", tmp_path) == tmp_path / "checkpoints" / "step-2"
+    assert resolve_resume("auto", tmp_path / "fresh") is None and resolve_resume(None, tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="resume=latest but .*fresh/checkpoints.*resume=auto"):
+        resolve_resume("latest", tmp_path / "fresh")
+
+
+def test_resume_under_other_settings_names_the_keys(train_data, tmp_path):
+    checkpoint = make_trainer(train_data, tmp_path, max_steps=2).save()
+    other = make_trainer(train_data, tmp_path / "other", max_steps=2, lr=2e-3, global_batch_size=4)
+    before = [p.detach().clone() for p in other.retriever.parameters() if p.requires_grad]
+    with pytest.raises(CheckpointError, match=r"state.json was written by a run with other settings") as error:
+        other.resume(checkpoint)
+    assert "optim.lr: 0.001 in the checkpoint, 0.002 now" in str(error.value)
+    assert "trainer.global_batch_size: 8 in the checkpoint, 4 now" in str(error.value)
+    assert "trainer.seed" not in str(error.value)
+    after = [p for p in other.retriever.parameters() if p.requires_grad]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # nothing restored
+    state = json.loads((checkpoint / "state.json").read_text())
+    assert state["config"]["optim.lr"] == 1e-3 and len(state["config_hash"]) == 16
+
+
+def test_lora_rank_mismatch_is_refused(train_data, tmp_path):
+    checkpoint = make_trainer(train_data, tmp_path, max_steps=1).save()
+    wider = make_trainer(train_data, tmp_path / "wider", max_steps=1, lora_rank=8)
+    with pytest.raises(CheckpointError, match=r"state.json .*model.lora.r: 4 in the checkpoint, 8 now"):
+        wider.resume(checkpoint)
+    with pytest.raises(CheckpointError, match=r"trainable.safetensors: .* another shape .*\(8, 64\) now"):
+        load_checkpoint(checkpoint, wider.retriever.model, wider.optimizer, wider.scheduler, 0)
+
+
+@pytest.mark.parametrize("name", ["trainable.safetensors", "adapter/adapter_model.safetensors", "state.json"])
+def test_truncated_or_unknown_checkpoint_files_are_named(train_data, tmp_path, name):
+    trainer = make_trainer(train_data, tmp_path, max_steps=1)
+    checkpoint = trainer.save()
+    path = checkpoint / name
+    if name == "state.json":
+        path.write_text(json.dumps({**json.loads(path.read_text()), "surprise": 1}))
+    else:
+        path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(CheckpointError, match=re.escape(str(path)) + (".*surprise" if name == "state.json" else "")):
+        make_trainer(train_data, tmp_path, max_steps=1).resume(checkpoint)
+
+
+def test_interrupted_checkpoint_write_leaves_the_previous_one_intact(train_data, tmp_path, monkeypatch):
+    trainer = make_trainer(train_data, tmp_path, max_steps=6)
+    trainer.total_steps = 1
+    trainer.fit()
+    previous = trainer.save()
+    saved = {n: p.detach().clone() for n, p in trainer.retriever.named_parameters() if p.requires_grad}
+    trainer.total_steps = 2
+    trainer.fit()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    for name in (None, "step-1"):  # a new step, and overwriting the previous one in place
+        with pytest.raises(OSError, match="No space left on device"):
+            trainer.save(name)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
+    assert latest_checkpoint(tmp_path) == previous
+    resumed = make_trainer(train_data, tmp_path, max_steps=6)
+    resumed.resume(previous)
+    assert resumed.state.step == 1
+    for name, param in resumed.retriever.named_parameters():
+        if param.requires_grad:
+            assert torch.equal(param, saved[name])
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("experiment", ["hkrag_retriever", "hkrag_retriever_pretrained", "ablation_infonce",
+                                        "ablation_no_din", "ablation_no_sin"])
+def test_paper_experiments_require_flash_attention(experiment):
+    assert composed(f"experiment={experiment}").model.attn_implementation == "flash_attention_2"
+    overridden = composed(f"experiment={experiment}", "model.attn_implementation=sdpa")
+    assert overridden.model.attn_implementation == "sdpa"
+
+
+def test_cpu_demo_keeps_the_default_attention():
+    cfg = composed()
+    assert cfg.model.kind == "tiny" and cfg.model.get("attn_implementation") in (None, "sdpa")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_requested_flash_attention_without_cuda_fails_with_the_override():
+    with pytest.raises(ImportError, match=r"flash_attention_2.*CUDA is not available.*model.attn_implementation=sdpa"):
+        load_phi3v("not/downloaded", attn_implementation="flash_attention_2")
+
+
+def test_run_settings_keep_what_fixes_the_run_and_leave_out_the_rest():
+    base = run_settings(composed())
+    assert base["model.kind"] == "tiny" and base["data.synthetic.n_train"] == 1536 and base["trainer.precision"] == "no"
+    assert run_settings(composed("trainer.chunk_size=4", "data.eval_datasets=[synchart]")) == base
+    assert run_settings(composed("data.synthetic.n_train=64"))["data.synthetic.n_train"] == 64

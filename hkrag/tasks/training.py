@@ -8,7 +8,6 @@ retrieval evaluation before training; training; a final checkpoint; evaluation a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from hkrag.data.opendocvqa import load_corpus, load_qa, training_pairs
 from hkrag.evaluation import evaluate_retrieval
 from hkrag.index.shards import config_hash
+from hkrag.io import write_json, write_text
 from hkrag.losses import HybridMaskLoss
 from hkrag.retriever import Phi3VRetriever
 from hkrag.tasks.common import (
@@ -28,9 +28,10 @@ from hkrag.tasks.common import (
     prepare_data,
     shared_output_dir,
 )
-from hkrag.training.checkpoint import latest_checkpoint
+from hkrag.training.checkpoint import resolve_resume
 from hkrag.training.reporting import RunLogger
 from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
+from hkrag.validation import validate_config
 
 
 def trainer_config(cfg: DictConfig) -> TrainerConfig:
@@ -42,6 +43,7 @@ def trainer_config(cfg: DictConfig) -> TrainerConfig:
 
 def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     """Train and evaluate as ``cfg`` says; returns the report (rank 0) or ``{}``."""
+    validate_config(cfg)
     accelerator = make_accelerator(cfg.trainer.get("cpu", False), mixed_precision=cfg.trainer.precision)
     output_dir = shared_output_dir(accelerator, output_dir)
     set_seed(cfg.trainer.seed)
@@ -62,8 +64,9 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
                            enabled=accelerator.is_main_process)
     trainer_cfg = trainer_config(cfg)
     loss_fn = HybridMaskLoss(**cfg.loss)
-    trainer = RetrieverTrainer(retriever, loss_fn, pairs, corpus, trainer_cfg, accelerator, output_dir, run_logger)
-    resume = _resume_path(cfg.get("resume"), output_dir)
+    trainer = RetrieverTrainer(retriever, loss_fn, pairs, corpus, trainer_cfg, accelerator, output_dir, run_logger,
+                               run_config=run_settings(cfg))
+    resume = resolve_resume(cfg.get("resume"), output_dir)
     if resume:
         trainer.resume(resume)
 
@@ -83,15 +86,23 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     return report
 
 
-def _resume_path(resume: str | None, output_dir: Path) -> Path | None:
-    if not resume:
-        return None
-    if resume == "latest":
-        found = latest_checkpoint(output_dir)
-        if found is None:
-            raise FileNotFoundError(f"resume=latest but {output_dir}/checkpoints holds no finished checkpoint")
-        return found
-    return Path(resume)
+RUN_MODEL_KEYS = ("kind", "base", "adapter", "seed", "config", "num_crops", "dtype")
+"""``model`` keys that change what is trained (LoRA settings are read from the model itself)."""
+
+
+def run_settings(cfg: DictConfig) -> dict[str, Any]:
+    """Config values a resumed run must share with its checkpoint, beyond what the trainer derives itself."""
+    model = {f"model.{k}": cfg.model.get(k) for k in RUN_MODEL_KEYS if k in cfg.model}
+    data = {k: cfg.data.get(k) for k in ("synthetic", "train")}  # the content itself is fingerprinted by the trainer
+    return {**_flatten(model), **_flatten(data, "data."), "trainer.precision": cfg.trainer.get("precision")}
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, DictConfig):
+        tree = OmegaConf.to_container(tree, resolve=True)
+    if not isinstance(tree, dict) or not tree:
+        return {prefix.rstrip("."): tree} if prefix else {}
+    return {k: v for key, value in tree.items() for k, v in _flatten(value, f"{prefix}{key}.").items()}
 
 
 def _evaluate(retriever: Phi3VRetriever, cfg: DictConfig, work_dir: Path, identity: dict) -> dict | None:
@@ -103,12 +114,12 @@ def write_report(output_dir: Path, cfg: DictConfig, before: dict | None, after: 
     """``report.json`` and ``report.md`` with the before/after retrieval tables."""
     report = {"steps": steps, "checkpoint": str(checkpoint), "config_hash": config_hash(OmegaConf.to_container(cfg)),
               "before": before and before["results"], "after": after and after["results"]}
-    (output_dir / "report.json").write_text(json.dumps(report, indent=2))
+    write_json(output_dir / "report.json", report)
     lines = [f"# Retriever training report\n\nsteps: {steps}; checkpoint: `{checkpoint}`\n"]
     for title, result in (("Before training", before), ("After training", after)):
         if result:
             lines += [f"## {title}\n", result["table"], ""]
     text = "\n".join(lines)
-    (output_dir / "report.md").write_text(text)
+    write_text(output_dir / "report.md", text)
     print(text)
     return report

@@ -6,18 +6,26 @@ Layout of ``<output>/checkpoints/step-<N>/``::
     trainable.safetensors every trainable tensor by name (what resume loads, strict)
     optimizer.pt, scheduler.pt
     rng-<rank>.pt         python / numpy / torch (/ cuda) generator states of each rank
-    state.json            step, epoch, step within epoch, config hash
+    state.json            step, epoch, step within epoch, and the run config with its hash
 
-A checkpoint is written to ``step-<N>.tmp`` and renamed when complete, so a crash mid-write never
-leaves something that looks finished. Nothing is written while any trainable tensor is non-finite.
+Rank 0 writes the whole folder (the other ranks' RNG states are gathered to it) through
+:func:`hkrag.io.atomic_directory`: it is built under a hidden temporary name and swapped in only when
+complete, so a crash mid-write leaves the previous checkpoint of that name intact and nothing that
+looks finished. Nothing is written while any trainable tensor is non-finite.
+
+Resume refuses a checkpoint written under another run config (the keys that differ are named), and any
+file that is missing, truncated or does not fit the model raises :class:`CheckpointError` naming it;
+every file is read and checked before the model, optimizer or scheduler is touched.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
-import shutil
-from dataclasses import asdict, dataclass
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +33,25 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from hkrag.io import atomic_directory, write_json
+
 STATE_FILE = "state.json"
+TENSORS_FILE = "trainable.safetensors"
+CHECKPOINT_NAME = re.compile(r"step-(\d+)")
 
 
 @dataclass
 class TrainState:
-    """Where training is: ``step`` optimizer steps done, ``epoch`` and ``step_in_epoch`` to resume from."""
+    """Where training is: ``step`` optimizer steps done, ``epoch`` and ``step_in_epoch`` to resume from.
+
+    ``config`` holds the settings that fix the data order and the optimisation (flat, Hydra key names)
+    and ``config_hash`` their hash; resume compares them with the new run's.
+    """
 
     step: int = 0
     epoch: int = 0
     step_in_epoch: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
     config_hash: str = ""
 
 
@@ -42,8 +59,20 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed from; the message says which file and why."""
 
 
+def hash_config(config: Mapping[str, Any]) -> str:
+    """Stable short hash of a JSON-able flat config."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().contiguous().cpu() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def check_finite(model: torch.nn.Module) -> None:
+    """Refuse to checkpoint weights holding NaN/inf (call on every rank before :func:`save_checkpoint`)."""
+    bad = [name for name, p in model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
+    if bad:
+        raise FloatingPointError(f"refusing to checkpoint: non-finite values in {bad[:3]} ({len(bad)} tensors)")
 
 
 def rng_state() -> dict[str, Any]:
@@ -62,71 +91,151 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(
-    directory: Path,
+    directory: str | Path,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     state: TrainState,
-    rank: int,
-    is_main: bool,
-    barrier=lambda: None,
+    rng_states: Sequence[dict[str, Any]],
 ) -> Path:
-    """Write a checkpoint of the unwrapped ``model`` (a peft model) atomically; returns its path."""
-    tensors = trainable_state(model)
-    bad = [name for name, t in tensors.items() if not torch.isfinite(t).all()]
-    if bad:
-        raise FloatingPointError(f"refusing to checkpoint: non-finite values in {bad[:3]} (and {len(bad) - 3} more)")
-    tmp = directory.with_name(directory.name + ".tmp")
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    """Write a checkpoint of the unwrapped peft ``model`` atomically (rank 0 only); returns its path.
+
+    ``rng_states`` holds every rank's :func:`rng_state`, in rank order.
+    """
+    directory = Path(directory)
+    with atomic_directory(directory) as tmp:
         model.save_pretrained(tmp / "adapter")
-        save_file(tensors, tmp / "trainable.safetensors")
+        save_file(trainable_state(model), tmp / TENSORS_FILE)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    barrier()
-    torch.save(rng_state(), tmp / f"rng-{rank}.pt")
-    barrier()
-    if is_main:
-        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
-        shutil.rmtree(directory, ignore_errors=True)
-        tmp.rename(directory)
-    barrier()
+        for rank, rng in enumerate(rng_states):
+            torch.save(rng, tmp / f"rng-{rank}.pt")
+        write_json(tmp / STATE_FILE, asdict(state))
     return directory
 
 
 def load_checkpoint(
-    directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int
+    directory: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    rank: int,
+    config: Mapping[str, Any] | None = None,
 ) -> TrainState:
-    """Restore everything ``save_checkpoint`` wrote; raises :class:`CheckpointError` naming the bad file."""
+    """Restore everything ``save_checkpoint`` wrote; raises :class:`CheckpointError` naming the bad file.
+
+    With ``config`` (the new run's :attr:`TrainState.config`), a checkpoint written under other
+    settings is refused. All files are read and checked before anything is restored.
+    """
     directory = Path(directory)
     if not (directory / STATE_FILE).is_file():
         raise CheckpointError(f"{directory} is not a finished checkpoint (no {STATE_FILE}); pick a step-<N> folder")
-    state = TrainState(**_read(directory / STATE_FILE, lambda p: json.loads(p.read_text())))
-    tensors = _read(directory / "trainable.safetensors", lambda p: load_file(str(p)))
-    expected = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    if tensors.keys() != expected.keys():
-        diff = sorted(set(tensors) ^ set(expected))[:3]
-        raise CheckpointError(f"{directory}: trainable tensors do not match this model (e.g. {diff}); same config?")
+    state = read_state(directory / STATE_FILE)
+    if config is not None:
+        check_config(directory / STATE_FILE, state.config, config)
+    _read(directory / "adapter" / "adapter_config.json", json.loads, text=True)
+    _read(directory / "adapter" / "adapter_model.safetensors", _load_tensors)
+    tensors = _read(directory / TENSORS_FILE, _load_tensors)
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    check_tensors(directory / TENSORS_FILE, tensors, params)
+    optimizer_state = _read(directory / "optimizer.pt", torch.load)
+    scheduler_state = _read(directory / "scheduler.pt", torch.load)
+    rng = _read(directory / f"rng-{rank}.pt", lambda p: torch.load(p, weights_only=False))
     with torch.no_grad():
-        for name, param in expected.items():
+        for name, param in params.items():
             param.copy_(tensors[name])
-    optimizer.load_state_dict(_read(directory / "optimizer.pt", torch.load))
-    scheduler.load_state_dict(_read(directory / "scheduler.pt", torch.load))
-    set_rng_state(_read(directory / f"rng-{rank}.pt", lambda p: torch.load(p, weights_only=False)))
+    _apply(directory / "optimizer.pt", optimizer.load_state_dict, optimizer_state)
+    _apply(directory / "scheduler.pt", scheduler.load_state_dict, scheduler_state)
+    _apply(directory / f"rng-{rank}.pt", set_rng_state, rng)
     return state
 
 
+def read_state(path: Path) -> TrainState:
+    """``state.json`` as a :class:`TrainState`; unknown or missing keys are errors naming the file."""
+    data = _read(path, json.loads, text=True)
+    known = {f.name for f in fields(TrainState)}
+    if not isinstance(data, dict) or set(data) != known:
+        keys = set(data) if isinstance(data, dict) else set()
+        raise CheckpointError(
+            f"{path} is not a checkpoint state of this version: unknown keys {sorted(keys - known)}, "
+            f"missing keys {sorted(known - keys)}"
+        )
+    return TrainState(**data)
+
+
+def check_config(path: Path, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    """Refuse to resume under settings that change the data order or the optimisation."""
+    current = json.loads(json.dumps(dict(current), default=str))  # tuples -> lists, as saved
+    differing = sorted(key for key in saved.keys() | current.keys() if saved.get(key) != current.get(key))
+    if differing:
+        details = "; ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {current.get(k)!r} now" for k in differing)
+        raise CheckpointError(
+            f"{path} was written by a run with other settings ({details}); resume with the checkpoint's settings "
+            "or start a new run directory"
+        )
+
+
+def check_tensors(path: Path, tensors: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> None:
+    """The checkpoint's trainable tensors must be exactly the model's, name by name and shape by shape."""
+    if tensors.keys() != params.keys():
+        diff = sorted(set(tensors) ^ set(params))[:3]
+        raise CheckpointError(f"{path}: trainable tensors do not match this model (e.g. {diff}); same config?")
+    shapes = [(n, tuple(tensors[n].shape), tuple(p.shape)) for n, p in params.items() if tensors[n].shape != p.shape]
+    if shapes:
+        name, saved, now = shapes[0]
+        raise CheckpointError(
+            f"{path}: {len(shapes)} trainable tensors have another shape than this model's, e.g. {name} {saved} "
+            f"saved vs {now} now (another LoRA rank?)"
+        )
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The finished checkpoint with the highest step under ``output_dir/checkpoints``, if any."""
-    done = [p for p in Path(output_dir, "checkpoints").glob("step-*") if (p / STATE_FILE).is_file()]
-    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+    """The finished ``step-<N>`` checkpoint with the highest N under ``output_dir/checkpoints``, if any.
+
+    Temporaries (``.step-N.<pid>.tmp``, ``step-N.tmp``) and folders without ``state.json`` are skipped.
+    """
+    steps = {}
+    for path in Path(output_dir, "checkpoints").glob("step-*"):
+        match = CHECKPOINT_NAME.fullmatch(path.name)
+        if match and (path / STATE_FILE).is_file():
+            steps[int(match.group(1))] = path
+    return steps[max(steps)] if steps else None
 
 
-def _read(path: Path, reader):
+def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
+    """The checkpoint that ``resume`` names: a folder, ``latest`` (must exist) or ``auto`` (if any).
+
+    ``auto`` is for jobs that may be requeued (Slurm): the first attempt starts fresh, the next ones
+    continue from the latest finished checkpoint in the same run directory.
+    """
+    if not resume:
+        return None
+    if resume in ("latest", "auto"):
+        found = latest_checkpoint(output_dir)
+        if found is None and resume == "latest":
+            raise FileNotFoundError(
+                f"resume=latest but {Path(output_dir) / 'checkpoints'} holds no finished checkpoint; "
+                "use resume=auto to start fresh when there is none"
+            )
+        return found
+    return Path(resume)
+
+
+def _read(path: Path, reader: Callable[[Any], Any], text: bool = False):
     try:
-        return reader(path)
+        return reader(path.read_text() if text else path)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file missing: {path}") from None
     except Exception as error:
         raise CheckpointError(f"cannot read checkpoint file {path}: {error}") from error
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+def _apply(path: Path, load: Callable[[Any], Any], value: Any) -> None:
+    try:
+        load(value)
+    except Exception as error:
+        raise CheckpointError(f"checkpoint file {path} does not fit this run: {error}") from error

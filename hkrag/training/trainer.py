@@ -6,21 +6,29 @@ With ``chunk_size`` set, gradient caching runs the encoder chunk by chunk so a g
 on few devices (and on a CPU); gradient accumulation is deliberately absent — it would not add
 negatives. Losses that are not finite stop the run before the optimizer step, so the adapter on disk
 is never poisoned.
+
+The learning-rate scheduler is deliberately *not* passed through ``accelerator.prepare``: accelerate's
+wrapper assumes every process consumed its own full batch (``split_batches=False``) and steps the
+schedule ``num_processes`` times per optimizer step. Here the global batch is split over the ranks, so
+one optimizer step is one scheduler step, whatever the number of processes (:meth:`optimizer_step`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import re
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -31,7 +39,14 @@ from hkrag.distributed import gather_with_grad
 from hkrag.gradcache import grad_cache_step, split_batch
 from hkrag.losses import HybridMaskLoss, LossOutput
 from hkrag.retriever import Phi3VRetriever
-from hkrag.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from hkrag.training.checkpoint import (
+    TrainState,
+    check_finite,
+    hash_config,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+)
 from hkrag.training.reporting import RunLogger
 from hkrag.training.sampler import GlobalBatchSampler
 
@@ -65,6 +80,35 @@ class TrainerConfig:
     log_every: int = 1
     save_every: int | None = None
     num_workers: int = 0
+
+
+OPTIM_KEYS = ("lr", "weight_decay", "betas", "warmup_ratio", "scheduler", "max_grad_norm")
+"""TrainerConfig fields that come from the ``optim`` config group (the others are ``trainer.*``)."""
+RUN_KEYS = ("global_batch_size", "epochs", "max_steps", "seed", "group_pattern", *OPTIM_KEYS)
+"""TrainerConfig fields that fix the data order or the optimisation, hence must not change on resume.
+``chunk_size`` (memory only), logging, saving and loader workers may."""
+
+
+def total_optimizer_steps(config: TrainerConfig, steps_per_epoch: int, num_pairs: int) -> int:
+    """Optimizer steps of the run: ``max_steps`` if set, else ``epochs`` over the data; at least 1."""
+    by_epochs = steps_per_epoch * config.epochs
+    total = by_epochs if config.max_steps is None else min(config.max_steps, by_epochs)
+    if total < 1:
+        raise ValueError(
+            f"nothing to train: trainer.max_steps={config.max_steps}, trainer.epochs={config.epochs} and "
+            f"{num_pairs} training pairs in global batches of trainer.global_batch_size={config.global_batch_size} "
+            f"({steps_per_epoch} steps per epoch) give {total} optimizer steps; set trainer.max_steps >= 1 "
+            "(or null for whole epochs) and trainer.epochs >= 1"
+        )
+    return total
+
+
+def data_fingerprint(pairs: Sequence[TrainingPair]) -> str:
+    """Hash of the training pairs (ids, queries, positives): the data the sampler orders."""
+    digest = hashlib.sha256()
+    for pair in pairs:
+        digest.update(json.dumps([pair.query_id, pair.query, list(pair.positives)]).encode())
+    return digest.hexdigest()[:16]
 
 
 def document_groups(pairs: Sequence[TrainingPair], pattern: str) -> list[str]:
@@ -106,6 +150,7 @@ class RetrieverTrainer:
         accelerator: Accelerator,
         output_dir: str | Path,
         run_logger: RunLogger | None = None,
+        run_config: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.accelerator = accelerator
@@ -119,7 +164,7 @@ class RetrieverTrainer:
             len(pairs), config.global_batch_size, accelerator.process_index, accelerator.num_processes, config.seed,
             groups=document_groups(pairs, config.group_pattern) if config.group_pattern else None,
         )
-        self.total_steps = min(config.max_steps or math.inf, len(self.sampler) * config.epochs)
+        self.total_steps = total_optimizer_steps(config, len(self.sampler), len(pairs))
         params = [p for p in retriever.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the retriever has no trainable parameters: configure model.lora or model.adapter")
@@ -134,27 +179,60 @@ class RetrieverTrainer:
                 train_batch_size=config.global_batch_size,
                 gradient_accumulation_steps=1,
             )
-        self.model, self.optimizer, self.scheduler = accelerator.prepare(retriever, optimizer, scheduler)
+        self.model, self.optimizer = accelerator.prepare(retriever, optimizer)
+        self.scheduler = scheduler  # stepped once per optimizer step by optimizer_step, see the module docstring
         self.run_logger = run_logger or RunLogger(self.output_dir, enabled=accelerator.is_main_process)
-        self.state = TrainState()
+        identity = self.run_config(run_config or {})
+        self.state = TrainState(config=identity, config_hash=hash_config(identity))
         self._ignore: torch.Tensor | None = None
 
+    def run_config(self, extra: Mapping[str, Any]) -> dict[str, Any]:
+        """Flat settings (Hydra key names) that fix the data order and the optimisation; stored in checkpoints.
+
+        Derived from the objects actually trained (trainer and optim settings, the loss, the LoRA
+        config of the model, a fingerprint of the training pairs) plus ``extra`` from the caller (e.g.
+        ``model.base``, ``data.train``). Resuming under a different value of any key is refused.
+        """
+        settings = asdict(self.config)
+        identity = {f"{'optim' if k in OPTIM_KEYS else 'trainer'}.{k}": settings[k] for k in RUN_KEYS}
+        identity.update({f"loss.{k}": v for k, v in self.loss_fn.settings().items()})
+        lora = getattr(self.retriever.model, "peft_config", {}).get("default")
+        if lora is not None:
+            targets = lora.target_modules if isinstance(lora.target_modules, str) else sorted(lora.target_modules or [])
+            identity.update({"model.lora.r": lora.r, "model.lora.alpha": lora.lora_alpha,
+                             "model.lora.dropout": lora.lora_dropout, "model.lora.target_modules": targets})
+        identity.update({"data.pairs": len(self.pairs), "data.fingerprint": data_fingerprint(self.pairs), **extra})
+        return json.loads(json.dumps(identity, default=str))
+
     def resume(self, checkpoint: str | Path) -> None:
-        """Continue exactly where ``checkpoint`` stopped (weights, optimizer, scheduler, RNG, data position)."""
+        """Continue exactly where ``checkpoint`` stopped (weights, optimizer, scheduler, RNG, data position).
+
+        Raises :class:`~hkrag.training.checkpoint.CheckpointError` if the checkpoint was written under
+        another :meth:`run_config` (naming the keys) or any of its files is missing or broken (naming it).
+        """
         self.state = load_checkpoint(
-            checkpoint, self.retriever.model, self.optimizer, self.scheduler, self.accelerator.process_index
+            checkpoint, self.retriever.model, self.optimizer, self.scheduler, self.accelerator.process_index,
+            config=self.state.config,
         )
         logger.info("resumed from %s at step %d", checkpoint, self.state.step)
 
     def embed(self, inputs) -> torch.Tensor:
         return self.model(**inputs)
 
-    def shared_positives(self) -> torch.Tensor:
-        """(B, B) mask of the global batch: rows whose positive is the same page (not negatives)."""
+    def in_batch_positives(self) -> torch.Tensor:
+        """(B, B) bool mask of the global batch: ``[i, j]`` when row ``j``'s page is *a* positive of query ``i``.
+
+        Such pages are not negatives of query ``i``: every page in its positive set leaves its softmax,
+        not only the one row ``i`` drew this epoch (and, as a special case, a page drawn by two rows).
+        The diagonal is false. The mask is not symmetric; the loss transposes it for the
+        document-to-query term of Eq. 4.
+        """
         epoch = self.state.epoch
-        pages = [self.pairs[i].positive(epoch) for i in self.sampler.global_batch(epoch, self.state.step_in_epoch)]
-        same = torch.tensor([[a == b for b in pages] for a in pages], device=self.accelerator.device)
-        return same & ~torch.eye(len(pages), dtype=torch.bool, device=same.device)
+        rows = [self.pairs[i] for i in self.sampler.global_batch(epoch, self.state.step_in_epoch)]
+        pages = [pair.positive(epoch) for pair in rows]
+        relevant = torch.tensor([[page in pair.positives for page in pages] for pair in rows],
+                                device=self.accelerator.device)
+        return relevant & ~torch.eye(len(rows), dtype=torch.bool, device=relevant.device)
 
     def global_loss(self, q: torch.Tensor, d: torch.Tensor) -> LossOutput:
         """Loss of the gathered global batch; the sub-mask split is seeded by the step on every rank."""
@@ -165,7 +243,7 @@ class RetrieverTrainer:
         """Forward and backward of one global batch (gradient-cached when ``chunk_size`` is set)."""
         device = self.accelerator.device
         query, document = batch["query"].to(device), batch["document"].to(device)
-        self._ignore = self.shared_positives()
+        self._ignore = self.in_batch_positives()
         if self.config.chunk_size:
             size = self.config.chunk_size
             return grad_cache_step(
@@ -177,7 +255,12 @@ class RetrieverTrainer:
         return output
 
     def optimizer_step(self, output: LossOutput) -> float | None:
-        """Clip, step, schedule; refuses to step on a non-finite loss or gradient."""
+        """Clip, step, schedule; refuses to step on a non-finite loss or gradient.
+
+        The scheduler advances exactly once per optimizer step on every rank (not ``num_processes``
+        times, as accelerate's prepared scheduler would), and not at all when a mixed-precision
+        gradient scaler skipped the step.
+        """
         if not torch.isfinite(output.loss):
             raise NonFiniteLossError(
                 f"loss is {output.loss.item()} at step {self.state.step}: lower optim.lr, check the data, or resume "
@@ -189,7 +272,8 @@ class RetrieverTrainer:
             if not math.isfinite(norm):
                 raise NonFiniteLossError(f"gradient norm is {norm} at step {self.state.step}; weights not updated")
         self.optimizer.step()
-        self.scheduler.step()
+        if not self.accelerator.optimizer_step_was_skipped:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
@@ -246,9 +330,14 @@ class RetrieverTrainer:
         return record
 
     def save(self, name: str | None = None) -> Path:
-        """Checkpoint under ``<output>/checkpoints/<name or step-N>``."""
+        """Checkpoint under ``<output>/checkpoints/<name or step-N>`` (call on every rank).
+
+        Every rank's RNG state is gathered to rank 0, which writes the folder atomically.
+        """
         directory = self.output_dir / "checkpoints" / (name or f"step-{self.state.step}")
-        return save_checkpoint(
-            directory, self.retriever.model, self.optimizer, self.scheduler, self.state,
-            self.accelerator.process_index, self.accelerator.is_main_process, self.accelerator.wait_for_everyone,
-        )
+        check_finite(self.retriever.model)
+        rngs = gather_object([rng_state()]) if self.accelerator.num_processes > 1 else [rng_state()]
+        if self.accelerator.is_main_process:
+            save_checkpoint(directory, self.retriever.model, self.optimizer, self.scheduler, self.state, rngs)
+        self.accelerator.wait_for_everyone()
+        return directory
