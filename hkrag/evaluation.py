@@ -3,8 +3,11 @@
 One code path serves ``train.py`` (before/after report) and ``eval.py``, so both print the same
 number for the same checkpoint and data. Corpora are embedded through resumable shards
 (:func:`hkrag.index.shards.encode_corpus`, data-parallel across ranks); a page shared by several
-pools (a data set's own corpus and ``all``) is encoded once. Every (data set, pool) pair is searched
-with FAISS and scored with trec_eval's definitions; queries carrying an ``evidence`` label are also
+pools (a data set's own corpus and ``all``) is encoded once, when its stored image is byte-identical
+in both (a ``doc_id`` holding another image in another pool is embedded from its own pool, with a
+warning). The shard identity includes a fingerprint of the retriever's weights, so embeddings of
+another model (another seed, checkpoint or adapter) are never reused. Every (data set, pool) pair is
+searched with FAISS and scored with trec_eval's definitions; queries carrying an ``evidence`` label are also
 scored per label (``salient`` / ``fine_print`` in the built-in corpus).
 """
 
@@ -12,19 +15,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from hkrag.data.images import ImageError
 from hkrag.data.opendocvqa import Corpus, QAExample, load_corpus, load_qa, pools, qrels
 from hkrag.distributed import is_main, rank, world_size
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import config_hash, encode_corpus, load_shards
 from hkrag.metrics import check_qrels, evaluate_run, format_table
-from hkrag.retriever import Phi3VRetriever
+from hkrag.retriever import Phi3VRetriever, weights_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -57,18 +61,89 @@ def barrier() -> None:
 def embed_corpus(
     retriever: Phi3VRetriever, corpus: Corpus, out_dir: Path, cfg: RetrievalEvalConfig, identity: dict[str, Any]
 ) -> tuple[list[str], np.ndarray]:
-    """Embed a corpus into ``out_dir`` shards (every rank its share) and read them back."""
+    """Embed a corpus into ``out_dir`` shards (every rank its share) and read them back.
 
-    def embed(rows) -> torch.Tensor:
-        return retriever.encode_documents([row.image for row in rows], batch_size=cfg.doc_batch_size)
-
-    manifest = {**identity, "corpus": corpus.name}
-    encode_corpus(
-        corpus, embed, out_dir, shard_size=cfg.shard_size, manifest=manifest, dtype=cfg.dtype,
-        batch_size=cfg.doc_batch_size, rank=rank(), world_size=world_size(), progress=is_main(),
-    )
+    A page the model's processor refuses (e.g. a 500x2 strip's aspect ratio) raises :class:`ImageError`
+    naming its ``doc_id``.
+    """
+    encode_shards(retriever, corpus, out_dir, cfg, identity, rank(), world_size())
     barrier()
     return load_shards(out_dir)
+
+
+def encode_shards(
+    retriever: Phi3VRetriever, corpus: Corpus, out_dir: Path, cfg: RetrievalEvalConfig, identity: dict[str, Any],
+    part: int = 0, parts: int = 1,
+) -> Path:
+    """Embed shards ``s ≡ part (mod parts)`` of ``corpus`` into ``out_dir``: one rank's or one Slurm array task's share
+    (``hkrag.index.encode_job``). ``identity`` comes from :func:`shard_identity`."""
+
+    def embed(rows) -> torch.Tensor:
+        try:
+            return retriever.encode_documents([row.image for row in rows], batch_size=cfg.doc_batch_size)
+        except ImageError:
+            raise
+        except ValueError as error:
+            raise _page_error(retriever, rows, error) from error
+
+    manifest = {**identity, "corpus": corpus.name}
+    return encode_corpus(
+        corpus, embed, out_dir, shard_size=cfg.shard_size, manifest=manifest, dtype=cfg.dtype,
+        batch_size=cfg.doc_batch_size, rank=part, world_size=parts, progress=is_main(),
+    )
+
+
+def _page_error(retriever: Phi3VRetriever, rows: Sequence[Any], error: ValueError) -> ValueError:
+    """The batch error, tied to the first page the processor refuses on its own (else left as is)."""
+    for row in rows:
+        try:
+            retriever.document_inputs([row.image])
+        except ValueError as page_error:
+            return ImageError(row.doc_id, f"cannot be encoded: {page_error}")
+    return error
+
+
+@dataclass
+class EmbeddingCache:
+    """Page embeddings shared by the pools of one evaluation: ``doc_id -> (image fingerprint, vector)``."""
+
+    vectors: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
+    prints: dict[tuple[str, int], list[str]] = field(default_factory=dict)
+
+    def fingerprints(self, corpus: Corpus) -> list[str]:
+        """``corpus.fingerprints()``, read once per corpus (the ``all`` pool is met once per data set)."""
+        key = (corpus.name, hash(tuple(corpus.doc_ids)))
+        if key not in self.prints:
+            self.prints[key] = corpus.fingerprints()
+        return self.prints[key]
+
+
+def pool_embeddings(
+    retriever: Phi3VRetriever,
+    corpus: Corpus,
+    out_dir: Path,
+    cfg: RetrievalEvalConfig,
+    identity: dict[str, Any],
+    cache: EmbeddingCache,
+) -> np.ndarray:
+    """Embeddings of ``corpus`` in row order, reusing ``cache`` where the stored image is the same.
+
+    The cache serves a pool only if every page is in it with the same image bytes; otherwise the pool
+    is embedded into ``out_dir`` and its pages join the cache (first pool seen wins on conflicts).
+    """
+    prints = cache.fingerprints(corpus)
+    known = [cache.vectors.get(doc_id) for doc_id in corpus.doc_ids]
+    if all(k is not None and k[0] == p for k, p in zip(known, prints)):
+        return np.stack([k[1] for k in known])
+    conflicts = [d for d, k, p in zip(corpus.doc_ids, known, prints) if k is not None and k[0] != p]
+    if conflicts:
+        logger.warning("%s: %d doc_id(s) hold other images than in a pool evaluated before (e.g. %s); "
+                       "this pool is embedded on its own", corpus.name, len(conflicts), conflicts[:5])
+    ids, vectors = embed_corpus(retriever, corpus, out_dir, cfg, identity)
+    by_id = dict(zip(ids, vectors))
+    for doc_id, fingerprint in zip(corpus.doc_ids, prints):
+        cache.vectors.setdefault(doc_id, (fingerprint, by_id[doc_id]))
+    return np.stack([by_id[doc_id] for doc_id in corpus.doc_ids])
 
 
 def score(run: dict, qa: Sequence[QAExample]) -> dict[str, Any]:
@@ -80,6 +155,14 @@ def score(run: dict, qa: Sequence[QAExample]) -> dict[str, Any]:
     return result
 
 
+def shard_identity(retriever: Phi3VRetriever, identity: dict[str, Any]) -> dict[str, Any]:
+    """The shard-manifest identity of ``retriever``'s embeddings: ``identity`` (model, adapter) plus a weights
+    fingerprint, so that embeddings of another checkpoint are never reused."""
+    given = {**identity, "weights": weights_fingerprint(retriever)}
+    return {"model": given.get("model", "unknown"), "adapter": given.get("adapter"),
+            "weights": given["weights"], "config_hash": config_hash(given)}
+
+
 def evaluate_retrieval(
     retriever: Phi3VRetriever,
     cfg: RetrievalEvalConfig,
@@ -88,39 +171,40 @@ def evaluate_retrieval(
     load_qa_fn: Callable[..., list[QAExample]] = load_qa,
     load_corpus_fn: Callable[..., Corpus] = load_corpus,
 ) -> dict[str, Any]:
-    """Evaluate every data set of ``cfg`` in every pool; returns metrics and a Table-2 Markdown.
+    """Evaluate every data set of ``cfg`` in every pool; returns metrics, a Table-2 Markdown and the runs.
 
-    ``identity`` (model, adapter, ...) goes into the shard manifests so embeddings of another
-    checkpoint are never reused. Only rank 0 searches and scores; other ranks return ``{}``.
+    ``runs[dataset][pool][query_id]`` maps the top-k doc ids to scores (what the RAG task reads).
+
+    ``identity`` (model, adapter, ...) and a fingerprint of the retriever's weights go into the shard
+    manifests, so embeddings of another checkpoint are never reused. Only rank 0 searches and scores;
+    other ranks return ``{}``.
     """
     was_training = retriever.training
     retriever.eval()
     work_dir = Path(work_dir)
-    identity = {"model": identity.get("model", "unknown"), "adapter": identity.get("adapter"),
-                "config_hash": config_hash(identity)}
-    embeddings: dict[str, np.ndarray] = {}
+    identity = shard_identity(retriever, identity)
+    embeddings = EmbeddingCache()
     results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     for dataset in cfg.datasets:
         qa = load_qa_fn(cfg.qa_source, dataset, cfg.split)
-        queries = retriever.encode_queries([ex.query for ex in qa], batch_size=cfg.query_batch_size)
+        queries = retriever.encode_queries([ex.query for ex in qa], batch_size=cfg.query_batch_size,
+                                           ids=[ex.query_id for ex in qa])
         for pool in cfg.pools:
             config = pools(dataset)[pool]
             corpus = load_corpus_fn(cfg.corpus_source, config, cfg.split)
-            if not all(doc_id in embeddings for doc_id in corpus.doc_ids):
-                ids, vectors = embed_corpus(retriever, corpus, work_dir / f"embeddings-{config}", cfg, identity)
-                embeddings.update(zip(ids, vectors))
+            vectors = pool_embeddings(retriever, corpus, work_dir / f"embeddings-{config}", cfg, identity, embeddings)
             if not is_main():
                 continue
-            index = DocumentIndex.build(
-                corpus.doc_ids, np.stack([embeddings[d] for d in corpus.doc_ids]), cfg.index, use_gpu=cfg.use_gpu
-            )
+            index = DocumentIndex.build(corpus.doc_ids, vectors, cfg.index, use_gpu=cfg.use_gpu)
             check_qrels(qrels(qa), corpus.doc_ids)  # counted warning: such documents score as misses
             run = index.to_run([ex.query_id for ex in qa], queries.numpy(), cfg.top_k)
+            runs.setdefault(dataset, {})[pool] = run
             results.setdefault(dataset, {})[pool] = score(run, qa)
             logger.info("%s/%s nDCG@5 %.4f", dataset, pool, results[dataset][pool]["all"]["ndcg@5"])
     retriever.train(was_training)
     tables = "\n\n".join(retrieval_table(results, metric) for metric in REPORTED_METRICS)
-    return {"results": results, "table": tables} if is_main() else {}
+    return {"results": results, "table": tables, "runs": runs} if is_main() else {}
 
 
 def retrieval_table(results: dict[str, dict[str, Any]], metric: str = "ndcg@5") -> str:

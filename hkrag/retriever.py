@@ -12,6 +12,8 @@ exactly as the VDocRAG adapters were saved and they load unchanged.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,13 +24,21 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 from PIL import Image
+from safetensors import SafetensorError
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import BatchFeature
 
 from hkrag.data.collators import RetrieverCollator
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VModel, Phi3VProcessor
-from hkrag.models.phi3v.loading import PHI3V_HUB_ID, load_phi3v, load_processor, save_processor, tiny_phi3v
+from hkrag.models.phi3v.loading import (
+    PHI3V_HUB_ID,
+    CheckpointNotFoundError,
+    load_phi3v,
+    load_processor,
+    save_processor,
+    tiny_phi3v,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +86,8 @@ class Phi3VRetriever(nn.Module):
         super().__init__()
         self.model = model
         self.processor = processor
+        context = getattr(self.backbone.config, "max_position_embeddings", None)
+        self.collator = RetrieverCollator(processor, max_query_length=context)
 
     @property
     def backbone(self) -> Phi3VModel:
@@ -93,21 +105,23 @@ class Phi3VRetriever(nn.Module):
         pooled = last_token_pool(outputs.last_hidden_state, inputs["attention_mask"])
         return F.normalize(pooled.float(), dim=-1)
 
-    @property
-    def collator(self) -> RetrieverCollator:
-        return RetrieverCollator(self.processor)
-
-    def query_inputs(self, texts: Sequence[str]) -> BatchFeature:
-        """Processor batch for raw query texts."""
-        return self.collator.queries(texts)
+    def query_inputs(self, texts: Sequence[str], ids: Sequence[str] | None = None) -> BatchFeature:
+        """Processor batch for raw query texts (over-long ones truncated to the context, with a warning)."""
+        return self.collator.queries(texts, ids)
 
     def document_inputs(self, images: Sequence[Image.Image]) -> BatchFeature:
         """Processor batch for document pages, one page per document."""
         return self.collator.documents(images)
 
     @torch.no_grad()
-    def encode_queries(self, texts: Sequence[str], batch_size: int = 32, progress: bool = False) -> torch.Tensor:
-        return self._encode(texts, self.query_inputs, batch_size, progress)
+    def encode_queries(
+        self, texts: Sequence[str], batch_size: int = 32, progress: bool = False, ids: Sequence[str] | None = None
+    ) -> torch.Tensor:
+        """Query embeddings; ``ids`` (one per text) name a query in warnings."""
+        if ids is None:
+            return self._encode(texts, self.query_inputs, batch_size, progress)
+        pairs = list(zip(texts, ids, strict=True))
+        return self._encode(pairs, lambda chunk: self.query_inputs(*zip(*chunk)), batch_size, progress)
 
     @torch.no_grad()
     def encode_documents(
@@ -173,12 +187,48 @@ class Phi3VRetriever(nn.Module):
         if gradient_checkpointing:
             enable_checkpointing(model)
         if adapter is not None:
-            model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
+            model = load_adapter(model, adapter, trainable)
         elif lora is not None:
             model = get_peft_model(model, lora.peft_config())
         else:
             model.requires_grad_(trainable)
         return cls(model, processor)
+
+
+def load_adapter(model: Phi3VForCausalLM, adapter: str | Path, trainable: bool = False) -> PeftModel:
+    """A saved peft adapter (hub id or folder) on ``model``; failures name the adapter and the bad file."""
+    try:
+        return PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
+    except (OSError, ValueError, KeyError, SafetensorError) as error:
+        folder = Path(adapter)
+        if isinstance(error, SafetensorError):
+            where = next((str(p) for p in sorted(folder.glob("adapter_model*.safetensors"))), str(adapter))
+            reason = f"{where} is truncated or corrupt ({error})"
+        elif isinstance(error, json.JSONDecodeError):
+            reason = f"{folder / 'adapter_config.json'} is not valid JSON ({error})"
+        else:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointNotFoundError(
+            f"could not load the adapter {str(adapter)!r}: {reason}\nGive model.adapter a folder holding "
+            "adapter_config.json and adapter_model.safetensors (re-save or re-download it), or model.adapter=null."
+        ) from error
+
+
+def weights_fingerprint(module: nn.Module, samples: int = 1024) -> str:
+    """A short hash of ``samples`` evenly spaced values of every parameter tensor (names, shapes included).
+
+    Identifies the weights an embedding was computed with (another seed, checkpoint or adapter gives
+    another fingerprint) in milliseconds, without hashing gigabytes; a change confined to values off
+    the sample grid of every tensor would go unnoticed, which training never produces.
+    """
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            flat = param.detach().reshape(-1)
+            picked = flat[:: max(1, flat.numel() // samples)][:samples]
+            digest.update(f"{name}|{tuple(param.shape)}|{param.dtype}".encode())
+            digest.update(picked.float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def enable_checkpointing(model: Phi3VForCausalLM) -> None:

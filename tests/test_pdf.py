@@ -78,7 +78,7 @@ def test_render_pdf_pages_and_sizes(pdfs):
         ("encrypted.pdf", "encrypted (password required)"),
         ("truncated.pdf", "corrupt or unreadable"),
         ("empty.pdf", "empty file (0 bytes)"),
-        ("nopages.pdf", "corrupt or unreadable"),
+        ("nopages.pdf", "the PDF has no pages"),
         ("missing.pdf", "file not found"),
     ],
 )

@@ -7,5 +7,7 @@
   fine-print questions, written in the same layout (``python -m hkrag.data.synthetic``).
 - ``pdf``: renders PDFs into a corpus (``python -m hkrag.data.pdf``).
 
-See ``docs/data.md``.
+Unusable data raise one error type per family, naming the input: ``opendocvqa.DataError`` (data
+sets, rows), ``images.ImageError`` (pages), ``pdf.PdfError`` (PDF files). See ``docs/data.md`` and
+``docs/errors.md``.
 """

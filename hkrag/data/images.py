@@ -4,17 +4,25 @@ Corpora from the wild hold PNG/JPEG bytes, file paths, HF ``datasets`` image dic
 already-open PIL images, in every colour mode. ``open_image`` turns all of them into a fully
 loaded ``PIL.Image.Image`` and fails with an :class:`ImageError` that names the document,
 so a truncated or corrupt page is reported where it is read, never silently dropped.
-Colour modes are left alone: the model's image processor converts to RGB.
+Colour modes are left alone: the model's image processor converts to RGB. An EXIF orientation
+tag is applied (a phone scan stored sideways is returned upright). A file holding several frames
+(multi-page TIFF, animated GIF/PNG/WebP) yields its first frame with a warning that names the
+document and the frame count: a page corpus holds one page per row, so split such files first.
 """
 
 from __future__ import annotations
 
+import errno
 import io
+import logging
 import os
 import warnings
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL.ExifTags import Base
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_PIXELS = 89_478_485
 """Largest accepted ``width * height`` (Pillow's own default limit, about 9459 x 9459)."""
@@ -39,11 +47,22 @@ def open_image(data: Any, doc_id: str, *, max_pixels: int | None = DEFAULT_MAX_P
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         image = _open(data, doc_id)
         _check_size(image, doc_id, max_pixels)
+        frames = getattr(image, "n_frames", 1)
+        if frames > 1:
+            logger.warning("document %r: image has %d frames (multi-page or animated); only the first is used", doc_id,
+                           frames)
         try:
             image.load()
+            return _upright(image)
         except (OSError, SyntaxError, ValueError) as error:
             raise ImageError(doc_id, f"corrupt or truncated image ({error})") from error
-    return image
+
+
+def _upright(image: Image.Image) -> Image.Image:
+    """Apply the EXIF orientation tag, if any (1 = already upright)."""
+    if image.getexif().get(Base.Orientation, 1) in (None, 1):
+        return image
+    return ImageOps.exif_transpose(image)
 
 
 def _open(data: Any, doc_id: str) -> Image.Image:
@@ -61,8 +80,9 @@ def _open(data: Any, doc_id: str) -> Image.Image:
             raise ImageError(doc_id, "empty image bytes")
         source: Any = io.BytesIO(bytes(data))
     elif isinstance(data, (str, os.PathLike)):
-        if not os.path.isfile(data):
-            raise ImageError(doc_id, f"image file not found: {os.fspath(data)}")
+        problem = file_problem(data)
+        if problem:
+            raise ImageError(doc_id, f"image {problem}: {os.fspath(data)}")
         source = data
     else:
         raise ImageError(doc_id, f"unsupported image input of type {type(data).__name__}")
@@ -74,6 +94,22 @@ def _open(data: Any, doc_id: str) -> Image.Image:
         raise ImageError(doc_id, "not a recognised image format") from error
     except (OSError, SyntaxError, ValueError) as error:
         raise ImageError(doc_id, f"corrupt or truncated image header ({error})") from error
+
+
+def file_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a readable regular file (``None`` if it is), in words a user can act on."""
+    if os.path.isfile(path):
+        return None
+    if os.path.isdir(path):
+        return "path is a directory, not a file"
+    if os.path.islink(path):
+        try:
+            os.stat(path)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                return "path is a symbolic link loop"
+        return f"path is a broken symbolic link (to {os.readlink(path)})"
+    return "path is not a regular file" if os.path.exists(path) else "file not found"
 
 
 def _check_size(image: Image.Image, doc_id: str, max_pixels: int | None) -> None:

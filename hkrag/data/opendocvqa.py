@@ -10,12 +10,18 @@ and splits to files. The synthetic corpus and PDF ingestion write that layout wi
 QA rows: ``query_id, query, answers, relevant_doc_ids`` (+ optional ``evidence``).
 Corpus rows: ``doc_id, image``. Training uses the default config's ``train`` split, tests use
 ``<dataset>`` / ``all`` configs with split ``test`` (see :func:`pools`).
+
+A data set that cannot be used (not loadable, malformed card, empty split, missing column, null or
+repeated id) raises :class:`DataError` naming the source, config, split and row. ``answers`` and
+``relevant_doc_ids`` stored as a plain string mean one element. Local folders are cached outside
+the folder (``$HF_DATASETS_CACHE/hkrag-local/<key>``), so read-only copies load.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +34,7 @@ import yaml
 from PIL import Image
 
 from hkrag.data.images import DEFAULT_MAX_PIXELS, open_image
+from hkrag.io import atomic_write, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +59,10 @@ QA_FEATURES = datasets.Features(
 CORPUS_FEATURES = datasets.Features({"doc_id": datasets.Value("string"), "image": datasets.Image()})
 
 
+class DataError(ValueError):
+    """A data set that cannot be used as is; the message names it (source[config/split]) and the row."""
+
+
 def format_query(question: str) -> str:
     """Prefix a question with the OpenDocVQA retrieval instruction."""
     return QUERY_PREFIX + question
@@ -73,29 +84,45 @@ def load_qa(
 ) -> list[QAExample]:
     """Load a QA set. ``load_kwargs`` go to ``datasets.load_dataset`` (e.g. ``cache_dir``).
 
-    An empty query (blank, or the instruction prefix alone) or a repeated ``query_id`` is a
-    broken data set, not a known gap, so it raises ``ValueError`` naming the row instead of
+    An empty query (blank, or the instruction prefix alone), a null or repeated ``query_id`` is a
+    broken data set, not a known gap, so it raises :class:`DataError` naming the row instead of
     quietly shrinking the evaluation.
     """
     dataset = _load(source, config, split, QA_COLUMNS, load_kwargs)
+    name = _name(source, config, split)
     columns = [c for c in (*QA_COLUMNS, "evidence") if c in dataset.column_names]
     examples, seen = [], set()
-    for row in dataset.select_columns(columns):
+    for index, row in enumerate(dataset.select_columns(columns)):
         example = QAExample(
-            query_id=str(row["query_id"]),
+            query_id=_identifier(row["query_id"], "query_id", index, name),
             query=row["query"] or "",
-            answers=tuple(row["answers"] or ()),
-            relevant_doc_ids=tuple(str(d) for d in row["relevant_doc_ids"] or ()),
+            answers=_strings_of(row["answers"]),
+            relevant_doc_ids=_strings_of(row["relevant_doc_ids"]),
             evidence=row.get("evidence"),
         )
         if not example.query.removeprefix(QUERY_PREFIX).strip():
-            raise ValueError(f"{_name(source, config, split)}: query {example.query_id!r} has an empty query")
+            raise DataError(f"{name}: query {example.query_id!r} has an empty query")
         if example.query_id in seen:
-            raise ValueError(f"{_name(source, config, split)}: duplicate query_id {example.query_id!r}")
+            raise DataError(f"{name}: duplicate query_id {example.query_id!r}")
         seen.add(example.query_id)
         examples.append(example)
     logger.info("loaded %d queries from %s", len(examples), _name(source, config, split))
     return examples
+
+
+def _strings_of(value: Any) -> tuple[str, ...]:
+    """A list column as a tuple of strings; a plain string is one element (never its characters)."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, int, float)):
+        value = [value]
+    return tuple(str(v) for v in value if v is not None)
+
+
+def _identifier(value: Any, column: str, row: int, name: str) -> str:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise DataError(f"{name}: row {row} has a null or empty {column}")
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -120,11 +147,11 @@ class Corpus:
         self.dataset = dataset
         self.name = name
         self.max_pixels = max_pixels
-        self.doc_ids = [str(doc_id) for doc_id in dataset["doc_id"][:]]
+        self.doc_ids = [_identifier(doc_id, "doc_id", row, name) for row, doc_id in enumerate(dataset["doc_id"][:])]
         self._rows: dict[str, int] = {}
         for row, doc_id in enumerate(self.doc_ids):
             if doc_id in self._rows:
-                raise ValueError(f"{name}: duplicate doc_id {doc_id!r} (rows {self._rows[doc_id]} and {row})")
+                raise DataError(f"{name}: duplicate doc_id {doc_id!r} (rows {self._rows[doc_id]} and {row})")
             self._rows[doc_id] = row
 
     def __len__(self) -> int:
@@ -141,6 +168,24 @@ class Corpus:
         doc_id = self.doc_ids[row]
         image = open_image(self.dataset[row]["image"], doc_id, max_pixels=self.max_pixels)
         return CorpusPage(doc_id, image)
+
+    def fingerprints(self) -> list[str]:
+        """A short hash of each page's stored image (bytes, else path), in row order, without decoding.
+
+        Tells whether two corpora hold the same page under one ``doc_id`` (evaluation reuses embeddings
+        across pools only then). Reads the image column batch by batch, never the whole corpus at once.
+        """
+        table = self.dataset.select_columns(["image"]).with_format("arrow")[:]
+        digests = []
+        for batch in table.to_batches(max_chunksize=256):
+            column = batch.column(0)
+            if pa.types.is_struct(column.type):
+                keys = [data or str(path).encode() for data, path in
+                        zip(column.field("bytes").to_pylist(), column.field("path").to_pylist())]
+            else:
+                keys = [value if isinstance(value, bytes) else str(value).encode() for value in column.to_pylist()]
+            digests.extend(hashlib.sha1(key).hexdigest()[:16] for key in keys)
+        return digests
 
     def index(self, doc_id: str) -> int:
         """Row of ``doc_id``; ``KeyError`` naming the id and corpus if absent."""
@@ -226,17 +271,23 @@ def save_split(
 
     Rows are encoded with ``features`` (images as PIL, bytes or paths) and written in batches,
     so large corpora need no more memory than one batch. Other configs in the card are kept.
+    The file and the card are replaced atomically: a failure (full disk, bad row) leaves the previous
+    version intact and raises naming the path.
     """
     root = Path(root)
     path = root / config / f"{split}-00000-of-00001.parquet"
-    path.parent.mkdir(parents=True, exist_ok=True)
     schema = features.arrow_schema
     count = 0
-    with pq.ParquetWriter(path, schema) as writer:
-        for batch in _batched(rows, batch_size):
-            encoded = [features.encode_example(row) for row in batch]
-            writer.write_table(pa.Table.from_pylist(encoded, schema=schema))
-            count += len(batch)
+
+    def write(file) -> None:
+        nonlocal count
+        with pq.ParquetWriter(file, schema) as writer:
+            for batch in _batched(rows, batch_size):
+                encoded = [features.encode_example(row) for row in batch]
+                writer.write_table(pa.Table.from_pylist(encoded, schema=schema))
+                count += len(batch)
+
+    atomic_write(path, write, "wb")
     _register(root, config, split, f"{config}/{split}-*.parquet")
     logger.info("wrote %d rows to %s", count, path)
     return path
@@ -251,23 +302,41 @@ def _load(
         )
     if _looks_local(source):
         load_kwargs = {"cache_dir": str(_local_cache_dir(Path(source))), **load_kwargs}
-    dataset = datasets.load_dataset(str(source), name=config, split=split, **load_kwargs)
-    _require_columns(dataset, required, _name(source, config, split))
+    name = _name(source, config, split)
+    try:
+        dataset = datasets.load_dataset(str(source), name=config, split=split, **load_kwargs)
+    except Exception as error:
+        raise DataError(f"{name} could not be loaded: {_explain(error, split)}") from error
+    if len(dataset) == 0:
+        raise DataError(f"{name} has no rows (empty split)")
+    _require_columns(dataset, required, name)
     return dataset
 
 
+def _explain(error: Exception, split: str) -> str:
+    """The loader's error in words that name what to fix."""
+    text = str(error).strip()
+    if f'"{split}" corresponds to no data' in text:
+        return "the split has no rows (empty parquet files)"
+    if isinstance(error, yaml.YAMLError):
+        return f"README.md has malformed YAML front matter ({text.splitlines()[0]})"
+    return f"{type(error).__name__}: {text}"
+
+
 def _local_cache_dir(root: Path) -> Path:
-    """A cache folder keyed by the files' relative paths, sizes and mtimes.
+    """A cache folder outside ``root``, keyed by its location and its files' relative paths, sizes and mtimes.
 
     ``datasets`` keys its cache of a local folder on the folder's name and layout, so two different
-    ``.../qa`` folders (or one rewritten in place) would silently share one cached copy.
+    ``.../qa`` folders (or one rewritten in place) would silently share one cached copy. The cache
+    lives under ``$HF_DATASETS_CACHE/hkrag-local`` so a read-only data folder loads.
     """
+    root = root.expanduser().resolve()
     files = sorted(p for p in root.rglob("*") if p.is_file() and ".cache" not in p.relative_to(root).parts)
-    stamp = hashlib.sha256()
+    stamp = hashlib.sha256(str(root).encode())
     for path in files:
         info = path.stat()
         stamp.update(f"{path.relative_to(root)}|{info.st_size}|{info.st_mtime_ns}\n".encode())
-    return root / ".cache" / stamp.hexdigest()[:16]
+    return Path(os.fspath(datasets.config.HF_DATASETS_CACHE)) / "hkrag-local" / stamp.hexdigest()[:16]
 
 
 def _looks_local(source: str | Path) -> bool:
@@ -279,7 +348,7 @@ def _looks_local(source: str | Path) -> bool:
 def _require_columns(dataset: datasets.Dataset, required: tuple[str, ...], name: str) -> None:
     missing = [c for c in required if c not in dataset.column_names]
     if missing:
-        raise ValueError(f"{name}: missing columns {missing} (has {dataset.column_names})")
+        raise DataError(f"{name}: missing columns {missing} (has {dataset.column_names})")
 
 
 def _name(source: str | Path, config: str | None, split: str) -> str:
@@ -309,14 +378,20 @@ def _register(root: Path, config: str, split: str, pattern: str) -> None:
     files = [f for f in entry["data_files"] if f["split"] != split] + [{"split": split, "path": pattern}]
     entry["data_files"] = sorted(files, key=lambda f: f["split"])
     configs.sort(key=lambda c: (c["config_name"] != "default", c["config_name"]))
-    card.write_text("---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n" + body, encoding="utf-8")
+    write_text(card, "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n" + body)
 
 
 def _read_card(card: Path) -> tuple[dict[str, Any], str]:
     if not card.exists():
         return {}, "Pages and questions in the OpenDocVQA layout, written by `hkrag.data`.\n"
     text = card.read_text(encoding="utf-8")
-    if text.startswith("---\n"):
-        front, _, body = text[4:].partition("\n---\n")
-        return yaml.safe_load(front) or {}, body
-    return {}, text
+    if not text.startswith("---\n"):
+        return {}, text
+    front, _, body = text[4:].partition("\n---\n")
+    try:
+        meta = yaml.safe_load(front) or {}
+    except yaml.YAMLError as error:
+        raise DataError(f"{card}: malformed YAML front matter ({str(error).splitlines()[0]})") from error
+    if not isinstance(meta, dict) or not isinstance(meta.get("configs", []), list):
+        raise DataError(f"{card}: front matter must be a mapping with a 'configs' list")
+    return meta, body

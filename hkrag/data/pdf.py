@@ -3,10 +3,13 @@
     python -m hkrag.data.pdf reports/*.pdf --out data/reports --dpi 144
 
 Page ``n`` (1-based) of ``report.pdf`` becomes ``doc_id = "report.pdf#p{n}"``. A PDF that is
-encrypted, corrupt, empty or whose name collides with an earlier one is reported (logged,
-and summarised at the end) and skipped; the others are still ingested. Each PDF is rendered
-whole before it is written, so a file that fails half-way leaves no partial pages behind.
-The command exits non-zero only when no page at all was ingested.
+encrypted, corrupt, empty, page-less, not a file, or whose name collides with an earlier one is
+reported (logged, and summarised at the end) and skipped; the others are still ingested. Each PDF
+is rendered whole before it is written, so a file that fails half-way leaves no partial pages
+behind, and the corpus file is replaced atomically (a failed run leaves the previous corpus
+intact). A page so large that ``dpi`` would exceed the loader's pixel limit
+(:data:`hkrag.data.images.DEFAULT_MAX_PIXELS`) is rendered at a lower resolution, with a logged
+note. The progress bar counts pages. The command exits non-zero only when no page was ingested.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import argparse
 import io
 import itertools
 import logging
+import math
+import re
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -23,6 +28,7 @@ from pathlib import Path
 import pypdfium2 as pdfium
 from tqdm.auto import tqdm
 
+from hkrag.data.images import DEFAULT_MAX_PIXELS, file_problem
 from hkrag.data.opendocvqa import CORPUS_FEATURES, save_split
 
 logger = logging.getLogger(__name__)
@@ -47,38 +53,72 @@ class IngestReport:
     output: Path | None = None
 
 
-def render_pdf(path: str | Path, dpi: int = 144) -> list[tuple[str, bytes]]:
-    """Render every page of ``path`` to PNG bytes, as ``(doc_id, png)`` pairs in page order."""
+def render_pdf(
+    path: str | Path, dpi: int = 144, max_pixels: int = DEFAULT_MAX_PIXELS, progress: tqdm | None = None
+) -> list[tuple[str, bytes]]:
+    """Render every page of ``path`` to PNG bytes, as ``(doc_id, png)`` pairs in page order.
+
+    Pages are capped at ``max_pixels`` (rendered at a lower dpi, logged); ``progress`` advances per page.
+    """
     path = Path(path)
     document = _open(path)
     try:
         if len(document) == 0:
             raise PdfError(path, "the PDF has no pages")
-        return [(f"{path.name}#p{i + 1}", _render_page(document, i, dpi, path)) for i in range(len(document))]
+        if progress is not None:
+            progress.total = (progress.total or 0) + len(document)
+            progress.refresh()
+        pages = []
+        for i in range(len(document)):
+            pages.append((f"{path.name}#p{i + 1}", _render_page(document, i, dpi, path, max_pixels)))
+            if progress is not None:
+                progress.update(1)
+        return pages
     finally:
         document.close()
 
 
 def _open(path: Path) -> pdfium.PdfDocument:
-    if not path.is_file():
-        raise PdfError(path, "file not found")
+    problem = file_problem(path)
+    if problem:
+        raise PdfError(path, problem)
     if path.stat().st_size == 0:
         raise PdfError(path, "empty file (0 bytes)")
     try:
         return pdfium.PdfDocument(path)
     except pdfium.PdfiumError as error:
-        raise PdfError(path, f"{_diagnose(path)}: {error}") from error
+        raise PdfError(path, _diagnose(path, error)) from error
 
 
-def _diagnose(path: Path) -> str:
-    """PDFium's error codes are unreliable (a page-less PDF reports a password error), so look
-    for the encryption dictionary itself before calling a file encrypted."""
-    return "encrypted (password required)" if b"/Encrypt" in path.read_bytes() else "corrupt or unreadable"
+def _diagnose(path: Path, error: pdfium.PdfiumError) -> str:
+    """PDFium's error codes are unreliable (a page-less PDF reports a password error, "Success", or the
+    previous file's error), so look at the file itself: an encryption dictionary, or no page object at
+    all (when no compressed object stream could hide one)."""
+    data = path.read_bytes()
+    if b"/Encrypt" in data:
+        return f"encrypted (password required): {error}"
+    if not re.search(rb"/Type\s*/Page(?!s)", data) and b"/ObjStm" not in data:
+        return "the PDF has no pages"
+    return f"corrupt or unreadable: {error}"
 
 
-def _render_page(document: pdfium.PdfDocument, index: int, dpi: int, path: Path) -> bytes:
+def render_scale(width_pt: float, height_pt: float, dpi: int, max_pixels: int) -> float:
+    """Points-to-pixels scale for ``dpi``, lowered so the page stays within ``max_pixels``."""
+    scale = dpi / 72
+    if width_pt * height_pt * scale**2 > max_pixels:
+        scale = math.sqrt(max_pixels / (width_pt * height_pt)) * 0.999
+    return scale
+
+
+def _render_page(document: pdfium.PdfDocument, index: int, dpi: int, path: Path, max_pixels: int) -> bytes:
     try:
-        image = document[index].render(scale=dpi / 72).to_pil()
+        page = document[index]
+        width, height = page.get_size()
+        scale = render_scale(width, height, dpi, max_pixels)
+        if scale < dpi / 72:
+            logger.info("%s page %d is %.0fx%.0f pt: rendered at %.0f dpi instead of %d to stay under %d pixels",
+                        path, index + 1, width, height, scale * 72, dpi, max_pixels)
+        image = page.render(scale=scale).to_pil()
     except pdfium.PdfiumError as error:
         raise PdfError(path, f"page {index + 1} cannot be rendered ({error})") from error
     buffer = io.BytesIO()
@@ -112,21 +152,21 @@ def ingest(
 
 def _rows(paths: list[Path], dpi: int, report: IngestReport) -> Iterator[dict]:
     names: dict[str, Path] = {}
-    progress = tqdm(paths, desc="rendering PDFs", unit="pdf")
-    for path in progress:
-        try:
-            if path.name in names:
-                raise PdfError(path, f"same file name as {names[path.name]}; doc_ids would collide")
-            pages = render_pdf(path, dpi)
-        except PdfError as error:
-            logger.warning("%s", error)
-            report.failed[str(path)] = error.problem
-            continue
-        names[path.name] = path
-        report.files += 1
-        report.pages += len(pages)
-        progress.set_postfix(pages=report.pages)
-        yield from ({"doc_id": doc_id, "image": {"bytes": png, "path": None}} for doc_id, png in pages)
+    with tqdm(desc="rendering PDF pages", unit="page", total=0) as progress:
+        for path in paths:
+            try:
+                if path.name in names:
+                    raise PdfError(path, f"same file name as {names[path.name]}; doc_ids would collide")
+                pages = render_pdf(path, dpi, progress=progress)
+            except PdfError as error:
+                logger.warning("%s", error)
+                report.failed[str(path)] = error.problem
+                continue
+            names[path.name] = path
+            report.files += 1
+            report.pages += len(pages)
+            progress.set_postfix(files=report.files)
+            yield from ({"doc_id": doc_id, "image": {"bytes": png, "path": None}} for doc_id, png in pages)
 
 
 def main(argv: list[str] | None = None) -> int:

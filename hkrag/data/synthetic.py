@@ -30,6 +30,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont
 
 from hkrag.data.opendocvqa import ALL_POOL, CORPUS_FEATURES, QA_FEATURES, format_query, save_split
+from hkrag.io import write_json, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -153,12 +154,12 @@ def generate(out_dir: str | Path, config: SyntheticConfig = SyntheticConfig()) -
             save_split(style_rows, paths.qa, style, split, QA_FEATURES)
         style_pages = [s for s in test if s.style == style]
         save_split(corpus_rows(style_pages), paths.corpus, style, "test", CORPUS_FEATURES)
-    (root / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=2))
-    with paths.pages.open("w", encoding="utf-8") as f:
-        for split, specs in (("train", train), ("test", test)):
-            for spec in specs:
-                items = [dataclasses.asdict(item) for item in rendered[spec.doc_id][1]]
-                f.write(json.dumps({"split": split, **dataclasses.asdict(spec), "items": items}) + "\n")
+    splits = [(split, spec) for split, specs in (("train", train), ("test", test)) for spec in specs]
+    lines = [json.dumps({"split": split, **dataclasses.asdict(spec),
+                         "items": [dataclasses.asdict(item) for item in rendered[spec.doc_id][1]]})
+             for split, spec in splits]
+    write_text(paths.pages, "\n".join(lines) + "\n")
+    write_json(root / CONFIG_FILE, dataclasses.asdict(config))  # last: marks a complete corpus
     counts = (len(train), len(test), len(queries["train"]), len(queries["test"]))
     logger.info("synthetic corpus: %d train / %d test pages, %d train / %d test queries in %s", *counts, root)
     return paths

@@ -16,7 +16,6 @@ they are the same for every spec) divided by the number of documents, and evalua
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ import numpy as np
 
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import load_shards, read_manifest
+from hkrag.io import atomic_write, write_json, write_text
 from hkrag.metrics import Qrels, check_qrels, evaluate_run, load_qrels
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def plot(rows: Sequence[dict], path: str | Path, *, metric: str = "ndcg@5", titl
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda f: fig.savefig(f, format=path.suffix.lstrip(".") or "png", dpi=120), "wb")
     plt.close(fig)
     return path
 
@@ -125,9 +125,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         use_gpu=False if args.cpu else None,
     )
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "budget.json").write_text(json.dumps(rows, indent=2))
-    (out / "budget.md").write_text(to_markdown(rows) + "\n")
+    write_json(out / "budget.json", rows)
+    write_text(out / "budget.md", to_markdown(rows) + "\n")
     plot(rows, out / "budget.png")
     print(to_markdown(rows))
     print(f"wrote {out / 'budget.png'}")

@@ -19,6 +19,8 @@ from pathlib import Path
 import faiss
 import numpy as np
 
+from hkrag.io import write_bytes, write_json
+
 log = logging.getLogger(__name__)
 
 KINDS = ("flat", "ivfpq", "sq8", "fp16")
@@ -294,11 +296,9 @@ class DocumentIndex:
     def save(self, directory: str | Path) -> Path:
         """Write ``index.faiss``, ``ids.json`` and ``index.json`` (spec, dim, count) into ``directory``."""
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        faiss.write_index(self.cpu_index(), str(directory / _INDEX_FILE))
-        (directory / _IDS_FILE).write_text(json.dumps(self.ids))
-        meta = {"spec": asdict(self.spec), "dim": self.dim, "count": len(self.ids)}
-        (directory / _META_FILE).write_text(json.dumps(meta, indent=2))
+        write_bytes(directory / _INDEX_FILE, faiss.serialize_index(self.cpu_index()).tobytes())
+        write_json(directory / _IDS_FILE, self.ids, indent=None)
+        write_json(directory / _META_FILE, {"spec": asdict(self.spec), "dim": self.dim, "count": len(self.ids)})
         return directory
 
     @classmethod

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hkrag.data.synthetic import CONFIG_FILE, SyntheticConfig, generate
 from hkrag.evaluation import RetrievalEvalConfig
+from hkrag.io import atomic_directory
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.models.phi3v.loading import save_processor, tiny_phi3v
 from hkrag.retriever import LoraSettings, Phi3VRetriever
@@ -58,9 +58,9 @@ def prepare_data(data_cfg: DictConfig) -> None:
         if not marker.is_file():
             raise FileExistsError(f"{root} exists but was not written by hkrag.data.synthetic; set data.root elsewhere")
         logger.warning("%s was generated with other settings: regenerating it", root)
-        shutil.rmtree(root)
     logger.info("generating the built-in synthetic corpus in %s", root)
-    generate(root, config)
+    with atomic_directory(root) as tmp:  # a failed generation leaves the previous folder (or none)
+        generate(tmp, config)
 
 
 def build_retriever(
@@ -90,9 +90,13 @@ def build_retriever(
 
 
 def save_tiny_base(model: Phi3VForCausalLM, processor: Phi3VProcessor, directory: Path) -> Path:
-    """Write the random tiny base model + processor so ``eval.py`` can load it like a real checkpoint."""
-    model.save_pretrained(directory)
-    save_processor(processor, directory)
+    """Write the random tiny base model + processor so ``eval.py`` can load it like a real checkpoint.
+
+    The folder is replaced whole (:func:`hkrag.io.atomic_directory`): a failed write keeps the previous one.
+    """
+    with atomic_directory(directory) as tmp:
+        model.save_pretrained(tmp)
+        save_processor(processor, tmp)
     return directory
 
 

@@ -6,13 +6,13 @@ A retriever (base + adapter, or a ``train.py`` run's directory) evaluated by the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from hkrag.evaluation import evaluate_retrieval
+from hkrag.io import write_json, write_text
 from hkrag.tasks.common import (
     build_retriever,
     eval_config,
@@ -23,10 +23,12 @@ from hkrag.tasks.common import (
     trained_model_config,
 )
 from hkrag.training.reporting import RunLogger
+from hkrag.validation import validate_config
 
 
 def run_retrieval_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     """``eval.py task=retrieval``: encode, search single and all pools, write ``retrieval.{json,md}``."""
+    validate_config(cfg)
     accelerator = make_accelerator(cfg.get("cpu", False))
     output_dir = shared_output_dir(accelerator, output_dir)
     model_cfg = trained_model_config(cfg.model, cfg.run_dir) if cfg.get("run_dir") else cfg.model
@@ -38,8 +40,8 @@ def run_retrieval_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[st
     identity = {"model": str(model_cfg.get("base", "tiny")), "adapter": model_cfg.get("adapter")}
     result = evaluate_retrieval(retriever, eval_config(cfg), output_dir, identity)
     if accelerator.is_main_process:
-        (output_dir / "retrieval.json").write_text(json.dumps(result["results"], indent=2))
-        (output_dir / "retrieval.md").write_text(result["table"] + "\n")
+        write_json(output_dir / "retrieval.json", result["results"])
+        write_text(output_dir / "retrieval.md", result["table"] + "\n")
         print(result["table"])
         run_logger = RunLogger(output_dir, project=cfg.logger.project, wandb_mode=cfg.logger.wandb_mode,
                                config=OmegaConf.to_container(cfg, resolve=True), name=cfg.get("run_name"))

@@ -1,0 +1,61 @@
+"""hkrag.io: a failed write leaves the previous file or folder intact and names the path."""
+
+import errno
+import json
+
+import pytest
+
+from hkrag.io import WriteError, atomic_directory, atomic_write, write_bytes, write_json, write_text
+
+
+def disk_full(f):
+    f.write("partial")
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_writes_land_under_the_real_name_without_leftovers(tmp_path):
+    write_text(tmp_path / "a" / "note.txt", "hello")
+    write_bytes(tmp_path / "b.bin", b"\x00\x01")
+    write_json(tmp_path / "c.json", {"x": [1, 2]})
+    assert (tmp_path / "a" / "note.txt").read_text() == "hello"
+    assert (tmp_path / "b.bin").read_bytes() == b"\x00\x01"
+    assert json.loads((tmp_path / "c.json").read_text()) == {"x": [1, 2]}
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b.bin", "c.json", "note.txt"]
+
+
+def test_failed_write_keeps_the_previous_file_and_names_the_path(tmp_path):
+    path = tmp_path / "corpus.parquet"
+    path.write_text("previous")
+    with pytest.raises(WriteError, match=f"could not write {path}: No space left on device") as info:
+        atomic_write(path, disk_full)
+    assert info.value.path == path and info.value.errno == errno.ENOSPC
+    assert path.read_text() == "previous"
+    assert [p.name for p in tmp_path.iterdir()] == ["corpus.parquet"]
+
+
+def test_non_os_error_propagates_as_is_and_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "x.json"
+    write_json(path, {"v": 1})
+    def bad_row(f):
+        f.write('{"v": ')
+        raise ValueError("row 3 cannot be encoded")
+
+    with pytest.raises(ValueError, match="row 3"):
+        atomic_write(path, bad_row)
+    assert json.loads(path.read_text()) == {"v": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
+
+
+def test_failed_directory_build_keeps_the_previous_folder(tmp_path):
+    target = tmp_path / "ckpt"
+    with atomic_directory(target) as tmp:
+        (tmp / "weights").write_text("v1")
+    with pytest.raises(WriteError, match=f"could not write {target}"):
+        with atomic_directory(target) as tmp:
+            (tmp / "weights").write_text("v2-partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert (target / "weights").read_text() == "v1"
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    with atomic_directory(target) as tmp:
+        (tmp / "weights").write_text("v2")
+    assert (target / "weights").read_text() == "v2"

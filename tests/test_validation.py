@@ -1,0 +1,81 @@
+"""Config validation: wrong types and ranges fail up front, all at once, naming key, value and range."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from hkrag.validation import ConfigError, Rule, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def config(name: str, overrides: list[str] = ()):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+@pytest.mark.parametrize("name", ["train", "eval"])
+def test_shipped_configs_are_valid(name):
+    validate_config(config(name))
+
+
+@pytest.mark.parametrize("experiment", ["hkrag_retriever", "ablation_infonce", "demo"])
+def test_experiments_are_valid(experiment):
+    validate_config(config("train", [f"experiment={experiment}"]))
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("trainer.global_batch_size=abc", "trainer.global_batch_size='abc': expected an integer >= 1"),
+        ("trainer.global_batch_size=-8", "trainer.global_batch_size=-8: expected an integer >= 1"),
+        ("trainer.global_batch_size=0", "trainer.global_batch_size=0: expected an integer >= 1"),
+        ("trainer.global_batch_size=2.5", "trainer.global_batch_size=2.5: expected an integer >= 1"),
+        ("trainer.chunk_size=-4", "trainer.chunk_size=-4: expected an integer >= 1 or null"),
+        ("trainer.max_steps=-1", "trainer.max_steps=-1: expected an integer >= 1 or null"),
+        ("optim.lr=abc", "optim.lr='abc': expected a number > 0"),
+        ("optim.lr=nan", "optim.lr=nan: expected a number > 0"),
+        ("loss.tau=0", "loss.tau=0: expected a number > 0"),
+        ("optim.warmup_ratio=1.5", "optim.warmup_ratio=1.5: expected a number >= 0 and <= 1"),
+        ("eval.dtype=bf16", "eval.dtype='bf16': expected one of ['float16', 'float32']"),
+        ("trainer.epochs=true", "trainer.epochs=True: expected an integer >= 1"),
+    ],
+)
+def test_bad_value_is_named_with_its_allowed_range(override, message):
+    with pytest.raises(ConfigError) as info:
+        validate_config(config("train", [override]))
+    assert message in str(info.value)
+
+
+def test_every_problem_is_reported_in_one_error():
+    cfg = config("train", ["trainer.global_batch_size=abc", "optim.lr=-1", "loss.tau=0", "trainer.max_steps=0"])
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    assert str(info.value).count("\n  ") == 4
+
+
+def test_nullable_and_open_bounds():
+    assert Rule(int, low=1, nullable=True).problem(None) is None
+    assert Rule(int, low=1).problem(None) == "expected an integer >= 1"
+    assert Rule(float, low=0, low_open=True).problem(1e-9) is None
+    assert Rule(float, low=0, low_open=True).problem(0.0) == "expected a number > 0"
+    assert Rule(float, low=0).problem(3) is None  # an int is a valid number
+
+
+def test_training_refuses_max_steps_minus_one_before_doing_anything(tmp_path):
+    from hkrag.tasks.training import run_training
+
+    cfg = config("train", ["trainer.max_steps=-1", f"paths.data_dir={tmp_path / 'data'}"])
+    with pytest.raises(ConfigError, match="trainer.max_steps=-1"):
+        run_training(cfg, tmp_path / "run")
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
+
+
+def test_retrieval_evaluation_validates_first(tmp_path):
+    from hkrag.tasks.retrieval import run_retrieval_evaluation
+
+    cfg = config("eval", ["eval.top_k=0", f"paths.data_dir={tmp_path / 'data'}"])
+    with pytest.raises(ConfigError, match="eval.top_k=0: expected an integer >= 1"):
+        run_retrieval_evaluation(cfg, tmp_path / "eval")
+    assert not (tmp_path / "data").exists()
