@@ -70,6 +70,8 @@ class Phi3VConfig(Phi3Config):
         # The original file pins flash_attention_2; attention is chosen at load time instead
         # (`default_attn_implementation`), so a machine without flash-attn still loads it.
         kwargs.pop("_attn_implementation", None)
+        # The original file's auto_map points at the hub's remote code, which these classes replace.
+        kwargs.pop("auto_map", None)
         if rope_scaling is not None and kwargs.get("rope_parameters") is None:
             kwargs["rope_parameters"] = _longrope_parameters(
                 rope_scaling,

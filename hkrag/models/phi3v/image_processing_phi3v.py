@@ -14,13 +14,20 @@ The reference (``image_processing_phi3_v.py``) hard-codes 336-px crops; here eve
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
 from transformers import BatchFeature
+from transformers.image_processing_utils import BaseImageProcessor
+from transformers.processing_utils import ImagesKwargs
+from transformers.utils import TensorType
+
+from hkrag.io import write_text
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -73,30 +80,55 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-class Phi3VImageProcessor:
+class Phi3VImagesKwargs(ImagesKwargs, total=False):
+    """The HD transform's settings, so ``from_pretrained(..., num_crops=4)`` overrides the saved value."""
+
+    num_crops: int
+    merged_per_side: int
+    num_img_tokens: int
+
+
+class Phi3VImageProcessor(BaseImageProcessor):
     """Turns pages into ``pixel_values`` (N, num_crops+1, 3, crop, crop) and ``image_sizes`` (N, 2).
+
+    A transformers ``BaseImageProcessor``: ``to_dict``/``from_dict``, ``save_pretrained``/``from_pretrained``
+    and ``AutoImageProcessor`` read and write the original ``preprocessor_config.json`` layout
+    (``num_crops``, ``num_img_tokens``, ``image_mean``, ``image_std``) plus ``crop_size`` and
+    ``merged_per_side``, which the reference hard-codes (336 and 12).
 
     Args:
         num_crops: maximum number of HD crops per image (16 for Phi-3-vision; 4 is common for speed).
         crop_size: crop side in pixels; must equal the vision tower's ``image_size``.
-        merged_per_side: tokens per crop side after the 2x2 merge (``crop_size / patch / 2``).
+        merged_per_side: tokens per crop side after the 2x2 merge (``crop_size / patch / 2``). When ``None``,
+            the square root of ``num_img_tokens`` (the original file's key), else 12.
+        num_img_tokens: tokens per crop, read only when ``merged_per_side`` is not given; always written
+            back as ``merged_per_side ** 2``.
     """
+
+    valid_kwargs = Phi3VImagesKwargs
+    model_input_names = ["pixel_values", "image_sizes"]
 
     def __init__(
         self,
         num_crops: int = 16,
         crop_size: int = 336,
-        merged_per_side: int = 12,
+        merged_per_side: int | None = None,
         image_mean: Sequence[float] = CLIP_MEAN,
         image_std: Sequence[float] = CLIP_STD,
+        num_img_tokens: int | None = None,
+        **kwargs: Any,
     ) -> None:
+        kwargs.pop("auto_map", None)  # the original file points at remote code; these classes replace it
+        super().__init__(**kwargs)
         if num_crops < 1:
             raise ValueError(f"num_crops must be >= 1, got {num_crops}")
+        if merged_per_side is None:
+            merged_per_side = math.isqrt(num_img_tokens) if num_img_tokens else 12
         self.num_crops = num_crops
         self.crop_size = crop_size
         self.merged_per_side = merged_per_side
-        self.image_mean = torch.tensor(image_mean).view(3, 1, 1)
-        self.image_std = torch.tensor(image_std).view(3, 1, 1)
+        self.image_mean = [float(v) for v in image_mean]
+        self.image_std = [float(v) for v in image_std]
 
     def num_image_tokens(self, width: int, height: int) -> int:
         """Tokens the processor will emit for an unprocessed ``width x height`` page."""
@@ -116,11 +148,18 @@ class Phi3VImageProcessor:
         image = ImageOps.expand(image, (0, top, 0, padded_h - new_h - top), fill=(255, 255, 255))
         return image.transpose(Image.Transpose.TRANSPOSE) if transposed else image
 
-    def crops(self, image: Image.Image) -> torch.Tensor:
+    def crops(
+        self,
+        image: Image.Image,
+        image_mean: Sequence[float] | None = None,
+        image_std: Sequence[float] | None = None,
+    ) -> torch.Tensor:
         """Normalised global view + row-major crops, zero-padded to ``num_crops + 1`` slots."""
+        mean = torch.tensor(self.image_mean if image_mean is None else image_mean).view(3, 1, 1)
+        std = torch.tensor(self.image_std if image_std is None else image_std).view(3, 1, 1)
         hd = self.hd_transform(to_rgb(image))
         pixels = torch.from_numpy(np.asarray(hd, dtype=np.float32) / 255.0).permute(2, 0, 1)
-        pixels = (pixels - self.image_mean) / self.image_std
+        pixels = (pixels - mean) / std
         c, s = 3, self.crop_size
         h, w = pixels.shape[1] // s, pixels.shape[2] // s
         global_view = F.interpolate(pixels[None], size=(s, s), mode="bicubic", align_corners=False)
@@ -130,20 +169,43 @@ class Phi3VImageProcessor:
         out[1 : 1 + h * w] = local
         return out
 
-    def __call__(self, images: Sequence[Image.Image]) -> BatchFeature:
-        """Process a flat list of pages; returns ``pixel_values``, ``image_sizes``, ``num_img_tokens``."""
+    def preprocess(
+        self,
+        images: Image.Image | Sequence[Image.Image],
+        image_mean: Sequence[float] | None = None,
+        image_std: Sequence[float] | None = None,
+        return_tensors: str | TensorType | None = None,
+    ) -> BatchFeature:
+        """Process one page or a flat list of pages into ``pixel_values``, ``image_sizes``, ``num_img_tokens``.
+
+        Like the reference, ``pixel_values`` and ``image_sizes`` are torch tensors whatever
+        ``return_tensors`` is; ``"pt"`` also turns ``num_img_tokens`` into a tensor, ``"np"`` makes all arrays.
+        """
+        images = [images] if isinstance(images, Image.Image) else list(images)
+        for i, image in enumerate(images):
+            if not isinstance(image, Image.Image):
+                raise TypeError(f"Phi3VImageProcessor takes PIL images; image {i} is a {type(image).__name__}")
         if not images:
             return BatchFeature({"pixel_values": None, "image_sizes": None, "num_img_tokens": []})
-        pixel_values = torch.stack([self.crops(image) for image in images])
+        pixel_values = torch.stack([self.crops(image, image_mean, image_std) for image in images])
         sizes = [hd_padded_size(im.width, im.height, self.num_crops, self.crop_size) for im in images]
         tokens = [num_image_tokens(h, w, self.crop_size, self.merged_per_side) for h, w in sizes]
-        return BatchFeature(
-            {
-                "pixel_values": pixel_values,
-                "image_sizes": torch.tensor(sizes, dtype=torch.long),
-                "num_img_tokens": tokens,
-            }
-        )
+        data = {
+            "pixel_values": pixel_values,
+            "image_sizes": torch.tensor(sizes, dtype=torch.long),
+            "num_img_tokens": tokens,
+        }
+        return BatchFeature(data, tensor_type=return_tensors)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The original ``preprocessor_config.json`` keys plus ``crop_size`` and ``merged_per_side``."""
+        out = super().to_dict()
+        out["num_img_tokens"] = self.merged_per_side**2
+        return out
+
+    def to_json_file(self, json_file_path: str | os.PathLike) -> None:
+        """Written atomically (``hkrag.io``), so a failed save keeps the previous file."""
+        write_text(json_file_path, self.to_json_string())
 
 
 def _check_size(image: Image.Image) -> None:

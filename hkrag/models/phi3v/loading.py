@@ -1,9 +1,16 @@
-"""Loading Phi-3-vision and its processor: the original checkpoint, or a tiny random one offline."""
+"""Loading Phi-3-vision and its processor: the original checkpoint, or a tiny random one offline.
+
+The classes are also registered with transformers' Auto classes (``import hkrag``), so
+``AutoModelForCausalLM.from_pretrained(PHI3V_HUB_ID)`` and ``AutoProcessor.from_pretrained(...)`` load ours
+without ``trust_remote_code``; the functions here add attention defaults and clearer errors.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -12,17 +19,35 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import cached_file
 
 from .configuration_phi3v import Phi3VConfig, tiny_phi3v_config
-from .image_processing_phi3v import CLIP_MEAN, CLIP_STD, Phi3VImageProcessor
+from .image_processing_phi3v import Phi3VImageProcessor
 from .modeling_phi3v import Phi3VForCausalLM, default_attn_implementation
-from .processing_phi3v import Phi3VProcessor
+from .processing_phi3v import PREPROCESSOR_FILE, Phi3VProcessor
 from .tokenization import build_offline_tokenizer
 
 PHI3V_HUB_ID = "microsoft/Phi-3-vision-128k-instruct"
-PREPROCESSOR_FILE = "preprocessor_config.json"
+
+
+class CheckpointNotFoundError(OSError):
+    """A Phi-3-vision model or processor could not be loaded (offline, missing folder or files)."""
+
+
+@contextmanager
+def _loading(name_or_path: str | Path, what: str, *errors: type[Exception]) -> Iterator[None]:
+    """Re-raise loading failures as :class:`CheckpointNotFoundError` naming the source and the ways out."""
+    try:
+        yield
+    except (OSError, *errors) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointNotFoundError(
+            f"could not load the Phi-3-vision {what} from {str(name_or_path)!r}: {reason}\n"
+            f"Offline, or the files are missing? Set model.base=/local/path to a folder holding a copy of "
+            f"{PHI3V_HUB_ID} (config.json, model*.safetensors, tokenizer files, {PREPROCESSOR_FILE}), "
+            "or use the tiny random model (model=tiny, or hkrag.models.phi3v.tiny_phi3v())."
+        ) from error
 
 
 def load_phi3v(
-    name_or_path: str = PHI3V_HUB_ID,
+    name_or_path: str | Path = PHI3V_HUB_ID,
     dtype: torch.dtype | str = torch.bfloat16,
     attn_implementation: str | None = None,
     **kwargs: Any,
@@ -33,13 +58,27 @@ def load_phi3v(
     5.x); attention defaults to flash-attn when installed, else SDPA.
     """
     attn = attn_implementation or default_attn_implementation()
-    config = Phi3VConfig.from_pretrained(name_or_path)
-    return Phi3VForCausalLM.from_pretrained(
-        name_or_path, config=config, dtype=dtype, attn_implementation=attn, **kwargs
-    )
+    if attn == "flash_attention_2":
+        require_flash_attention()
+    with _loading(name_or_path, "model"):
+        config = Phi3VConfig.from_pretrained(name_or_path)
+        return Phi3VForCausalLM.from_pretrained(
+            name_or_path, config=config, dtype=dtype, attn_implementation=attn, **kwargs
+        )
 
 
-def read_preprocessor_config(name_or_path: str) -> dict[str, Any]:
+def require_flash_attention() -> None:
+    """Fail loudly (no silent SDPA fallback) when ``flash_attention_2`` is requested but cannot run."""
+    missing = [reason for reason, ok in (("flash-attn is not installed", importlib.util.find_spec("flash_attn")),
+                                         ("CUDA is not available", torch.cuda.is_available())) if not ok]
+    if missing:
+        raise ImportError(
+            f"attn_implementation='flash_attention_2' was requested but {' and '.join(missing)}: install flash-attn "
+            "on a CUDA machine, or override the attention (Hydra: model.attn_implementation=sdpa)"
+        )
+
+
+def read_preprocessor_config(name_or_path: str | Path) -> dict[str, Any]:
     """The checkpoint's ``preprocessor_config.json`` (``num_crops``, mean, std), or ``{}`` if absent."""
     path = cached_file(name_or_path, PREPROCESSOR_FILE, _raise_exceptions_for_missing_entries=False)
     return json.loads(Path(path).read_text()) if path else {}
@@ -52,35 +91,28 @@ def image_processor_for(config: Phi3VConfig, num_crops: int = 16, **kwargs: Any)
     )
 
 
-def load_processor(name_or_path: str = PHI3V_HUB_ID, num_crops: int | None = None) -> Phi3VProcessor:
-    """Tokenizer + image processor of a checkpoint; ``num_crops`` overrides the saved value."""
-    config = Phi3VConfig.from_pretrained(name_or_path)
-    saved = read_preprocessor_config(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+def load_processor(name_or_path: str | Path = PHI3V_HUB_ID, num_crops: int | None = None) -> Phi3VProcessor:
+    """Tokenizer + image processor of a checkpoint; ``num_crops`` overrides the saved value.
+
+    Equals ``AutoProcessor.from_pretrained`` on a complete checkpoint; in addition the crop geometry comes
+    from ``config.json`` (so folders saved before ``crop_size`` was written load right) and a missing
+    ``preprocessor_config.json`` means the reference defaults.
+    """
+    with _loading(name_or_path, "processor"):
+        config = Phi3VConfig.from_pretrained(name_or_path)
+        saved = read_preprocessor_config(name_or_path)
+    with _loading(name_or_path, "tokenizer", ValueError):
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     tokenizer.padding_side = "right"
-    image_processor = image_processor_for(
-        config,
-        num_crops=num_crops or saved.get("num_crops", 16),
-        image_mean=saved.get("image_mean", CLIP_MEAN),
-        image_std=saved.get("image_std", CLIP_STD),
-    )
-    return Phi3VProcessor(tokenizer, image_processor)
+    settings = {**saved, "crop_size": config.crop_size, "merged_per_side": config.merged_per_side}
+    if num_crops is not None:
+        settings["num_crops"] = num_crops
+    return Phi3VProcessor(tokenizer, Phi3VImageProcessor.from_dict(settings))
 
 
 def save_processor(processor: Phi3VProcessor, directory: str | Path) -> None:
-    """Write tokenizer files and a ``preprocessor_config.json`` in the original format."""
-    directory = Path(directory)
-    processor.tokenizer.save_pretrained(directory)
-    ip = processor.image_processor
-    saved = {
-        "image_processor_type": "Phi3VImageProcessor",
-        "processor_class": "Phi3VProcessor",
-        "num_crops": ip.num_crops,
-        "num_img_tokens": ip.merged_per_side**2,
-        "image_mean": ip.image_mean.flatten().tolist(),
-        "image_std": ip.image_std.flatten().tolist(),
-    }
-    (directory / PREPROCESSOR_FILE).write_text(json.dumps(saved, indent=2))
+    """Write tokenizer files and a ``preprocessor_config.json`` in the original format (``save_pretrained``)."""
+    processor.save_pretrained(directory)
 
 
 def tiny_phi3v(

@@ -113,21 +113,28 @@ class Phi3VModel(Phi3VPreTrainedModel, Phi3Model):
         input_ids: torch.LongTensor,
         pixel_values: torch.Tensor | None = None,
         image_sizes: torch.Tensor | None = None,
+        image_features: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token embeddings with image features scattered row-major into the ``-k`` placeholders.
 
+        ``image_features`` (sum of image tokens, hidden), as :class:`Phi3VImageEmbedding` returns them,
+        replaces ``pixel_values``: callers that reuse a page's features across prompts skip the vision tower.
         ``input_ids`` is read, never written (the reference clamps it in place).
         """
         is_image = input_ids < 0
         embeds = self.embed_tokens(input_ids.clamp(min=0))
         num_placeholders = int(is_image.sum())
         if num_placeholders:
-            if pixel_values is None or image_sizes is None:
+            if image_features is not None:
+                features = image_features
+            elif pixel_values is None or image_sizes is None:
                 raise ValueError(f"input_ids hold {num_placeholders} image placeholders but no pixel_values")
-            features = self.vision_embed_tokens(pixel_values, image_sizes)
+            else:
+                features = self.vision_embed_tokens(pixel_values, image_sizes)
             if features.shape[0] != num_placeholders:
+                images = "" if image_sizes is None else f" {len(image_sizes)}"
                 raise ValueError(
-                    f"input_ids hold {num_placeholders} image placeholders but the {len(image_sizes)} image(s) "
+                    f"input_ids hold {num_placeholders} image placeholders but the{images} image(s) "
                     f"give {features.shape[0]} tokens; build inputs with Phi3VProcessor and the same num_crops"
                 )
             embeds = embeds.masked_scatter(is_image.unsqueeze(-1), features.to(embeds.dtype))
@@ -141,12 +148,13 @@ class Phi3VModel(Phi3VPreTrainedModel, Phi3Model):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        image_features: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         if inputs_embeds is None:
             if input_ids is None:
                 raise ValueError("pass input_ids or inputs_embeds")
-            inputs_embeds = self.embed(input_ids, pixel_values, image_sizes)
+            inputs_embeds = self.embed(input_ids, pixel_values, image_sizes, image_features)
         if position_ids is None and attention_mask is not None and attention_mask.dim() == 2:
             position_ids = positions_from_mask(attention_mask, inputs_embeds.shape[1])
         return Phi3Model.forward(
@@ -177,6 +185,7 @@ class Phi3VForCausalLM(Phi3VPreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         logits_to_keep: int = 0,
+        image_features: torch.Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         outputs = self.model(
@@ -184,6 +193,7 @@ class Phi3VForCausalLM(Phi3VPreTrainedModel, GenerationMixin):
             pixel_values=pixel_values,
             image_sizes=image_sizes,
             attention_mask=attention_mask,
+            image_features=image_features,
             **kwargs,
         )
         hidden = outputs.last_hidden_state[:, -logits_to_keep:, :]

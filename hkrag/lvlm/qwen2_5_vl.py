@@ -1,0 +1,231 @@
+"""Qwen2.5-VL (native in transformers) as an LVLM backend (paper Fig. 4: 3B / 7B / 32B Instruct).
+
+``min_pixels`` / ``max_pixels`` bound each page's resolution (tokens per page = pixels / 28²): cap
+``max_pixels`` for document pages, or a tall page costs thousands of tokens. The prompt is the
+processor's chat template with one ``<|vision_start|><|image_pad|><|vision_end|>`` per page, each
+``<|image_pad|>`` expanded to the page's token count. Page features (vision tower + patch merger) are
+computed per page and reused through the backend's LRU cache; they go to ``generate`` as
+``mm_encoder_outputs``, transformers' own entry for pre-computed image embeddings, with the page grids
+(``image_grid_thw``) for the 3-D rotary positions. Answers end at ``<|im_end|>`` or ``<|endoftext|>``.
+
+``base="tiny"`` builds a random-initialised Qwen2.5-VL (2 layers, hidden 64, 2-block vision tower) with
+an offline byte-level BPE tokenizer carrying Qwen's special tokens and chat template: the same code path
+for tests and CPU demos. The offline processor is image-only (transformers' video processor needs
+torchvision); real checkpoints load their own processor with ``AutoProcessor``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoProcessor,
+    PreTrainedTokenizerFast,
+    ProcessorMixin,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+)
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from hkrag.models.phi3v.modeling_phi3v import default_attn_implementation
+from hkrag.models.phi3v.tokenization import BASE_TEXT
+
+from .base import LVLMRequest, Message, PageImage
+from .local import LocalBackend, ModelInputs, resolve_device, resolve_dtype
+
+QWEN2_5_VL_7B = "Qwen/Qwen2.5-VL-7B-Instruct"
+END_TOKENS = ("<|im_end|>", "<|endoftext|>")
+IMAGE_TOKEN = "<|image_pad|>"
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", IMAGE_TOKEN, "<|video_pad|>",
+]
+PATCH_AREA = 28 * 28
+"""Pixels per LM token: 14-px patches merged 2×2."""
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""Qwen2.5-VL's chat layout (default system turn, image parts in place) for the offline tokenizer."""
+
+
+class PageProcessor(Qwen2_5_VLProcessor):
+    """Qwen2.5-VL's processor without the video processor (which needs torchvision); images and text only."""
+
+    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None) -> None:
+        self.image_token, self.video_token = IMAGE_TOKEN, "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+
+def build_qwen_offline_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+    """A deterministic byte-level BPE with Qwen2.5-VL's special tokens and chat template (no downloads)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([BASE_TEXT, "system user assistant You are a helpful assistant."], trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def tiny_qwen2_5_vl_config(tokenizer: PreTrainedTokenizerFast, **text_overrides: Any) -> Qwen2_5_VLConfig:
+    """A few-MB Qwen2.5-VL: 2 LM layers (hidden 64, head_dim 16, ``mrope_section`` 2+3+3 = 16/2), and a
+    2-block vision tower (hidden 32, 56-px attention windows, the last block full attention)."""
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in [
+        ("image_token_id", IMAGE_TOKEN), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+    ]}
+    special = dict(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]), **special,
+    )
+    vision = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+        spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+    )
+    return Qwen2_5_VLConfig(text_config={**text, **text_overrides}, vision_config=vision, **ids, **special)
+
+
+def tiny_qwen2_5_vl(
+    seed: int = 0, min_pixels: int = 4 * PATCH_AREA, max_pixels: int = 64 * PATCH_AREA
+) -> tuple[Qwen2_5_VLForConditionalGeneration, PageProcessor]:
+    """A random-initialised tiny Qwen2.5-VL (SDPA, float32) and its offline processor."""
+    tokenizer = build_qwen_offline_tokenizer()
+    config = tiny_qwen2_5_vl_config(tokenizer)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
+    return model, PageProcessor(image_processor, tokenizer, chat_template=CHAT_TEMPLATE)
+
+
+def qwen_conversation(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """Messages in the processor's chat-template form: ``{"type": "image"}`` parts where the pages are."""
+    return [
+        {
+            "role": message.role,
+            "content": [
+                {"type": "image"} if isinstance(part, PageImage) else {"type": "text", "text": part}
+                for part in message.content
+            ],
+        }
+        for message in messages
+    ]
+
+
+class Qwen2_5_VLBackend(LocalBackend):
+    """Qwen2.5-VL answering with per-token probabilities.
+
+    Args:
+        base: hub id or folder (``Qwen/Qwen2.5-VL-{3B,7B,32B}-Instruct``), or ``"tiny"``.
+        min_pixels, max_pixels: bounds of each page's resized area in pixels (28² pixels per token).
+        dtype, attn_implementation, device, batch_size, feature_cache_size, seed, model_name: as for
+            :class:`hkrag.lvlm.phi3v.Phi3VBackend`.
+    """
+
+    name = "qwen2_5_vl"
+
+    def __init__(
+        self,
+        base: str = QWEN2_5_VL_7B,
+        min_pixels: int = 256 * PATCH_AREA,
+        max_pixels: int = 1280 * PATCH_AREA,
+        dtype: str = "auto",
+        attn_implementation: str | None = None,
+        device: str | None = "auto",
+        batch_size: int = 4,
+        feature_cache_size: int = 32,
+        seed: int = 0,
+        model_name: str | None = None,
+    ) -> None:
+        if not 0 < min_pixels <= max_pixels:
+            raise ValueError(f"need 0 < min_pixels <= max_pixels, got {min_pixels} and {max_pixels}")
+        target = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, target)
+        if base == "tiny":
+            model, processor = tiny_qwen2_5_vl(seed, min_pixels, max_pixels)
+            model = model.to(torch_dtype)
+            default_name = f"tiny-qwen2.5-vl-seed{seed}"
+        else:
+            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+                base, dtype=torch_dtype, attn_implementation=attn_implementation or default_attn_implementation()
+            )
+            processor = AutoProcessor.from_pretrained(base, min_pixels=min_pixels, max_pixels=max_pixels)
+            default_name = str(base)
+        self.processor = processor
+        self.pixels = (min_pixels, max_pixels)
+        super().__init__(
+            model.to(target),
+            processor.tokenizer,
+            model_name or default_name,
+            END_TOKENS,
+            batch_size=batch_size,
+            feature_cache_size=feature_cache_size,
+        )
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+
+    def feature_key(self, page: PageImage) -> Hashable:
+        return (page.key, *self.pixels)
+
+    def page_features(self, page: PageImage) -> tuple[torch.Tensor, torch.Tensor]:
+        """The page's merged vision tokens (tokens, hidden) and its patch grid ``(t, h, w)``."""
+        vision = self.processor.image_processor(images=[page.load().convert("RGB")], return_tensors="pt")
+        grid = vision["image_grid_thw"].to(self.device)
+        output = self.lm.model.get_image_features(vision["pixel_values"].to(self.device), grid)
+        return output.pooler_output[0], grid[0]
+
+    def prompt(self, request: LVLMRequest) -> str:
+        """The chat-template prompt with one ``<|image_pad|>`` per page (before expansion)."""
+        return self.processor.apply_chat_template(
+            qwen_conversation(request.messages), add_generation_prompt=True, tokenize=False
+        )
+
+    def expand(self, prompt: str, pages: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> str:
+        """Repeat each page's ``<|image_pad|>`` once per vision token of that page."""
+        chunks = prompt.split(IMAGE_TOKEN)
+        if len(chunks) - 1 != len(pages):
+            raise ValueError(f"prompt holds {len(chunks) - 1} {IMAGE_TOKEN} tokens for {len(pages)} page(s)")
+        out = [chunks[0]]
+        for (features, _), chunk in zip(pages, chunks[1:]):
+            out.extend([IMAGE_TOKEN * len(features), chunk])
+        return "".join(out)
+
+    def prepare(self, requests: Sequence[LVLMRequest]) -> ModelInputs:
+        pages = [[self.page(page) for page in request.images] for request in requests]
+        texts = [self.expand(self.prompt(request), row) for request, row in zip(requests, pages)]
+        batch = self.tokenizer(texts, padding=True, padding_side="left", return_tensors="pt")
+        kwargs: dict[str, Any] = {
+            "input_ids": batch["input_ids"].to(self.device),
+            "attention_mask": batch["attention_mask"].to(self.device),
+        }
+        kwargs["mm_token_type_ids"] = (kwargs["input_ids"] == self.image_token_id).int()
+        flat = [page for row in pages for page in row]
+        if flat:
+            kwargs["image_grid_thw"] = torch.stack([grid for _, grid in flat])
+            kwargs["mm_encoder_outputs"] = {
+                "image": BaseModelOutputWithPooling(pooler_output=tuple(features for features, _ in flat))
+            }
+        return ModelInputs(kwargs, batch["attention_mask"].sum(1).tolist())

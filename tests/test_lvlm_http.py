@@ -1,0 +1,300 @@
+"""The HTTP path: ``hkrag.lvlm.serve`` (in-process and as a real loopback server) and the ``openai`` backend's
+cache, concurrency and key hygiene. Offline; every server listens on 127.0.0.1 only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import httpx
+import pytest
+from _lvlm_fake import FakeBackend, Reply, ScriptedServer, completion
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from hkrag.lvlm import GenerationSettings, LVLMError, LVLMHTTPError, LVLMRequest, Message, PageImage, build_backend
+from hkrag.lvlm.images import decode_data_uri, encode_page
+from hkrag.lvlm.openai_backend import OpenAIBackend
+from hkrag.lvlm.serve import Batcher, create_app, load_backend
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_CONFIG = ROOT / "conf" / "lvlm" / "phi3v_tiny.yaml"
+
+
+def page(size=(60, 40), colour=(200, 30, 90), key="doc-1") -> PageImage:
+    image = Image.new("RGB", size, "white")
+    image.paste(colour, (size[0] // 4, size[1] // 4, size[0] // 2, size[1] // 2))
+    return PageImage(image, key)
+
+
+def image_part(p: PageImage) -> dict:
+    return {"type": "image_url", "image_url": {"url": encode_page(p)}}
+
+
+@pytest.fixture
+def fake() -> FakeBackend:
+    return FakeBackend()
+
+
+@pytest.fixture
+def client(fake):
+    with TestClient(create_app(fake, "fake", max_batch_size=4, batch_wait_ms=1)) as test_client:
+        yield test_client
+
+
+def chat(client: TestClient, content, **params):
+    body = {"model": "fake", "messages": [{"role": "user", "content": content}], **params}
+    return client.post("/v1/chat/completions", json=body)
+
+
+# --- the server's request/response mapping (in-process) ---------------------------------------------------------
+
+
+def test_server_maps_images_text_and_logprobs_to_openai_format(client, fake):
+    p = page()
+    response = chat(client, [image_part(p), {"type": "text", "text": "What is red?"}], max_tokens=4, temperature=0,
+                    logprobs=True, top_logprobs=2)
+    assert response.status_code == 200, response.text
+    expected = fake.answer(LVLMRequest.user(p, "What is red?", settings=GenerationSettings(4, top_logprobs=2)))
+    choice = response.json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": expected.text}
+    assert choice["finish_reason"] == "length" and expected.text.startswith("Answer é ")
+    tokens = choice["logprobs"]["content"]
+    assert [(t["token"], t["logprob"]) for t in tokens] == [(t.token, t.logprob) for t in expected.tokens]
+    assert tokens[2]["bytes"] == [32, 195, 169]  # " é" in UTF-8
+    assert [[(a["token"], a["logprob"]) for a in t["top_logprobs"]] for t in tokens] == [t.top for t in expected.tokens]
+    assert response.json()["usage"] == {"prompt_tokens": 3 + 10, "completion_tokens": 4, "total_tokens": 17}
+
+
+def test_logprobs_are_returned_only_when_asked_for(client):
+    response = chat(client, "Hello there")
+    assert response.status_code == 200 and response.json()["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize(
+    "content,params,message",
+    [
+        ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}], {},
+         "not a recognised image format"),
+        ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}], {}, "invalid base64"),
+        ([{"type": "image_url", "image_url": {"url": "https://example.com/page.png"}}], {}, "URLs are not fetched"),
+        ("hi", {"n": 2}, "n=2"),
+        ("hi", {"stream": True}, "stream"),
+        ("hi", {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ("hi", {"max_tokens": "many"}, "max_tokens"),
+    ],
+)
+def test_bad_input_is_400_with_the_reason(client, content, params, message):
+    response = chat(client, content, **params)
+    assert response.status_code == 400 and message in response.json()["error"]["message"]
+
+
+def test_bad_role_and_missing_fields_are_400(client):
+    assert "role" in client.post("/v1/chat/completions", json={"model": "fake", "messages": [
+        {"role": "robot", "content": "hi"}]}).json()["error"]["message"]
+    response = client.post("/v1/chat/completions", json={"model": "fake"})
+    assert response.status_code == 400 and "messages" in response.json()["error"]["message"]
+
+
+def test_unknown_model_is_404_and_backend_failure_is_500(client):
+    assert chat(client, "hi", model="other").status_code == 404
+    response = chat(client, "please explode")
+    assert response.status_code == 500 and "the fake model exploded" in response.json()["error"]["message"]
+
+
+def test_models_and_health(client):
+    assert client.get("/health").json() == {"status": "ok", "model": "fake"}
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["fake"]
+
+
+def test_same_page_bytes_get_the_same_key():
+    pages = (page(), page(key="renamed"), page(colour=(0, 0, 0)))
+    first, again, other = (decode_data_uri(encode_page(p)) for p in pages)
+    assert first.key == again.key != other.key and first.key.startswith("sha256:")
+    assert encode_page(page()) == encode_page(page(key="renamed"))  # same bytes every call: a stable prompt prefix
+    assert first.image.size == (60, 40)
+
+
+def test_batcher_batches_concurrent_requests_and_isolates_a_failure(fake):
+    batcher = Batcher(fake, max_batch_size=3, batch_wait_ms=300)
+    questions = ["one", "two", "please explode", "four"]
+    futures = [batcher.submit(LVLMRequest.user(q)) for q in questions]
+    outcomes = [f.exception(timeout=10) or f.result().text for f in futures]
+    batcher.close()
+    assert isinstance(outcomes[2], RuntimeError)
+    assert [o for i, o in enumerate(outcomes) if i != 2] == [fake.answer(LVLMRequest.user(q)).text
+                                                             for q in ("one", "two", "four")]
+    assert fake.calls == [3, 1, 1, 1, 1]  # a failed batch of 3 is retried one by one, then the 4th alone
+
+
+def test_load_backend_reads_kind_from_config_and_overrides(tmp_path):
+    config = tmp_path / "fake.yaml"
+    config.write_text("kind: _lvlm_fake:FakeBackend\nmodel: from-config\nvocab_size: 10\n")
+    backend = load_backend(None, str(config), ["vocab_size=77"])
+    assert (type(backend).__name__, backend.model, backend.vocab_size) == ("FakeBackend", "from-config", 77)
+
+
+# --- the openai backend: cache, concurrency, key hygiene (scripted loopback server) --------------------------------
+
+FAST = dict(api_key_env=None, timeout_s=5.0, max_retries=1, backoff_base_s=0.01)
+
+
+def test_second_identical_call_is_served_from_disk(tmp_path):
+    request = LVLMRequest.user(page(), "Is it enough?")
+    with ScriptedServer([Reply(body=completion((("Ye", -0.2), ("s", -0.05))))]) as server:
+        first = OpenAIBackend("m", server.base_url, cache_dir=tmp_path, **FAST)(request)
+        again = OpenAIBackend("m", server.base_url, cache_dir=tmp_path, **FAST)(request)  # a re-run
+        assert len(server.received) == 1
+        assert (first.cached, again.cached) == (False, True)
+        assert (again.text, again.logprobs, again.prompt_tokens) == ("Yes", [-0.2, -0.05], 11)
+        longer = LVLMRequest.user(page(), "Is it enough?", settings=GenerationSettings(max_new_tokens=9))
+        assert not OpenAIBackend("m", server.base_url, cache_dir=tmp_path, **FAST)(longer).cached
+        smaller = OpenAIBackend("m", server.base_url, cache_dir=tmp_path, max_pixels=500, **FAST)(request)
+        other_model = OpenAIBackend("m2", server.base_url, cache_dir=tmp_path, **FAST)(request)
+        assert not smaller.cached and not other_model.cached and len(server.received) == 4
+    assert len(list(tmp_path.rglob("*.json"))) == 4
+
+
+def test_unreadable_cache_entry_is_a_miss_and_is_rewritten(tmp_path, caplog):
+    request = LVLMRequest.user("Hi")
+    with ScriptedServer([Reply()]) as server:
+        backend = OpenAIBackend("m", server.base_url, cache_dir=tmp_path, **FAST)
+        backend(request)
+        (entry,) = tmp_path.rglob("*.json")
+        entry.write_text("{truncated")
+        assert not backend(request).cached and len(server.received) == 2 and "unreadable" in caplog.text
+        assert backend(request).cached and json.loads(entry.read_text())["result"]["text"] == "yes"
+
+
+def test_generate_keeps_order_and_bounds_requests_in_flight(tmp_path):
+    in_flight, peak, lock = [0], [0], threading.Lock()
+
+    def answer(received):
+        with lock:
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+        question = received.body["messages"][0]["content"]
+        time.sleep(0.02 * (8 - int(question[1:])))  # later questions finish first
+        with lock:
+            in_flight[0] -= 1
+        return completion(((question, -0.1),))
+
+    requests = [LVLMRequest.user(f"q{i}") for i in range(8)] + [LVLMRequest.user("q0")] * 4
+    with ScriptedServer([Reply(body=answer)]) as server:
+        with OpenAIBackend("m", server.base_url, max_concurrency=3, cache_dir=tmp_path, **FAST) as backend:
+            results = backend.generate(requests)
+    assert [r.text for r in results] == [f"q{i}" for i in range(8)] + ["q0"] * 4
+    assert 2 <= peak[0] <= 3
+
+
+SECRET = "sk-hkrag-SECRET-4242"
+
+
+def test_api_key_never_appears_in_errors_logs_reprs_or_cache(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("HKRAG_TEST_KEY", SECRET)
+    caplog.set_level(logging.DEBUG)
+    echo = Reply(500, body=lambda received: {"error": {"message": f"saw {received.headers['authorization']}"}})
+    with ScriptedServer([echo, echo, Reply()]) as server:
+        backend = OpenAIBackend("m", server.base_url, api_key_env="HKRAG_TEST_KEY", timeout_s=5, max_retries=1,
+                                backoff_base_s=0.01, cache_dir=tmp_path)
+        with pytest.raises(LVLMHTTPError) as error:
+            backend(LVLMRequest.user("Hi"))
+        assert backend(LVLMRequest.user("Hi again")).text == "yes"
+    assert server.received[0].headers["authorization"] == f"Bearer {SECRET}"  # the echo did carry the key
+    assert "saw Bearer ***" in str(error.value)
+    shown = [str(error.value), repr(error.value), "".join(traceback.format_exception(error.value)), caplog.text,
+             repr(backend), *(p.read_text() for p in tmp_path.rglob("*.json"))]
+    assert "retry 1/1" in caplog.text and len(shown) == 6
+    assert not [text for text in shown if SECRET in text]
+
+
+def test_missing_key_variable_is_named():
+    with pytest.raises(LVLMError, match="HKRAG_NO_SUCH_KEY is not set"):
+        OpenAIBackend("m", "http://127.0.0.1:9/v1", api_key_env="HKRAG_NO_SUCH_KEY")
+
+
+@pytest.mark.parametrize("name,model,key_env", [("openai", "Qwen/Qwen2.5-VL-7B-Instruct", "OPENAI_API_KEY"),
+                                                  ("qwen_plus", "qwen-vl-plus", "DASHSCOPE_API_KEY")])
+def test_configs_build_the_openai_backend(monkeypatch, name, model, key_env):
+    from omegaconf import OmegaConf
+
+    monkeypatch.setenv(key_env, "test-key")
+    backend = build_backend(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "lvlm" / f"{name}.yaml")))
+    assert isinstance(backend, OpenAIBackend) and (backend.model, backend.api_key_env) == (model, key_env)
+
+
+# --- a real server process on loopback serving the tiny Phi3V ------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    """``python -m hkrag.lvlm.serve`` with conf/lvlm/phi3v_tiny.yaml on a free loopback port (stopped by PID)."""
+    port, log_path = free_port(), tmp_path_factory.mktemp("serve") / "server.log"
+    command = [sys.executable, "-m", "hkrag.lvlm.serve", "--config", str(TINY_CONFIG), "--port", str(port),
+               "--served-model-name", "tiny", "--batch-wait-ms", "5", "--log-level", "warning"]
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        yield process, f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def wait_healthy(process: subprocess.Popen, url: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with code {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server at {url} not healthy after {timeout_s} s")
+
+
+def test_openai_backend_over_loopback_matches_the_backend_in_process(tiny_server):
+    from omegaconf import OmegaConf
+
+    settings = OmegaConf.to_container(OmegaConf.load(TINY_CONFIG))
+    direct = build_backend(settings.pop("kind"), **settings)  # built while the server starts
+    process, url = tiny_server
+    wait_healthy(process, url)
+    ask = GenerationSettings(max_new_tokens=6, top_logprobs=2)
+    requests = [
+        LVLMRequest.user(page(), "What is on the page?", settings=ask),
+        LVLMRequest([Message("system", ["Answer briefly."]),
+                     Message("user", [page((90, 50), (10, 200, 30), "doc-2"), page(key="doc-1"), "Compare."])], ask),
+        LVLMRequest.user("No pages here.", settings=ask),
+    ]
+    expected = [direct(request) for request in requests]
+    with OpenAIBackend("tiny", f"{url}/v1", api_key_env=None, timeout_s=60, max_retries=0) as client:
+        served = client.generate(requests)
+    for got, want in zip(served, expected):
+        assert [t.token for t in got.tokens] == [t.token for t in want.tokens] and got.tokens
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+        for got_token, want_token in zip(got.tokens, want.tokens):
+            assert [a for a, _ in got_token.top] == [a for a, _ in want_token.top]
+            assert [lp for _, lp in got_token.top] == pytest.approx([lp for _, lp in want_token.top], abs=1e-5)
+        assert (got.text, got.prompt_tokens, got.completion_tokens, got.finish_reason) == (
+            want.text, want.prompt_tokens, want.completion_tokens, want.finish_reason)
+        assert got.model == "tiny" and got.backend == "openai"

@@ -1,0 +1,245 @@
+"""Local LVLM backends (tiny random Phi3V and Qwen2.5-VL): probabilities, batching, feature reuse, pages."""
+
+from __future__ import annotations
+
+import inspect
+import io
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from PIL import Image
+
+from hkrag.lvlm import BACKENDS, GenerationSettings, LVLMRequest, Message, PageImage, build_backend, uncertainty
+from hkrag.lvlm.base import ImageError
+from hkrag.lvlm.local import FeatureCache, cut_at_stop, token_statistics
+from hkrag.lvlm.phi3v import phi3_chat
+
+KINDS = ("phi3v", "qwen2_5_vl")
+CONF = Path(__file__).resolve().parents[1] / "conf" / "lvlm"
+GREEDY = GenerationSettings(max_new_tokens=6, top_logprobs=3)
+
+
+def tiny(kind: str, **settings) -> object:
+    """A tiny backend; Qwen pages are bounded to 4..64 tokens (as conf/lvlm/qwen2_5_vl_tiny.yaml) for speed."""
+    if kind == "qwen2_5_vl":
+        settings = {"min_pixels": 4 * 784, "max_pixels": 64 * 784, **settings}
+    return build_backend(kind, base="tiny", seed=0, **settings)
+
+
+def page(key: str, size: tuple[int, int], colour: tuple[int, int, int]) -> PageImage:
+    image = Image.new("RGB", size, (255, 255, 255))
+    image.paste(colour, (size[0] // 4, size[1] // 4, size[0] // 2, size[1] // 2))
+    return PageImage(image, key)
+
+
+@pytest.fixture(scope="module")
+def pages() -> list[PageImage]:
+    return [page("doc-a", (100, 80), (200, 30, 30)), page("doc-b", (300, 120), (30, 30, 200)),
+            page("doc-c", (60, 140), (30, 160, 30))]
+
+
+def requests(pages: list[PageImage]) -> list[LVLMRequest]:
+    """Prompts of different lengths: no page, one page, three pages with a system turn."""
+    return [
+        LVLMRequest.user("Answer the question with a short phrase.", settings=GREEDY),
+        LVLMRequest.user(pages[0], "What is shown in this image?", settings=GREEDY),
+        LVLMRequest(
+            [Message("system", ["Answer briefly."]), Message("user", [pages[1], "Is it", pages[2], pages[0], "red?"])],
+            GREEDY,
+        ),
+    ]
+
+
+def reference_logits(backend, request: LVLMRequest, generated: list[int]) -> torch.Tensor:
+    """Logits of a plain forward pass over prompt + generated tokens, inputs built by the model's processor
+    (pixel values, not cached features): (len(generated), V) at the positions that predicted them."""
+    images = [p.load() for p in request.images]
+    if backend.name == "phi3v":
+        inputs = backend.processor(backend.prompt(request), images or None)
+    else:
+        inputs = backend.processor(text=[backend.prompt(request)], images=images or None, return_tensors="pt")
+    prompt_length = inputs["input_ids"].shape[1]
+    extra = torch.tensor([generated])
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], 1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    if "mm_token_type_ids" in inputs:
+        inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(extra)], 1)
+    with torch.no_grad():
+        logits = backend.lm(**inputs).logits[0]
+    return logits[prompt_length - 1 : prompt_length - 1 + len(generated)].float()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logprobs_are_log_softmax_of_the_models_own_logits(kind, pages):
+    backend = tiny(kind)
+    request = requests(pages)[2]
+    res = backend(request)
+    assert res.finish_reason == "length" and len(res.tokens) == GREEDY.max_new_tokens == res.completion_tokens
+    generated = [t.token_id for t in res.tokens]
+    log_p = torch.log_softmax(reference_logits(backend, request, generated), -1)
+    expected = log_p.gather(1, torch.tensor(generated)[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(res.logprobs), expected, atol=1e-4, rtol=0)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    torch.testing.assert_close(torch.tensor([t.entropy for t in res.tokens]), entropy, atol=1e-4, rtol=0)
+    for token in res.tokens:  # greedy: the chosen token is the best alternative; alternatives sorted
+        assert token.top[0][1] == pytest.approx(token.logprob, abs=1e-6)
+        assert [lp for _, lp in token.top] == sorted((lp for _, lp in token.top), reverse=True)
+    assert res.vocab_size == log_p.shape[-1]
+    assert "".join(t.token for t in res.tokens) == res.text
+    assert 0 < uncertainty(res, "entropy_exact").value <= 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_greedy_equals_one_by_one(kind, pages):
+    backend = tiny(kind, batch_size=4, feature_cache_size=0)
+    batch = requests(pages)
+    together = backend.generate(batch)
+    alone = [backend(r) for r in batch]
+    assert len({r.prompt_tokens for r in together}) == 3  # really different lengths, so padded
+    for a, b in zip(together, alone):
+        assert a.text == b.text
+        assert a.prompt_tokens == b.prompt_tokens
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_feature_reuse_changes_nothing_and_runs_the_vision_tower_once_per_page(kind, pages):
+    calls = {}
+    results = {}
+    for size in (0, 8):
+        backend = tiny(kind, feature_cache_size=size)
+        tower = backend.lm.model.vision_embed_tokens.img_processor if kind == "phi3v" else backend.lm.model.visual
+        calls[size] = 0
+        tower.register_forward_hook(lambda *_, size=size: calls.__setitem__(size, calls[size] + 1))
+        first = backend(LVLMRequest.user(pages[0], pages[1], "What is the title?", settings=GREEDY))
+        second = backend(LVLMRequest.user(pages[0], pages[1], "Is the document sufficient?", settings=GREEDY))
+        results[size] = (first, second)
+    assert calls == {0: 4, 8: 2}
+    for plain, reused in zip(results[0], results[8]):
+        assert plain.text == reused.text
+        assert plain.logprobs == reused.logprobs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_undecodable_page_raises_image_error_naming_the_page(kind):
+    backend = tiny(kind)
+    with pytest.raises(ImageError, match="doc-broken"):
+        backend(LVLMRequest.user(PageImage(b"not an image at all", "doc-broken"), "What is shown?"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_extreme_page_is_resized_within_bounds(kind):
+    backend = tiny(kind)
+    buffer = io.BytesIO()
+    Image.new("RGB", (20000, 300), (255, 255, 255)).save(buffer, format="PNG")
+    res = backend(LVLMRequest.user(PageImage(buffer.getvalue(), "doc-wide"), "Title?",
+                                   settings=GenerationSettings(max_new_tokens=2)))
+    features = backend.page(PageImage(None, "doc-wide"))  # cached by key: no decode
+    tokens = len(features) if kind == "phi3v" else len(features[0])
+    if kind == "phi3v":  # 4 crops of 56 px in one row: (1*4 + 1)*4 + 1 + 2*2 image tokens
+        assert tokens == 25
+    else:  # smart_resize to max_pixels: height clamps to 28 px, width 65 * 28 px -> 2 x 130 patches, 2x2-merged
+        assert tokens == 65
+    assert res.prompt_tokens > tokens and res.completion_tokens == 2
+
+
+def test_phi3_chat_format_numbers_images_across_the_conversation(pages):
+    messages = [
+        Message("system", ["Be brief."]),
+        Message("user", [pages[0], "First?"]),
+        Message("assistant", ["Yes."]),
+        Message("user", [pages[1], pages[2], "Second?"]),
+    ]
+    assert phi3_chat(messages) == (
+        "<|system|>\nBe brief.<|end|>\n<|user|>\n<|image_1|>\nFirst?<|end|>\n<|assistant|>\nYes.<|end|>\n"
+        "<|user|>\n<|image_2|>\n<|image_3|>\nSecond?<|end|>\n<|assistant|>\n"
+    )
+
+
+def test_qwen_prompt_uses_the_chat_template_with_one_pad_per_page(pages):
+    backend = tiny("qwen2_5_vl")
+    prompt = backend.prompt(LVLMRequest.user(pages[0], "What?", pages[1]))
+    assert prompt == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+        "<|vision_start|><|image_pad|><|vision_end|>What?<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stop_string_cuts_text_and_tokens_together(kind, pages):
+    backend = tiny(kind)
+    free = backend(LVLMRequest.user(pages[0], "What?", settings=GenerationSettings(max_new_tokens=8)))
+    position = next(i for i in range(1, len(free.text)) if free.text[i].strip())
+    stop = free.text[position : position + 2]
+    cut = backend(LVLMRequest.user(pages[0], "What?", settings=GenerationSettings(max_new_tokens=8, stop=(stop,))))
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.find(stop)]
+    kept = "".join(t.token for t in cut.tokens)
+    assert kept.startswith(cut.text) and len(kept) - len(cut.tokens[-1].token) < len(cut.text) + (not cut.text)
+    assert cut.logprobs == pytest.approx(free.logprobs[: len(cut.tokens)], abs=1e-5)
+    assert len(cut.tokens) <= cut.completion_tokens < free.completion_tokens
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_end_token_ends_the_answer(kind):
+    backend = tiny(kind)
+    end = backend.end_ids[0]
+    vocab = 5
+    stats = token_statistics([torch.zeros(1, vocab)] * 4, torch.zeros(1, 4, dtype=torch.long), 0)
+    ids = [backend.tokenizer.convert_tokens_to_ids(t) for t in backend.tokenizer.tokenize("red blue")]
+    res = backend.result(0, [*ids, end, end], stats, GenerationSettings(max_new_tokens=4), 7, 0.5)
+    assert (res.finish_reason, res.completion_tokens, res.text) == ("stop", len(ids) + 1, "red blue")
+    assert [t.token_id for t in res.tokens] == ids
+    assert res.tokens[0].logprob == pytest.approx(-math.log(vocab))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_seeded_sampling_is_reproducible(kind, pages):
+    backend = tiny(kind)
+    settings = GenerationSettings(max_new_tokens=6, temperature=1.0, seed=3)
+    first, second = (backend(LVLMRequest.user(pages[0], "What?", settings=settings)) for _ in range(2))
+    assert first.text == second.text and first.logprobs == second.logprobs
+
+
+def test_token_statistics_match_hand_computed_values():
+    logits = [torch.tensor([[math.log(0.5), math.log(0.25), math.log(0.25)]]), torch.tensor([[0.0, 0.0, 0.0]])]
+    stats = token_statistics(logits, torch.tensor([[1, 2]]), top_k=2)
+    torch.testing.assert_close(stats.logprobs, torch.tensor([[math.log(0.25), -math.log(3)]]))
+    torch.testing.assert_close(stats.entropies, torch.tensor([[1.5 * math.log(2), math.log(3)]]))
+    assert stats.top_ids[0, 0].tolist() == [0, 1] and stats.vocab_size == 3
+
+
+def test_cut_at_stop_keeps_the_straddling_token():
+    assert cut_at_stop(["Par", "is.", "\nNext"], ["\n"]) == ("Paris.", 2, 3)
+    assert cut_at_stop(["Par", "is.\nN", "ext"], ["\n", "ext"]) == ("Paris.", 2, 2)
+    assert cut_at_stop(["a", "b"], ["zz"]) == ("ab", 2, None)
+    assert cut_at_stop(["END", "x"], ["END"]) == ("", 0, 1)
+
+
+def test_feature_cache_is_a_bounded_lru():
+    cache = FeatureCache(2)
+    computed = []
+    for key in ["a", "b", "a", "c", "b"]:
+        cache.get(key, lambda key=key: computed.append(key) or key.upper())
+    assert computed == ["a", "b", "c", "b"]  # "b" was evicted by "c" ("a" had been used more recently)
+    assert (cache.hits, cache.misses, len(cache)) == (1, 4, 2)
+    assert len(FeatureCache(0).entries) == 0
+    with pytest.raises(ValueError, match="feature_cache_size must be >= 0, got -1"):
+        FeatureCache(-1)
+
+
+@pytest.mark.parametrize("path", sorted(CONF.glob("*.yaml")), ids=lambda p: p.stem)
+def test_lvlm_configs_match_the_constructors(path):
+    cfg = OmegaConf.to_container(OmegaConf.load(path))
+    kind = cfg.pop("kind")
+    if kind not in KINDS:
+        pytest.skip(f"{kind} is not a local backend")
+    module, name = BACKENDS[kind].split(":")
+    cls = getattr(__import__(module, fromlist=[name]), name)
+    inspect.signature(cls).bind(**cfg)
+    if cfg.get("base") == "tiny":
+        assert build_backend(kind, **cfg).generate([]) == []
