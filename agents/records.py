@@ -31,11 +31,19 @@ class Query:
 
 @dataclass
 class CallRecord:
-    """One LVLM call: which agent asked what about which pages, and what came back at what cost."""
+    """One LVLM call: which agent asked what about which pages, and what came back at what cost.
+
+    ``step`` names the prompt (``pruner``, ``answer``, ``salient``, ``fine_print``, ``decouple``, ``verify``,
+    ``integrate``); ``iteration`` is the Decoupler's t (Eqs. 7–8) or the Pruner's n (Eq. 6). A yes/no call
+    (Pruner, Decoupler's "answers the question") records its ``decision`` and, when log-probabilities
+    allowed it, the probability mass of the yes-like and no-like first tokens.
+    """
 
     agent: str
     prompt: str
     page_ids: list[str]
+    step: str = ""
+    iteration: int | None = None
     output: str = ""
     num_tokens: int = 0
     mean_logprob: float | None = None
@@ -46,16 +54,24 @@ class CallRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached: bool = False
+    decision: str | None = None
+    p_yes: float | None = None
+    p_no: float | None = None
     error: str | None = None
 
     @classmethod
-    def from_result(cls, agent: str, prompt: str, page_ids: list[str], result: LVLMResult) -> CallRecord:
+    def from_result(
+        cls, agent: str, prompt: str, page_ids: list[str], result: LVLMResult, step: str = "",
+        iteration: int | None = None,
+    ) -> CallRecord:
         """A record of a successful call (log-probabilities summarised as mean and minimum)."""
         logprobs = result.logprobs
         return cls(
             agent=agent,
             prompt=prompt,
             page_ids=list(page_ids),
+            step=step,
+            iteration=iteration,
             output=result.text,
             num_tokens=len(logprobs),
             mean_logprob=sum(logprobs) / len(logprobs) if logprobs else None,
@@ -71,9 +87,12 @@ class CallRecord:
 class QueryOutcome:
     """A query's path through the generator and its final answer.
 
-    ``failed`` queries (an error, or a cap on calls/tokens/seconds/iterations reached) keep
-    ``answer == ""``, name the reason in ``failure`` and count as wrong in every metric: they are never
-    dropped from a denominator.
+    ``failed`` queries (an LVLM error, a page that fails to load, a cap on calls/tokens/seconds reached)
+    keep ``answer == ""``, name the agent and the reason in ``failure`` (``"judger: LVLMTimeoutError: …"``)
+    and count as wrong in every metric: they are never dropped from a denominator. ``route`` is where the
+    query got to (``"failed"`` when it failed before the Judger routed it). ``capped`` names a cap that
+    ended a loop without failing the query: ``"max_iters"`` when the Decoupler reached its iteration cap
+    without fine print that answers the question (the paper then summarises what it has, Eq. 8).
     """
 
     query_id: str
@@ -87,6 +106,7 @@ class QueryOutcome:
     uncertainty: float | None = None
     estimator: str | None = None
     iterations: int = 0
+    capped: str | None = None
     answer: str = ""
     failed: bool = False
     failure: str | None = None

@@ -1,0 +1,63 @@
+"""The Decoupler (paper §3.3, Eqs. 7–8): mine fine print anchored on the salient content.
+
+First the salient knowledge I_h (the prominent content related to the question). Then, for
+t = 1 … ``max_iters``: the fine-print notes I_d(t) = Θ(I_h, I_d(t−1)) (Eq. 7, the previous notes in, new
+overlooked details out) and the decoupled I′_d(t) = Θ(I_h, I_d(t)) (Eq. 8, the fine print restated apart
+from the salient content, ending with the prompts' ``answered_marker`` and yes or no). The loop stops at
+the first I′_d(t) that answers the question, or at ``max_iters`` (then the outcome is marked
+``capped="max_iters"`` and the Summarizer still integrates what was found, as the paper does). An I′_d
+that holds nothing but the marker hands on the notes I_d(t) instead.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hkrag.lvlm import PageImage
+
+from .context import QueryContext
+from .pruner import normalise
+
+
+@dataclass(frozen=True)
+class Decoupled:
+    """What the Decoupler hands the Summarizer: I_h, the last I′_d, and how the loop ended."""
+
+    salient: str
+    fine_print: str
+    iterations: int
+    answered: bool
+
+
+def read_answered(text: str, marker: str) -> tuple[bool, str]:
+    """Whether ``text`` ends its Eq. 8 reply with ``marker`` + yes, and the text without that marker line."""
+    found = list(re.finditer(re.escape(marker) + r"[ \t*_]*(\S*)[^\n]*", text, flags=re.IGNORECASE))
+    if not found:
+        return False, text.strip()
+    last = found[-1]
+    return normalise(last.group(1)) == "yes", (text[: last.start()] + text[last.end():]).strip()
+
+
+@dataclass(frozen=True)
+class Decoupler:
+    """Eqs. 7–8, at most ``max_iters`` iterations."""
+
+    max_iters: int = 3
+
+    def decouple(self, ctx: QueryContext, pages: Sequence[PageImage]) -> Decoupled:
+        salient, _ = ctx.ask("decoupler", "salient", pages)
+        notes = ctx.prompts.no_notes
+        decoupled = ""
+        for t in range(1, self.max_iters + 1):
+            mined, _ = ctx.ask("decoupler", "fine_print", pages, iteration=t, salient=salient.text, fine_print=notes)
+            notes = mined.text
+            separated, record = ctx.ask("decoupler", "decouple", pages, iteration=t, salient=salient.text,
+                                        fine_print=notes)
+            answered, decoupled = read_answered(separated.text, ctx.prompts.answered_marker)
+            decoupled = decoupled or notes
+            record.decision = "yes" if answered else "no"
+            if answered:
+                return Decoupled(salient.text, decoupled, t, True)
+        return Decoupled(salient.text, decoupled, self.max_iters, False)

@@ -1,0 +1,78 @@
+"""The Pruner (paper §3.3, Eq. 6): the fewest top-ranked pages that suffice to answer.
+
+For n = 1 … k−1 it asks the LVLM whether pages 1..n hold enough to answer the question and stops at the
+first yes; when none does, the buffer keeps the top k (capacity k, the paper's top-3). The yes/no is read
+from the first generated token's probabilities when the backend returns them (the mass of "yes"-like
+against "no"-like alternatives, case- and space-insensitive), else from the text; anything that is not a
+clear yes counts as no, which keeps more pages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hkrag.lvlm import LVLMResult, PageImage
+
+from .context import QueryContext
+
+YES = frozenset({"yes"})
+NO = frozenset({"no"})
+STRIP = " \t\n\r▁Ġ.,:;!?\"'*`()[]"
+
+
+def normalise(token: str) -> str:
+    """A token as compared with the yes/no words: no spaces, sentencepiece/BPE markers or punctuation; lower."""
+    return token.strip(STRIP).lower()
+
+
+@dataclass(frozen=True)
+class YesNo:
+    """A yes/no reading: the decision and, when log-probabilities decided it, the two probability masses."""
+
+    yes: bool
+    p_yes: float | None = None
+    p_no: float | None = None
+
+
+def read_yes_no(result: LVLMResult) -> YesNo:
+    """Yes when the yes-like first tokens carry more probability than the no-like ones.
+
+    The candidates are the first token and its ``top`` alternatives (each token counted once). When none of
+    them is yes- or no-like (or there are no tokens), the first word of the text decides.
+    """
+    if result.tokens:
+        first = result.tokens[0]
+        candidates = dict(first.top)
+        candidates.setdefault(first.token, first.logprob)
+        p_yes = sum(math.exp(lp) for token, lp in candidates.items() if normalise(token) in YES)
+        p_no = sum(math.exp(lp) for token, lp in candidates.items() if normalise(token) in NO)
+        if p_yes + p_no > 0:
+            return YesNo(p_yes > p_no, p_yes, p_no)
+    words = result.text.split()
+    return YesNo(bool(words) and normalise(words[0]) in YES)
+
+
+@dataclass(frozen=True)
+class Pruner:
+    """Eq. 6 over a buffer of capacity ``k``; ``top_logprobs`` alternatives are requested per answer."""
+
+    k: int = 3
+    top_logprobs: int = 5
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"generator top_k must be >= 1, got {self.k}")
+
+    def select(self, ctx: QueryContext, pages: Sequence[PageImage]) -> list[PageImage]:
+        """The first n < k pages that suffice, else the buffer's (up to) k pages."""
+        buffer = list(pages[: self.k])
+        for n in range(1, len(buffer)):
+            result, record = ctx.ask("pruner", "pruner", buffer[:n], iteration=n, top_logprobs=self.top_logprobs,
+                                     n=str(n))
+            reading = read_yes_no(result)
+            record.decision, record.p_yes, record.p_no = ("yes" if reading.yes else "no"), reading.p_yes, reading.p_no
+            if reading.yes:
+                return buffer[:n]
+        return buffer

@@ -1,0 +1,33 @@
+"""The Summarizer (paper §3.3): the final answer on either route.
+
+LQP: a final verification. The paper forbids feeding the initial answer back ("neither used as model input
+nor reflected upon"), so verification cannot show the model a candidate: it re-answers from the pages and
+the question with the ``verify`` prompt (check the evidence on the pages, then answer). HQP: the
+``integrate`` prompt combines the salient content I_h and the decoupled fine print I′_d into a short answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hkrag.lvlm import PageImage
+
+from .context import QueryContext
+from .decoupler import Decoupled
+
+
+@dataclass(frozen=True)
+class Summarizer:
+    """The two paths into the final answer."""
+
+    def verify(self, ctx: QueryContext, pages: Sequence[PageImage]) -> str:
+        """LQP: the verified answer, from the pages and question alone."""
+        result, _ = ctx.ask("summarizer", "verify", pages)
+        return result.text.strip()
+
+    def integrate(self, ctx: QueryContext, pages: Sequence[PageImage], knowledge: Decoupled) -> str:
+        """HQP: the answer from salient and fine-print knowledge (and the pages)."""
+        result, _ = ctx.ask("summarizer", "integrate", pages, salient=knowledge.salient,
+                            fine_print=knowledge.fine_print)
+        return result.text.strip()

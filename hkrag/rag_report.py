@@ -1,0 +1,327 @@
+"""RAG reports from a run's trace: ``rag.json``, ``rag.md`` and the threshold-sweep summary (paper §4, Tables 3/4/6).
+
+Everything is computed from :class:`~agents.records.QueryOutcome` records alone (a trace reproduces every
+number). Per data set and pool, and overall:
+
+* judged accuracy (share of queries the LLM judge scored ≥ 4) with its Wilson 95 % interval, or
+  "disabled" when no judge ran; judge failures (backend errors, unparseable replies) count as wrong;
+* the rule metrics of :mod:`hkrag.answer_metrics` (means; a bootstrap 95 % interval for ANLS and a
+  Wilson interval for relaxed accuracy);
+* the share of queries per route (``LQP`` / ``HQP`` / ``single_pass`` / ``failed``);
+* cost per query: LVLM calls and input/output tokens (means), wall time (p50 / p95), as in Fig. 4.
+
+**Failed queries are in every denominator** and score 0 on every metric, whatever their recorded
+answer or verdict; their ids and reasons are listed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agents.records import ROUTES, QueryOutcome
+from hkrag.answer_metrics import METRICS
+from hkrag.io import write_bytes, write_json, write_text
+from hkrag.metrics import format_table
+from hkrag.stats import bootstrap_interval, wilson_interval
+from hkrag.trace import MERGED_FILE, load_trace, outcome_key
+
+JUDGE_DISABLED = "disabled (no endpoint)"
+PAPER_THRESHOLD = 0.8
+TABLE_METRICS = {"accuracy": "Judged accuracy", "relaxed_accuracy": "Relaxed accuracy", "anls": "ANLS"}
+
+
+def is_correct(outcome: QueryOutcome) -> bool:
+    """The judge's verdict; a failed query or a missing / failed verdict is wrong."""
+    return not outcome.failed and bool(outcome.judge and outcome.judge.get("correct"))
+
+
+def metric_value(outcome: QueryOutcome, name: str) -> float:
+    """A rule metric of one query; 0 for a failed query or one without metrics."""
+    return 0.0 if outcome.failed or not outcome.metrics else float(outcome.metrics.get(name, 0.0))
+
+
+def judge_failed(outcome: QueryOutcome) -> bool:
+    """No valid verdict for an answered query (backend error, unparseable reply, or never judged)."""
+    return not outcome.failed and (outcome.judge is None or outcome.judge.get("score") is None)
+
+
+def _interval(low: float, high: float) -> list[float]:
+    return [round(low, 6), round(high, 6)]
+
+
+def summarize_group(outcomes: Sequence[QueryOutcome]) -> dict[str, Any]:
+    """Accuracy, rule metrics, routes and cost of one (data set, pool) group of queries."""
+    if not outcomes:
+        raise ValueError("cannot summarise an empty group of queries")
+    n = len(outcomes)
+    judged = any(o.judge is not None for o in outcomes)
+    summary: dict[str, Any] = {"n": n, "accuracy": None}
+    if judged:
+        correct = sum(map(is_correct, outcomes))
+        unjudged = [o.query_id for o in outcomes if judge_failed(o)]
+        summary["accuracy"] = {"value": correct / n, "ci95": _interval(*wilson_interval(correct, n)),
+                               "correct": correct, "judge_failed": len(unjudged), "judge_failed_ids": unjudged}
+    values = {name: [metric_value(o, name) for o in outcomes] for name in METRICS}
+    summary["metrics"] = {name: float(np.mean(v)) for name, v in values.items()}
+    relaxed_correct = int(sum(v >= 1.0 for v in values["relaxed_accuracy"]))
+    summary["ci95"] = {"relaxed_accuracy": _interval(*wilson_interval(relaxed_correct, n)),
+                       "anls": _interval(*bootstrap_interval(values["anls"]))}
+    failed = [o for o in outcomes if o.failed]
+    summary["failed"] = len(failed)
+    summary["failed_queries"] = [{"query_id": o.query_id, "reason": o.failure or "unknown"} for o in failed]
+    summary["routes"] = {route: sum(o.route == route for o in outcomes) / n for route in ROUTES}
+    walls = [o.wall_s for o in outcomes]
+    summary["cost"] = {
+        "lvlm_calls": float(np.mean([o.num_calls for o in outcomes])),
+        "input_tokens": float(np.mean([o.prompt_tokens for o in outcomes])),
+        "output_tokens": float(np.mean([o.completion_tokens for o in outcomes])),
+        "wall_s_p50": float(np.percentile(walls, 50)),
+        "wall_s_p95": float(np.percentile(walls, 95)),
+    }
+    return summary
+
+
+def summarize(outcomes: Sequence[QueryOutcome]) -> dict[str, Any]:
+    """``{"results": {dataset: {pool: group}}, "overall": group, "judged": bool}`` (see :func:`summarize_group`)."""
+    groups: dict[tuple[str, str], list[QueryOutcome]] = {}
+    for outcome in outcomes:
+        groups.setdefault((outcome.dataset, outcome.pool), []).append(outcome)
+    results: dict[str, dict[str, Any]] = {}
+    for (dataset, pool), members in groups.items():
+        results.setdefault(dataset, {})[pool] = summarize_group(members)
+    return {"results": results, "overall": summarize_group(outcomes),
+            "judged": any(o.judge is not None for o in outcomes)}
+
+
+def headline(group: Mapping[str, Any], metric: str) -> float | None:
+    """The value of a table metric in a group: judged accuracy, or a rule metric's mean."""
+    if metric == "accuracy":
+        return group["accuracy"]["value"] if group["accuracy"] else None
+    return group["metrics"][metric]
+
+
+def cells(by_pool: Mapping[str, Mapping[str, Any]], metric: str) -> dict[str, float]:
+    values = {pool: headline(group, metric) for pool, group in by_pool.items()}
+    return {pool: value for pool, value in values.items() if value is not None}
+
+
+def comparison_table(summaries: Mapping[str, Mapping[str, Any]], metric: str = "accuracy") -> str:
+    """The paper's Table 3/4/6 layout: one row per configuration, columns data set × pool (× 100)."""
+    rows = {config: {ds: cells(by_pool, metric) for ds, by_pool in summary["results"].items()}
+            for config, summary in summaries.items()}
+    pools = list(dict.fromkeys(p for s in summaries.values() for by_pool in s["results"].values() for p in by_pool))
+    return format_table(rows, pools=pools)
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.1f}"
+
+
+def _accuracy_cell(group: Mapping[str, Any]) -> str:
+    accuracy = group["accuracy"]
+    if accuracy is None:
+        return "disabled"
+    low, high = accuracy["ci95"]
+    return f"{_pct(accuracy['value'])} [{_pct(low)}, {_pct(high)}]"
+
+
+def _group_rows(summary: Mapping[str, Any]) -> list[tuple[str, str, Mapping[str, Any]]]:
+    rows = [(ds, pool, group) for ds, by_pool in summary["results"].items() for pool, group in by_pool.items()]
+    return [*rows, ("overall", "", summary["overall"])]
+
+
+def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)])
+
+
+def render_markdown(report: Mapping[str, Any]) -> str:
+    """``rag.md``: the run, its judge, Table-3 layouts, per-group metrics, routes, cost and failures."""
+    meta = report["meta"]
+    judge = report["judge"]
+    judge_line = (f"judge: {JUDGE_DISABLED}" if judge == JUDGE_DISABLED else
+                  f"judge: {judge.get('backend')} `{judge.get('model')}`, rubric {judge.get('rubric')}, "
+                  "correct ⇔ score ≥ 4")
+    lvlm = meta.get("lvlm") or {}
+    parts = [
+        f"# RAG evaluation: {report['config']}",
+        "\n".join([f"- task: {meta.get('task', '?')}, retrieval: {meta.get('retrieval', '?')}, "
+                   f"generator: {meta.get('generator', '?')}",
+                   f"- LVLM: {lvlm.get('backend', '?')} `{lvlm.get('model', '?')}`",
+                   f"- {judge_line}",
+                   f"- queries: {report['overall']['n']}, failed: {report['overall']['failed']} "
+                   "(failed queries count as wrong in every metric)"]),
+    ]
+    metrics = [m for m in TABLE_METRICS if m != "accuracy" or report["judged"]]
+    for metric in metrics:
+        parts.append(f"## {TABLE_METRICS[metric]} (×100; rows = configurations, as in Tables 3, 4 and 6)\n\n"
+                     + comparison_table({report["config"]: report}, metric))
+    rows = _group_rows(report)
+    parts.append("## Per data set and pool\n\n" + _markdown_table(
+        ["Data set", "Pool", "n", "Judged acc. [95% CI]", "ANLS", "Relaxed acc.", "EM", "F1", "Failed",
+         "Judge failed"],
+        [[ds, pool, str(g["n"]), _accuracy_cell(g), *(_pct(g["metrics"][m]) for m in METRICS), str(g["failed"]),
+          str(g["accuracy"]["judge_failed"]) if g["accuracy"] else "–"] for ds, pool, g in rows]))
+    parts.append("## Routes (share of queries, %)\n\n" + _markdown_table(
+        ["Data set", "Pool", *ROUTES], [[ds, pool, *(_pct(g["routes"][r]) for r in ROUTES)] for ds, pool, g in rows]))
+    parts.append("## Cost per query\n\n" + _markdown_table(
+        ["Data set", "Pool", "LVLM calls", "Input tokens", "Output tokens", "Wall p50 (s)", "Wall p95 (s)"],
+        [[ds, pool, f"{c['lvlm_calls']:.2f}", f"{c['input_tokens']:.0f}", f"{c['output_tokens']:.0f}",
+          f"{c['wall_s_p50']:.2f}", f"{c['wall_s_p95']:.2f}"] for ds, pool, g in rows for c in [g["cost"]]]))
+    failures = [f"- {ds}/{pool}: `{f['query_id']}` — {f['reason']}" for ds, pool, g in rows[:-1]
+                for f in g["failed_queries"]]
+    unjudged = [f"- {ds}/{pool}: " + ", ".join(f"`{q}`" for q in g["accuracy"]["judge_failed_ids"])
+                for ds, pool, g in rows[:-1] if g["accuracy"] and g["accuracy"]["judge_failed_ids"]]
+    parts.append("## Failed queries\n\n" + ("\n".join(failures) or "none"))
+    if report["judged"]:
+        parts.append("## Judge failures (counted wrong)\n\n" + ("\n".join(unjudged) or "none"))
+    return "\n\n".join(parts) + "\n"
+
+
+def build_report(outcomes: Sequence[QueryOutcome], meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The content of ``rag.json``: the run's ``meta``, its judge (or "disabled") and :func:`summarize`."""
+    return {"config": meta.get("config", "run"), "meta": dict(meta), "judge": meta.get("judge") or JUDGE_DISABLED,
+            **summarize(outcomes)}
+
+
+def write_reports(out_dir: str | Path, outcomes: Sequence[QueryOutcome], meta: Mapping[str, Any]) -> dict[str, Any]:
+    """Write ``rag.json`` and ``rag.md`` into ``out_dir`` (atomically); returns the report dict.
+
+    ``meta``: ``config`` (the row name in the tables), ``task``, ``retrieval``, ``generator``,
+    ``lvlm`` (``{"backend", "model"}``) and ``judge`` (:meth:`hkrag.judge.Judge.describe` or ``None``).
+    """
+    report = build_report(outcomes, meta)
+    out_dir = Path(out_dir)
+    write_json(out_dir / "rag.json", report)
+    write_text(out_dir / "rag.md", render_markdown(report))
+    return report
+
+
+def flat_metrics(report: Mapping[str, Any], prefix: str = "rag") -> dict[str, float]:
+    """Scalars for W&B: ``rag/<dataset>/<pool>/<metric>`` and ``rag/overall/<metric>`` (judged accuracy when judged)."""
+    flat: dict[str, float] = {}
+    for ds, pool, group in _group_rows(report):
+        key = f"{prefix}/{ds}/{pool}".rstrip("/")
+        if group["accuracy"]:
+            flat[f"{key}/accuracy"] = group["accuracy"]["value"]
+            flat[f"{key}/judge_failed"] = float(group["accuracy"]["judge_failed"])
+        flat.update({f"{key}/{name}": value for name, value in group["metrics"].items()})
+        flat.update({f"{key}/route_{route}": share for route, share in group["routes"].items()})
+        flat.update({f"{key}/{name}": value for name, value in group["cost"].items()})
+        flat[f"{key}/n"], flat[f"{key}/failed"] = float(group["n"]), float(group["failed"])
+    return flat
+
+
+def _dotted(config: Mapping[str, Any], key: str) -> Any:
+    value: Any = config
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def load_sweep(folder: str | Path, threshold_key: str = "generator.threshold") -> dict[float, list[QueryOutcome]]:
+    """The traces of a Hydra multirun folder, by the threshold each run used.
+
+    Every sub-folder holding a ``trace.jsonl`` is one run; its threshold is ``threshold_key`` of the
+    settings the RAG task saved beside the trace (``rag_config.json``, ``identity``).
+    """
+    runs: dict[float, list[QueryOutcome]] = {}
+    for trace in sorted(Path(folder).rglob(MERGED_FILE)):
+        config = trace.parent / "rag_config.json"
+        identity = json.loads(config.read_text()).get("identity", {}) if config.is_file() else {}
+        threshold = _dotted(identity, threshold_key)
+        if threshold is None:
+            raise ValueError(f"{trace.parent}: no {threshold_key!r} in {config.name}; cannot place it in the sweep")
+        if float(threshold) in runs:
+            raise ValueError(f"{trace.parent}: a second run with {threshold_key}={threshold}")
+        runs[float(threshold)] = load_trace(trace)
+    if not runs:
+        raise ValueError(f"{folder}: no {MERGED_FILE} found in any sub-folder")
+    return runs
+
+
+def sweep_row(threshold: float, outcomes: Sequence[QueryOutcome]) -> dict[str, Any]:
+    """One threshold's accuracy (judged, else relaxed), route shares and cost."""
+    group = summarize_group(outcomes)
+    judged = group["accuracy"] is not None
+    value = group["accuracy"]["value"] if judged else group["metrics"]["relaxed_accuracy"]
+    ci95 = group["accuracy"]["ci95"] if judged else group["ci95"]["relaxed_accuracy"]
+    return {"threshold": threshold, "n": group["n"], "metric": "accuracy" if judged else "relaxed_accuracy",
+            "value": value, "ci95": ci95, "routes": group["routes"], "cost": group["cost"], "failed": group["failed"]}
+
+
+def sweep_plot(rows: Sequence[Mapping[str, Any]]) -> bytes:
+    """PNG: accuracy and HQP share against h; accuracy against LVLM calls per query (the trade-off)."""
+    from matplotlib.figure import Figure
+
+    thresholds = np.array([r["threshold"] for r in rows])
+    values = np.array([100 * r["value"] for r in rows])
+    errors = np.array([[100 * (r["value"] - r["ci95"][0]), 100 * (r["ci95"][1] - r["value"])] for r in rows]).T
+    calls = np.array([r["cost"]["lvlm_calls"] for r in rows])
+    label = "judged accuracy (%)" if rows[0]["metric"] == "accuracy" else "relaxed accuracy (%)"
+    figure = Figure(figsize=(10, 4), dpi=100, layout="constrained")
+    left, right = figure.subplots(1, 2)
+    left.errorbar(thresholds, values, yerr=errors, marker="o", capsize=3, label=label)
+    left.plot(thresholds, [100 * r["routes"]["HQP"] for r in rows], marker="s", linestyle="--",
+              label="routed to Decoupler, HQP (%)")
+    if thresholds.min() <= PAPER_THRESHOLD <= thresholds.max():
+        left.axvline(PAPER_THRESHOLD, color="grey", linestyle=":", label=f"paper: h = {PAPER_THRESHOLD}")
+    left.set(xlabel="uncertainty threshold h", ylabel="%", title="accuracy and routing vs. h")
+    left.legend(fontsize=8)
+    right.errorbar(calls, values, yerr=errors, marker="o", linestyle="-", capsize=3)
+    for h, x, y in zip(thresholds, calls, values):
+        right.annotate(f"h={h:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    right.set(xlabel="LVLM calls per query (mean)", ylabel=label, title="accuracy vs. cost")
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def sweep_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    header = ["h", "n", rows[0]["metric"] + " [95% CI]", *ROUTES, "LVLM calls", "Input tok.", "Output tok.",
+              "Wall p50 (s)"]
+    return _markdown_table(header, [
+        [f"{r['threshold']:g}", str(r["n"]), f"{_pct(r['value'])} [{_pct(r['ci95'][0])}, {_pct(r['ci95'][1])}]",
+         *(_pct(r["routes"][route]) for route in ROUTES), f"{r['cost']['lvlm_calls']:.2f}",
+         f"{r['cost']['input_tokens']:.0f}", f"{r['cost']['output_tokens']:.0f}", f"{r['cost']['wall_s_p50']:.2f}"]
+        for r in rows])
+
+
+def sweep_summary(
+    runs: Mapping[float, Sequence[QueryOutcome]] | str | Path,
+    out_dir: str | Path | None = None,
+    threshold_key: str = "generator.threshold",
+) -> dict[str, Any]:
+    """Accuracy, routed share and cost per Judger threshold h (the trade-off the paper fixes at h = 0.8).
+
+    ``runs`` maps thresholds to outcomes, or is a multirun folder (:func:`load_sweep`). Every run must
+    answer the same queries, so the rows compare like with like. With ``out_dir`` (default: the folder),
+    writes ``sweep.json``, ``sweep.md`` and ``sweep.png``. Returns ``{"rows", "table"}``.
+    """
+    if isinstance(runs, (str, Path)):
+        out_dir = runs if out_dir is None else out_dir
+        runs = load_sweep(runs, threshold_key)
+    if not runs:
+        raise ValueError("a sweep needs at least one run")
+    queries = {h: {outcome_key(o) for o in outcomes} for h, outcomes in runs.items()}
+    every = set().union(*queries.values())
+    incomplete = sorted(h for h, keys in queries.items() if keys != every)
+    if incomplete:
+        raise ValueError(f"the runs at h={incomplete} lack queries the others answered; a sweep compares the same "
+                         "queries")
+    rows = [sweep_row(h, runs[h]) for h in sorted(runs)]
+    result = {"rows": rows, "table": sweep_table(rows)}
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        write_json(out_dir / "sweep.json", result)
+        write_text(out_dir / "sweep.md", "# Judger threshold sweep\n\n" + result["table"] + "\n")
+        write_bytes(out_dir / "sweep.png", sweep_plot(rows))
+    return result

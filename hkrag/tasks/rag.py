@@ -1,0 +1,241 @@
+"""``eval.py task=rag`` and ``task=generation``: retrieve → generate → judge, resumably (paper §3.3, §4).
+
+``task=rag`` retrieves the top pages of every query with a retriever (a ``train.py`` run's directory or
+a named adapter, in every pool of ``eval.pools``); ``task=generation`` hands the generator the gold pages
+(``retrieval=gold``, Table 3's "Gold" rows) or no page at all (``retrieval=none``, the "no retrieval"
+row). The generator (``generator`` group: HKRAG's agents, a single-pass baseline or a Table 6 ablation)
+runs on an LVLM backend (``lvlm`` group); each answer gets the rule metrics and, when a judge endpoint
+is configured, the LLM judge's verdict, and is appended to the run's trace at once (:mod:`hkrag.trace`),
+so a killed run continues where it stopped. Under ``accelerate launch`` the queries are split across
+processes; rank 0 merges the trace and writes ``rag.json``, ``rag.md`` and ``rag.html``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from accelerate.utils import broadcast_object_list
+from omegaconf import DictConfig, OmegaConf
+from PIL import Image
+from tqdm.auto import tqdm
+
+from agents import build_generator
+from agents.records import Query, QueryOutcome
+from hkrag.answer_metrics import rule_metrics
+from hkrag.data.opendocvqa import QUERY_PREFIX, Corpus, QAExample, load_corpus, load_qa, pools
+from hkrag.evaluation import evaluate_retrieval
+from hkrag.index.shards import config_hash
+from hkrag.io import write_json, write_text
+from hkrag.judge import build_judge
+from hkrag.lvlm import PageImage, build_backend
+from hkrag.rag_report import flat_metrics, write_reports
+from hkrag.tasks.common import (
+    build_retriever,
+    eval_config,
+    make_accelerator,
+    prepare_data,
+    shared_output_dir,
+    trained_model_config,
+)
+from hkrag.trace import PARTS_DIR, TraceWriter, merge
+from hkrag.trace_html import write_html
+from hkrag.training.reporting import RunLogger
+from hkrag.validation import validate_config
+
+logger = logging.getLogger(__name__)
+
+RETRIEVAL_MODES = {"rag": ("retriever",), "generation": ("gold", "none")}
+RUN_CONFIG_FILE = "rag_config.json"
+
+
+@dataclass
+class PlannedQuery:
+    """One (data set, pool, question) to answer, with its ranked page ids."""
+
+    example: QAExample
+    dataset: str
+    pool: str
+    page_ids: list[str]
+
+    @property
+    def key(self) -> str:
+        return f"{self.dataset}/{self.pool}/{self.example.query_id}"
+
+
+class PageStore:
+    """Every corpus the run reads, so a page id resolves to its (still encoded) image."""
+
+    def __init__(self, corpora: list[Corpus]) -> None:
+        self.corpora = corpora
+
+    def page(self, doc_id: str) -> PageImage:
+        """The page as the generator gets it: decoded lazily, so a broken page fails inside its query."""
+        for corpus in self.corpora:
+            if doc_id in corpus:
+                return PageImage(corpus.dataset[corpus.index(doc_id)]["image"], doc_id)
+        raise KeyError(f"page {doc_id!r} is in none of the loaded corpora")
+
+    def image(self, doc_id: str) -> Image.Image | None:
+        """The decoded page for thumbnails, or ``None`` when it cannot be shown."""
+        try:
+            return self.page(doc_id).load()
+        except (KeyError, ValueError, OSError):
+            return None
+
+
+def question_text(example: QAExample) -> str:
+    """The question without OpenDocVQA's retrieval instruction."""
+    return example.query.removeprefix(QUERY_PREFIX).strip()
+
+
+def resolve_retrieval_mode(cfg: DictConfig) -> None:
+    """Set ``cfg.retrieval`` to the task's default (retriever for rag, gold for generation) or check it."""
+    modes = RETRIEVAL_MODES[cfg.task]
+    if cfg.get("retrieval") is None:
+        cfg.retrieval = modes[0]
+    elif cfg.retrieval not in modes:
+        raise ValueError(f"task={cfg.task} takes retrieval={'|'.join(modes)}, got retrieval={cfg.retrieval!r}")
+
+
+def plan_queries(cfg: DictConfig, accelerator, output_dir: Path) -> tuple[list[PlannedQuery], PageStore]:
+    """The run's queries in a fixed order with the page ids each gets, and the corpora they come from."""
+    rag = cfg.rag
+    qa = {ds: load_qa(cfg.data.qa_source, ds, rag.split)[: rag.max_queries or None] for ds in rag.datasets}
+    configs = sorted({pools(ds)[p] for ds in rag.datasets for p in rag.pools} | set(rag.datasets))
+    store = PageStore([load_corpus(cfg.data.corpus_source, c, rag.split) for c in configs])
+    if cfg.retrieval == "retriever":
+        runs = retrieve(cfg, accelerator, output_dir)
+        return [
+            PlannedQuery(ex, ds, pool, ranked(runs[ds][pool].get(ex.query_id, {}), rag.top_k))
+            for ds in rag.datasets for pool in rag.pools for ex in qa[ds]
+        ], store
+    if cfg.retrieval == "gold":
+        return [PlannedQuery(ex, ds, "gold", list(ex.relevant_doc_ids[: rag.top_k])) for ds in rag.datasets
+                for ex in qa[ds]], store
+    return [PlannedQuery(ex, ds, "none", []) for ds in rag.datasets for ex in qa[ds]], store
+
+
+def ranked(scores: dict[str, float], k: int) -> list[str]:
+    """The ``k`` best doc ids of one query's run, best first."""
+    return [doc_id for doc_id, _ in sorted(scores.items(), key=lambda item: -item[1])[:k]]
+
+
+def retrieve(cfg: DictConfig, accelerator, output_dir: Path) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
+    """Rank every query's pages with the retriever (all ranks encode, rank 0 searches); broadcast the runs."""
+    model_cfg = trained_model_config(cfg.model, cfg.run_dir) if cfg.get("run_dir") else cfg.model
+    retriever = build_retriever(model_cfg, trainable=False)
+    retriever.model.to(accelerator.device)
+    retrieval_cfg = eval_config(cfg)
+    retrieval_cfg.datasets, retrieval_cfg.pools = list(cfg.rag.datasets), list(cfg.rag.pools)
+    identity = {"model": str(model_cfg.get("base", "tiny")), "adapter": model_cfg.get("adapter")}
+    result = evaluate_retrieval(retriever, retrieval_cfg, output_dir / "retrieval", identity)
+    if accelerator.is_main_process:
+        write_text(output_dir / "retrieval.md", result["table"] + "\n")
+    runs = [result.get("runs")]
+    if accelerator.num_processes > 1:
+        runs = broadcast_object_list(runs, from_process=0)
+    del retriever
+    return runs[0]
+
+
+def run_identity(cfg: DictConfig) -> dict[str, Any]:
+    """What determines the answers: a resumed trace must come from the same settings."""
+    keys = ("task", "retrieval", "run_dir", "model", "data", "lvlm", "generator", "judge", "rag")
+    return {key: OmegaConf.to_container(cfg[key], resolve=True) if isinstance(cfg.get(key), DictConfig)
+            else cfg.get(key) for key in keys}
+
+
+def prepare_run_dir(cfg: DictConfig, output_dir: Path) -> None:
+    """Start fresh (``rag.resume=false``) or check that the trace there was made with these settings."""
+    identity = run_identity(cfg)
+    marker = output_dir / RUN_CONFIG_FILE
+    if not cfg.rag.resume:
+        shutil.rmtree(output_dir / PARTS_DIR, ignore_errors=True)
+    elif marker.is_file() and (output_dir / PARTS_DIR).is_dir():
+        saved = json.loads(marker.read_text())
+        changed = sorted(k for k in identity if saved.get("identity", {}).get(k) != identity[k])
+        if changed:
+            raise ValueError(
+                f"{output_dir} holds a trace made with other settings ({', '.join(changed)} differ); "
+                "use another run directory or rag.resume=false to start over"
+            )
+    write_json(marker, {"hash": config_hash(identity), "identity": identity})
+
+
+def to_query(item: PlannedQuery, store: PageStore) -> Query:
+    return Query(
+        query_id=item.example.query_id, question=question_text(item.example),
+        pages=[store.page(doc_id) for doc_id in item.page_ids], gold=list(item.example.answers),
+        dataset=item.dataset, pool=item.pool,
+    )
+
+
+def answer_queries(
+    plan: list[PlannedQuery], store: PageStore, generate: Callable[[Query], QueryOutcome], judge, writer: TraceWriter,
+    rank: int, world: int, progress: bool,
+) -> int:
+    """Answer this rank's share of ``plan`` that the trace does not hold yet; returns how many were answered."""
+    done = writer.done()
+    mine = [item for i, item in enumerate(plan) if i % world == rank and item.key not in done]
+    if done:
+        logger.info("resuming: %d queries already in the trace, %d left for this process", len(done), len(mine))
+    for item in tqdm(mine, desc="rag", disable=not progress, dynamic_ncols=True):
+        outcome = generate(to_query(item, store))
+        outcome.dataset, outcome.pool, outcome.retrieved = item.dataset, item.pool, list(item.page_ids)
+        outcome.metrics = rule_metrics("" if outcome.failed else outcome.answer, outcome.gold)
+        if judge is not None:
+            outcome.judge = judge.judge(outcome.question, outcome.gold, "" if outcome.failed else outcome.answer)
+        writer.append(outcome)
+    return len(mine)
+
+
+def run_rag_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
+    """``eval.py task=rag|generation``: answer every planned query, then report (rank 0)."""
+    resolve_retrieval_mode(cfg)
+    validate_config(cfg)
+    accelerator = make_accelerator(cfg.get("cpu", False))
+    output_dir = shared_output_dir(accelerator, output_dir)
+    if accelerator.is_main_process:
+        prepare_data(cfg.data)
+        prepare_run_dir(cfg, output_dir)
+    accelerator.wait_for_everyone()
+    plan, store = plan_queries(cfg, accelerator, output_dir)
+    generator_cfg = OmegaConf.to_container(cfg.generator, resolve=True)
+    if cfg.retrieval == "none":
+        generator_cfg["allow_no_pages"] = True
+    backend = build_backend(**OmegaConf.to_container(cfg.lvlm, resolve=True))
+    judge = build_judge(OmegaConf.to_container(cfg.judge, resolve=True))
+    generator = build_generator(generator_cfg, backend)
+    writer = TraceWriter(output_dir, accelerator.process_index)
+    answer_queries(plan, store, generator.answer, judge, writer, accelerator.process_index,
+                   accelerator.num_processes, accelerator.is_main_process)
+    backend.close()
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return {}
+    return report(cfg, output_dir, plan, store, backend, judge)
+
+
+def report(cfg: DictConfig, output_dir: Path, plan: list[PlannedQuery], store: PageStore, backend, judge) -> dict:
+    """Merge the trace and write ``rag.json``, ``rag.md``, ``rag.html``; log the summary to W&B."""
+    outcomes = merge(output_dir, [item.key for item in plan])
+    meta = {
+        "config": cfg.get("run_name", "rag"), "task": cfg.task, "retrieval": cfg.retrieval,
+        "generator": cfg.generator.get("name", "hkrag"), "lvlm": {"backend": backend.name, "model": backend.model},
+        "judge": judge.describe() if judge is not None else None,
+    }
+    summary = write_reports(output_dir, outcomes, meta)
+    write_html(output_dir / "rag.html", outcomes, store.image, title=f"HKRAG {cfg.task}: {meta['config']}")
+    print((output_dir / "rag.md").read_text())
+    run_logger = RunLogger(output_dir, project=cfg.logger.project, wandb_mode=cfg.logger.wandb_mode,
+                           config=OmegaConf.to_container(cfg, resolve=True), name=cfg.get("run_name"))
+    run_logger.summary(flat_metrics(summary))
+    run_logger.finish()
+    logger.info("trace: %s; report: %s", output_dir / "trace.jsonl", output_dir / "rag.md")
+    return summary

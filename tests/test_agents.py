@@ -1,0 +1,331 @@
+"""The agentic generator on a scripted LVLM: every routing decision, cap and failure, and the configs."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from PIL import Image
+
+from agents import AgenticGenerator, SinglePassGenerator, build_generator
+from agents.decoupler import read_answered
+from agents.pruner import read_yes_no
+from agents.records import Query, QueryOutcome
+from hkrag.lvlm import LVLMResult, LVLMTimeoutError, PageImage, TokenLogprob, build_backend
+from hkrag.lvlm.scripted import Reply, ScriptedBackend, request_text
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+# Substrings that identify each prompt of conf/generator/hkrag.yaml.
+PRUNER = "Reply with yes or no only"
+ANSWER = "Answer the question from the pages above"
+VERIFY = "Final answer:"
+SALIENT = "Describe the salient content"
+FINE_PRINT = "List the details"
+DECOUPLE = "Separate the fine print"
+INTEGRATE = "Combine the salient content"
+
+CONFIDENT = Reply("ZEBRA-42", logprobs=math.log(0.99))
+UNCERTAIN = Reply("ZEBRA-42", logprobs=-1.0)  # p = 1/e: the maximum of -p log p, so H' = 1
+
+
+def generator_config(name: str = "hkrag", **overrides) -> dict:
+    """A ``conf/generator`` option as Hydra composes it, with overrides merged in."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(overrides=[f"+generator={name}"])
+    merged = OmegaConf.merge(cfg.generator, OmegaConf.create(overrides))
+    return OmegaConf.to_container(merged, resolve=True)
+
+
+@pytest.fixture(scope="module")
+def hkrag_config() -> dict:
+    return generator_config()
+
+
+def make_pages(n: int) -> list[PageImage]:
+    return [PageImage(Image.new("RGB", (8, 8), (40 * i, 0, 0)), f"p{i + 1}") for i in range(n)]
+
+
+def make_query(n_pages: int = 3) -> Query:
+    return Query("q1", "What is the total?", make_pages(n_pages), gold=["42"])
+
+
+def yes_no(p_yes: float, p_no: float, text: str) -> Reply:
+    """A one-token reply ``text`` ("yes" or "no", sampled, not necessarily the likelier) with both probabilities."""
+    other = "no" if text == "yes" else "yes"
+    chosen, alternative = (p_yes, p_no) if text == "yes" else (p_no, p_yes)
+    top = [(text, math.log(chosen)), (f" {other.upper()}", math.log(alternative))]
+    return Reply(text, logprobs=math.log(chosen), top=[top])
+
+
+def backend(*rules, **kwargs) -> ScriptedBackend:
+    """Scripted replies for every agent, the given ``rules`` taking precedence."""
+    defaults = [
+        (PRUNER, yes_no(0.1, 0.9, "no")),
+        (ANSWER, CONFIDENT),
+        (VERIFY, "verified 42"),
+        (SALIENT, "SALIENT-TITLE"),
+        (FINE_PRINT, "NOTE"),
+        (DECOUPLE, "DETAIL\nAnswers the question: no"),
+        (INTEGRATE, "integrated 42"),
+    ]
+    return ScriptedBackend([*rules, *defaults], **kwargs)
+
+
+def steps(outcome: QueryOutcome) -> list[str]:
+    return [f"{c.agent}.{c.step}" for c in outcome.calls]
+
+
+def test_pruner_stops_at_first_n_whose_yes_probability_wins(hkrag_config):
+    """The probability mass decides over the chosen text: 'yes' at p=0.3 is a no, 'no' at p=0.4 a yes."""
+    script = backend(
+        ("Do the 1 page(s)", yes_no(0.3, 0.6, text="yes")),
+        ("Do the 2 page(s)", yes_no(0.55, 0.4, text="no")),
+    )
+    outcome = build_generator(hkrag_config, script).answer(make_query(5))
+    pruner = [c for c in outcome.calls if c.agent == "pruner"]
+    assert [c.decision for c in pruner] == ["no", "yes"]
+    assert [c.page_ids for c in pruner] == [["p1"], ["p1", "p2"]]
+    assert pruner[1].p_yes == pytest.approx(0.55) and pruner[1].p_no == pytest.approx(0.4)
+    assert outcome.kept == ["p1", "p2"]
+    assert outcome.calls[2].page_ids == ["p1", "p2"]  # the Judger sees the kept pages
+    assert all(r.settings.top_logprobs == 5 for r in script.requests[:2])
+
+
+def test_pruner_reads_the_text_without_logprobs(hkrag_config):
+    script = backend((PRUNER, Reply("Yes, page one suffices.", logprobs=None)))
+    outcome = build_generator(hkrag_config, script).answer(make_query(3))
+    assert outcome.kept == ["p1"]
+    assert outcome.calls[0].decision == "yes" and outcome.calls[0].p_yes is None
+
+
+def test_pruner_keeps_top_k_when_no_subset_suffices(hkrag_config):
+    outcome = build_generator(hkrag_config, backend()).answer(make_query(5))
+    assert [c.iteration for c in outcome.calls if c.agent == "pruner"] == [1, 2]  # n = 1 .. k-1
+    assert outcome.kept == ["p1", "p2", "p3"]
+    assert outcome.retrieved == ["p1", "p2", "p3", "p4", "p5"]
+
+
+def test_pruner_with_a_single_page_asks_nothing(hkrag_config):
+    outcome = build_generator(hkrag_config, backend()).answer(make_query(1))
+    assert outcome.kept == ["p1"] and steps(outcome)[0] == "judger.answer"
+
+
+def test_read_yes_no_hand_computed():
+    top = [("▁Yes", math.log(0.5)), ("yes", math.log(0.1)), ("▁No", math.log(0.2))]
+    first = TokenLogprob("▁No", math.log(0.2), top=top)
+    result = LVLMResult("No", [first], 1, 1, 0.0, "stop", "t", "t")
+    reading = read_yes_no(result)
+    assert reading.yes and reading.p_yes == pytest.approx(0.6) and reading.p_no == pytest.approx(0.2)
+    unrelated = LVLMResult("Maybe", [TokenLogprob("Maybe", -0.1)], 1, 1, 0.0, "stop", "t", "t")
+    assert not read_yes_no(unrelated).yes and read_yes_no(unrelated).p_yes is None
+
+
+def test_confident_answer_is_verified_by_the_summarizer(hkrag_config):
+    outcome = build_generator(hkrag_config, backend()).answer(make_query(3))
+    assert outcome.route == "LQP" and not outcome.failed
+    assert steps(outcome) == ["pruner.pruner", "pruner.pruner", "judger.answer", "summarizer.verify"]
+    assert outcome.uncertainty == pytest.approx(math.e * -0.99 * math.log(0.99))
+    assert outcome.calls[2].uncertainty == outcome.uncertainty and outcome.estimator == "token_plogp"
+    assert outcome.answer == "verified 42"
+
+
+def test_uncertain_answer_mines_fine_print_until_max_iters(hkrag_config):
+    count = {"fine_print": 0}
+
+    def notes(_request):
+        count["fine_print"] += 1
+        return f"NOTE-{count['fine_print']}"
+
+    script = backend((ANSWER, UNCERTAIN), (FINE_PRINT, notes))
+    outcome = build_generator(hkrag_config, script).answer(make_query(3))
+    assert outcome.route == "HQP" and outcome.uncertainty == pytest.approx(1.0)
+    assert outcome.iterations == 3 and outcome.capped == "max_iters" and not outcome.failed
+    assert steps(outcome)[3:] == ["decoupler.salient"] + ["decoupler.fine_print", "decoupler.decouple"] * 3 + [
+        "summarizer.integrate"
+    ]
+    prompts = {(c.step, c.iteration): c.prompt for c in outcome.calls}
+    assert "(none yet)" in prompts["fine_print", 1]
+    assert "NOTE-1" in prompts["fine_print", 2] and "NOTE-2" in prompts["fine_print", 3]  # Eq. 7
+    assert "NOTE-3" in prompts["decouple", 3] and "SALIENT-TITLE" in prompts["decouple", 3]  # Eq. 8
+    integrate = outcome.calls[-1].prompt
+    assert "SALIENT-TITLE" in integrate and "DETAIL" in integrate and "Answers the question" not in integrate
+    assert outcome.answer == "integrated 42"
+
+
+def test_decoupler_stops_when_the_fine_print_answers(hkrag_config):
+    count = {"decouple": 0}
+
+    def separated(_request):
+        count["decouple"] += 1
+        return f"DETAIL-{count['decouple']}\nAnswers the question: {'yes' if count['decouple'] == 2 else 'no'}"
+
+    script = backend((ANSWER, UNCERTAIN), (DECOUPLE, separated))
+    outcome = build_generator(hkrag_config, script).answer(make_query(3))
+    assert outcome.iterations == 2 and outcome.capped is None
+    assert [c.decision for c in outcome.calls if c.step == "decouple"] == ["no", "yes"]
+    assert "DETAIL-2" in outcome.calls[-1].prompt and outcome.calls[-1].step == "integrate"
+
+
+def test_read_answered_takes_the_last_marker():
+    assert read_answered("x\nanswers the question: **Yes**", "Answers the question:") == (True, "x")
+    assert read_answered("Answers the question: yes?\nAnswers the question: no", "Answers the question:")[0] is False
+    assert read_answered("no marker", "Answers the question:") == (False, "no marker")
+
+
+@pytest.mark.parametrize("answer", [CONFIDENT, UNCERTAIN], ids=["LQP", "HQP"])
+def test_initial_answer_is_never_fed_back(hkrag_config, answer):
+    script = backend((ANSWER, answer))
+    outcome = build_generator(hkrag_config, script).answer(make_query(3))
+    judged = next(i for i, c in enumerate(outcome.calls) if c.agent == "judger")
+    later = [request_text(r) for r in script.requests[judged + 1:]]
+    assert later and all("ZEBRA-42" not in text for text in later)
+    assert outcome.calls[judged].output == "ZEBRA-42"
+
+
+@pytest.mark.parametrize(
+    ("caps", "kwargs", "agent", "reason", "num_calls"),
+    [
+        ({"max_calls": 3}, {}, "decoupler", "max_calls=3", 3),  # pruner x2, judger, then no salient call
+        ({"max_total_tokens": 250}, {}, "pruner", "max_total_tokens=250", 2),  # ~110 tokens per call
+        ({"max_seconds": 0.01}, {"delay_s": 0.02}, "pruner", "max_seconds=0.01", 1),
+    ],
+    ids=["calls", "tokens", "seconds"],
+)
+def test_caps_fail_the_query_and_keep_its_calls(caps, kwargs, agent, reason, num_calls):
+    config = generator_config(caps=caps)
+    outcome = build_generator(config, backend((ANSWER, UNCERTAIN), **kwargs)).answer(make_query(3))
+    assert outcome.failed and outcome.answer == ""
+    assert outcome.failure.startswith(f"{agent}: ") and reason in outcome.failure
+    assert outcome.num_calls == num_calls
+    restored = QueryOutcome.from_dict(json.loads(json.dumps(outcome.to_dict())))
+    assert restored.failure == outcome.failure and restored.num_calls == num_calls
+
+
+def test_backend_timeout_fails_the_query_naming_the_judger(hkrag_config):
+    script = backend((ANSWER, Reply(error=LVLMTimeoutError("no answer within 30 s"))))
+    outcome = build_generator(hkrag_config, script).answer(make_query(3))
+    assert outcome.failed and outcome.route == "failed"
+    assert outcome.failure == "judger: LVLMTimeoutError: no answer within 30 s"
+    assert outcome.calls[-1].error == "LVLMTimeoutError: no answer within 30 s" and outcome.calls[-1].agent == "judger"
+
+
+def test_broken_page_fails_the_query_naming_the_page(hkrag_config):
+    query = make_query(3)
+    query.pages[1] = PageImage(b"not an image", "broken")
+    outcome = build_generator(hkrag_config, backend()).answer(query)
+    assert outcome.failed and outcome.failure.startswith("pruner: ImageError: document 'broken'")
+    assert [c.page_ids for c in outcome.calls] == [["p1"], ["p1", "broken"]]
+
+
+def test_zero_pages_fail_unless_no_retrieval_is_allowed(hkrag_config):
+    query = make_query(0)
+    outcome = build_generator(hkrag_config, backend()).answer(query)
+    assert outcome.failed and outcome.failure.startswith("generator: ") and outcome.calls == []
+    script = backend()
+    allowed = build_generator(generator_config("single_pass", allow_no_pages=True), script).answer(query)
+    assert not allowed.failed and allowed.route == "single_pass" and allowed.answer == "ZEBRA-42"
+    assert script.requests[0].images == []
+
+
+def test_single_pass_is_one_call_with_the_top_k_pages():
+    generator = build_generator(generator_config("single_pass"), backend())
+    assert isinstance(generator, SinglePassGenerator)
+    outcome = generator.answer(make_query(5))
+    assert steps(outcome) == ["single_pass.answer"] and outcome.route == "single_pass"
+    assert outcome.kept == ["p1", "p2", "p3"]
+    assert outcome.calls[0].prompt.startswith("<page:p1>\n<page:p2>\n<page:p3>\n")
+
+
+def test_no_pruner_judges_the_fixed_top_k():
+    generator = build_generator(generator_config("no_pruner"), backend())
+    assert isinstance(generator, AgenticGenerator)
+    outcome = generator.answer(make_query(5))
+    assert steps(outcome) == ["judger.answer", "summarizer.verify"] and outcome.kept == ["p1", "p2", "p3"]
+
+
+def test_no_decoupler_sends_hqp_to_the_summarizer():
+    outcome = build_generator(generator_config("no_decoupler"), backend((ANSWER, UNCERTAIN))).answer(make_query(2))
+    assert outcome.route == "HQP" and outcome.iterations == 0
+    assert steps(outcome) == ["pruner.pruner", "judger.answer", "summarizer.verify"]
+
+
+def test_every_call_shares_the_page_prefix(hkrag_config):
+    script = backend((ANSWER, UNCERTAIN))
+    build_generator(hkrag_config, script).answer(make_query(3))
+    after_pruner = script.requests[2:]
+    assert all([p.key for p in r.images] == ["p1", "p2", "p3"] for r in after_pruner)
+    assert all(isinstance(r.messages[0].content[i], PageImage) for r in after_pruner for i in range(3))
+
+
+def test_outcome_round_trips_through_json(hkrag_config):
+    outcome = build_generator(hkrag_config, backend((ANSWER, UNCERTAIN))).answer(make_query(3))
+    data = json.loads(json.dumps(outcome.to_dict()))
+    assert QueryOutcome.from_dict(data) == outcome
+    assert data["calls"][0]["p_yes"] == pytest.approx(0.1)
+
+
+def test_answer_many_keeps_failures_in_order(hkrag_config):
+    queries = [make_query(2), make_query(0), make_query(1)]
+    outcomes = list(build_generator(hkrag_config, backend()).answer_many(queries))
+    assert [o.failed for o in outcomes] == [False, True, False]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"kidn": "agentic"}, "unknown keys ['kidn']"),
+        ({"kind": "loop"}, "kind must be one of"),
+        ({"estimator": "vibes"}, "estimator must be one of"),
+        ({"caps": {"max_iters": 0}}, "caps.max_iters"),
+        ({"prompts": {"answer": "Answer {query}"}}, "prompt 'answer' uses unknown placeholders ['query']"),
+    ],
+)
+def test_bad_configs_name_the_problem(hkrag_config, change, message):
+    config = copy.deepcopy(hkrag_config)
+    for key, value in change.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        build_generator(config, backend())
+
+
+def test_scripted_backend_follows_settings_and_names_unmatched_prompts():
+    from hkrag.lvlm import GenerationSettings, LVLMRequest, LVLMResponseError
+
+    script = build_backend("scripted", rules=[{"match": "hello", "text": "a b c", "logprobs": [-1.0, -2.0, -3.0],
+                                               "top": [[["a", -1.0], ["z", -2.0]]]}])
+    result = script(LVLMRequest.user("hello", settings=GenerationSettings(max_new_tokens=2, top_logprobs=1)))
+    assert result.text == "a b" and result.logprobs == [-1.0, -2.0] and result.finish_reason == "length"
+    assert result.tokens[0].top == [("a", -1.0)] and result.completion_tokens == 2
+    with pytest.raises(LVLMResponseError, match="goodbye"):
+        script(LVLMRequest.user("goodbye"))
+    assert len(script.requests) == 2
+
+
+TINY_LVLM = CONF / "lvlm" / "phi3v_tiny.yaml"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("hkrag.lvlm.phi3v") is None or not TINY_LVLM.exists(),
+    reason="hkrag/lvlm/phi3v.py or conf/lvlm/phi3v_tiny.yaml not present yet",
+)
+def test_pipeline_runs_end_to_end_on_tiny_phi3v():
+    """The real local backend through every agent (a random model: whatever it says, the run completes)."""
+    settings = {**yaml.safe_load(TINY_LVLM.read_text()), "device": "cpu"}
+    config = generator_config(caps={"max_iters": 1, "max_new_tokens": {"yes_no": 2, "answer": 4, "notes": 4}},
+                              threshold=0.0)  # every query HQP: the longest path
+    with build_backend(**settings) as lvlm:
+        outcome = build_generator(config, lvlm).answer(make_query(2))
+    assert not outcome.failed, outcome.failure
+    assert outcome.route == "HQP" and outcome.iterations == 1
+    assert steps(outcome) == ["pruner.pruner", "judger.answer", "decoupler.salient", "decoupler.fine_print",
+                              "decoupler.decouple", "summarizer.integrate"]
+    judger = outcome.calls[1]
+    assert 0.0 <= judger.uncertainty <= 1.0 and judger.completion_tokens >= 1 and judger.prompt_tokens > 0

@@ -1,0 +1,113 @@
+"""The static HTML page of a trace: self-contained, escaped, thumbnails, rendered by headless Chromium."""
+
+import base64
+import io
+import os
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+from agents.records import CallRecord, QueryOutcome
+from hkrag.trace_html import render_html, write_html
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+INJECTION = "<script>alert('x')</script>"
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """Path of a Chromium binary; installs Debian's package when missing (as root), else skips saying why."""
+    found = shutil.which("chromium")
+    if found:
+        return found
+    if os.geteuid() != 0:
+        pytest.skip("chromium is not installed and installing Debian's package needs root")
+    install = "apt-get update && apt-get install -y --no-install-recommends chromium"
+    result = subprocess.run(["bash", "-c", install], capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    if result.returncode != 0 or not shutil.which("chromium"):
+        pytest.skip(f"could not install chromium: {result.stderr.strip()[-300:]}")
+    return shutil.which("chromium")
+
+
+def page(colour, label):
+    image = Image.new("RGB", (400, 560), "white")
+    draw = ImageDraw.Draw(image)
+    draw.rectangle((20, 20, 380, 120), fill=colour)
+    for y in range(160, 540, 24):
+        draw.line((30, y, 370, y), fill="black", width=3)
+    draw.text((30, 130), label, fill="black")
+    return image
+
+
+PAGES = {"doc-a": page("red", "doc-a"), "doc-b": page("blue", "doc-b"), "doc-c": page("green", "doc-c")}
+
+
+def outcomes():
+    calls = [CallRecord("pruner", "Do pages 1..1 suffice?", ["doc-a"], output="no", latency_s=0.4,
+                        prompt_tokens=900, completion_tokens=1),
+             CallRecord("judger", "Answer the question.", ["doc-a", "doc-b"], output=f"12 {INJECTION}",
+                        uncertainty=0.91, latency_s=0.8, prompt_tokens=1500, completion_tokens=4)]
+    answered = QueryOutcome(
+        query_id="chartqa-7", question="What is the maximum sales of casual bags?", gold=["12721"],
+        dataset="ChartQA", pool="single", retrieved=["doc-a", "doc-b", "doc-c"], kept=["doc-a", "doc-b"],
+        route="HQP", uncertainty=0.91, estimator="mean_neg_plogp", iterations=2, answer="12721", calls=calls,
+        wall_s=2.5, judge={"score": 5, "correct": True, "raw": [f"Score: 5 {INJECTION}"], "attempts": 1,
+                           "error": None, "status": "ok"},
+        metrics={"anls": 1.0, "relaxed_accuracy": 1.0, "exact_match": 1.0, "f1": 1.0},
+    )
+    failed = QueryOutcome(
+        query_id="chartqa-8", question="Which year had the lowest volume?", gold=["1995"], dataset="ChartQA",
+        pool="single", retrieved=["doc-c", "doc-missing"], route="failed", failed=True,
+        failure="LVLMTimeoutError: call exceeded 60 s", wall_s=60.0,
+        metrics={"anls": 0.0, "relaxed_accuracy": 0.0, "exact_match": 0.0, "f1": 0.0},
+    )
+    return [answered, failed]
+
+
+def test_page_is_self_contained_and_escaped():
+    requested = []
+
+    def page_image(doc_id):
+        requested.append(doc_id)
+        return PAGES.get(doc_id)
+
+    html = render_html(outcomes(), page_image, title="test <run>")
+    assert INJECTION not in html and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in html
+    assert "<title>test &lt;run&gt;</title>" in html
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", html) and "<link" not in html
+    assert sorted(requested) == ["doc-a", "doc-b", "doc-c", "doc-missing"]  # doc-c of both queries: once
+    uris = re.findall(r'src="data:image/jpeg;base64,([^"]+)"', html)
+    assert len(uris) == 4  # 3 pages of the first query, doc-c again in the second; doc-missing has none
+    with Image.open(io.BytesIO(base64.b64decode(uris[0]))) as thumbnail:
+        assert thumbnail.format == "JPEG" and thumbnail.size == (160, 224)
+    assert html.count('class="dropped"') == 3  # doc-c (first query), doc-c and doc-missing (failed query)
+    assert 'class="query failed"' in html and "FAILED: LVLMTimeoutError: call exceeded 60 s" in html
+    assert "no image" in html
+
+
+def run_chromium(chromium, tmp_path, *args):
+    command = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_chromium_renders_the_page(chromium, tmp_path):
+    path = write_html(tmp_path / "rag.html", outcomes(), PAGES.get, title="HKRAG trace test")
+    screenshot = tmp_path / "shot.png"
+    run_chromium(chromium, tmp_path, f"--screenshot={screenshot}", "--window-size=1280,2000", path.as_uri())
+    assert screenshot.is_file(), "chromium wrote no screenshot"
+    with Image.open(screenshot) as image:
+        assert image.size == (1280, 2000)
+        pixels = np.asarray(image.convert("RGB"), dtype=float)
+    assert pixels.std() > 20  # text, thumbnails and boxes, not one blank colour
+    red = (pixels[..., 0] > 230) & (pixels[..., 1] < 40) & (pixels[..., 2] < 40)  # not the #c62828 of failures
+    assert red.sum() > 500  # doc-a's red banner: a thumbnail was decoded and drawn
+    dom = run_chromium(chromium, tmp_path, "--dump-dom", path.as_uri()).stdout
+    assert "What is the maximum sales of casual bags?" in dom
+    assert re.search(r'<img src="data:image/jpeg;base64,[^"]+" alt="page doc-a">', dom)
+    assert "<script>alert" not in dom
