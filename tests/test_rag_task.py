@@ -1,0 +1,185 @@
+"""``eval.py task=rag|generation`` end to end: plan, answer, trace, resume, reports (hkrag/tasks/rag.py).
+
+The generator runs on a scripted backend that answers each question with its gold answer (so the expected
+accuracy is known by hand), except where a test makes a query fail; one test runs the real tiny Phi3V
+retriever and generator through the whole path.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from hkrag.data.opendocvqa import load_qa
+from hkrag.lvlm import LVLMTimeoutError
+from hkrag.lvlm.scripted import Reply, ScriptedBackend, request_text
+from hkrag.tasks import rag as rag_task
+from hkrag.tasks import run_eval_task
+from hkrag.trace import PARTS_DIR, TraceWriter, load_trace, merge
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_DATA = [
+    "data.synthetic.n_train=8", "data.synthetic.n_test=16", "data.synthetic.train_groups_per_style=1",
+    "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "data.eval_datasets=[synchart,syninfo]",
+]
+QUERIES_PER_DATASET = 3
+FAILING = "timed out on purpose"
+
+
+def config(data_dir: Path, *overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("eval", [
+            f"paths.data_dir={data_dir}", f"paths.output_dir={data_dir / 'out'}", *SMALL_DATA,
+            f"rag.max_queries={QUERIES_PER_DATASET}", "task=generation", *overrides,
+        ])
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """The small synthetic corpus, generated once for the module."""
+    data_dir = tmp_path_factory.mktemp("rag-data")
+    rag_task.prepare_data(config(data_dir).data)
+    return data_dir
+
+
+def gold_answers(cfg) -> dict[str, str]:
+    """Question text -> its first gold answer, for every planned query."""
+    qa = [ex for ds in cfg.rag.datasets for ex in load_qa(cfg.data.qa_source, ds, "test")[:QUERIES_PER_DATASET]]
+    return {rag_task.question_text(ex): ex.answers[0] for ex in qa}
+
+
+class GoldBackend(ScriptedBackend):
+    """Says "yes" to the Pruner and answers every question with its gold answer, with certainty (LQP); the
+    question in ``fail`` raises a timeout instead."""
+
+    def __init__(self, answers: dict[str, str], fail: str | None = None) -> None:
+        self.answers, self.fail = answers, fail
+        super().__init__(self.reply)
+
+    def reply(self, request) -> Reply:
+        text = request_text(request)
+        question = re.search(r"Question: (.*)", text).group(1).strip()
+        if question == self.fail:
+            return Reply(error=LVLMTimeoutError(FAILING))
+        return Reply("yes") if "yes or no" in text else Reply(self.answers[question])
+
+
+class Built(list):
+    """The backends the task built, one per run, each made by ``factory``."""
+
+    factory = None
+
+    def build(self, **_) -> GoldBackend:
+        self.append(self.factory())
+        return self[-1]
+
+
+@pytest.fixture
+def backends(monkeypatch) -> Built:
+    built = Built()
+    monkeypatch.setattr(rag_task, "build_backend", built.build)
+    return built
+
+
+def run(cfg, out: Path, factory, built: Built) -> dict:
+    built.factory = factory
+    return run_eval_task(cfg, out)
+
+
+def test_generation_on_gold_pages_scores_answers_and_counts_failures_as_wrong(tmp_path, data, backends):
+    cfg = config(data)
+    answers = gold_answers(cfg)
+    failing = next(iter(answers))
+    report = run(cfg, tmp_path / "run", lambda: GoldBackend(answers, fail=failing), backends)
+
+    assert cfg.retrieval == "gold"  # the task's default
+    n = 2 * QUERIES_PER_DATASET
+    assert report["overall"]["n"] == n and report["overall"]["failed"] == 1
+    assert report["overall"]["metrics"]["relaxed_accuracy"] == pytest.approx((n - 1) / n)
+    assert report["results"]["synchart"]["gold"]["metrics"]["exact_match"] == pytest.approx(2 / 3)
+    assert report["results"]["syninfo"]["gold"]["metrics"]["exact_match"] == pytest.approx(1.0)
+    assert report["judge"] == "disabled (no endpoint)" and report["overall"]["accuracy"] is None
+
+    trace = load_trace(tmp_path / "run" / "trace.jsonl")
+    assert [o.dataset for o in trace] == ["synchart"] * 3 + ["syninfo"] * 3  # the plan's order
+    failed = [o for o in trace if o.failed]
+    assert [o.question for o in failed] == [failing] and FAILING in failed[0].failure
+    assert all(o.route == "LQP" and o.retrieved and o.kept == o.retrieved[:1] for o in trace if not o.failed)
+    markdown = (tmp_path / "run" / "rag.md").read_text()
+    assert "judge: disabled (no endpoint)" in markdown and f"`{failed[0].query_id}` — judger:" in markdown
+    assert "<html" in (tmp_path / "run" / "rag.html").read_text().lower()
+
+
+def test_a_killed_run_continues_without_answering_any_query_twice(tmp_path, data, backends):
+    cfg = config(data)
+    answers = gold_answers(cfg)
+    out = tmp_path / "run"
+    run(cfg, out, lambda: GoldBackend(answers), backends)
+    first = load_trace(out / "trace.jsonl")
+
+    part = out / PARTS_DIR / "rank-0.jsonl"  # as if killed while writing the third answer
+    lines = part.read_text().splitlines(keepends=True)
+    part.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])
+    (out / "trace.jsonl").unlink()
+    run(cfg, out, lambda: GoldBackend(answers), backends)
+
+    asked = {re.search(r"Question: (.*)", t).group(1).strip() for t in backends[-1].prompts}
+    assert asked == {o.question for o in first[2:]}
+    second = load_trace(out / "trace.jsonl")
+    assert [(o.query_id, o.answer) for o in second] == [(o.query_id, o.answer) for o in first]
+    assert [json.loads(line)["query_id"] for line in part.read_text().splitlines()] == [o.query_id for o in first]
+
+
+def test_resuming_with_other_settings_is_refused_and_resume_false_starts_over(tmp_path, data, backends):
+    cfg = config(data)
+    answers = gold_answers(cfg)
+    run(cfg, tmp_path / "run", lambda: GoldBackend(answers), backends)
+    other = config(data, "generator.threshold=0.5")
+    with pytest.raises(ValueError, match=r"other settings \(generator differ\).*rag.resume=false"):
+        run(other, tmp_path / "run", lambda: GoldBackend(answers), backends)
+    fresh = config(data, "generator.threshold=0.5", "rag.resume=false")
+    run(fresh, tmp_path / "run", lambda: GoldBackend(answers), backends)
+    assert len(backends[-1].requests) == 2 * 2 * QUERIES_PER_DATASET  # every query again: answer + verify
+    saved = json.loads((tmp_path / "run" / "rag_config.json").read_text())
+    assert saved["identity"]["generator"]["threshold"] == 0.5
+
+
+def test_no_retrieval_baseline_answers_without_pages_and_retrieval_modes_are_checked(tmp_path, data, backends):
+    answers = gold_answers(config(data))
+    report = run(config(data, "retrieval=none"), tmp_path / "none", lambda: GoldBackend(answers), backends)
+    assert report["overall"]["failed"] == 0 and set(report["results"]["synchart"]) == {"none"}
+    assert all(not request.images for request in backends[-1].requests)
+    with pytest.raises(ValueError, match=r"task=generation takes retrieval=gold\|none, got retrieval='retriever'"):
+        run(config(data, "retrieval=retriever"), tmp_path / "bad", lambda: None, backends)
+    with pytest.raises(ValueError, match="generator.threshold=-1"):
+        run(config(data, "generator.threshold=-1"), tmp_path / "bad", lambda: None, backends)
+
+
+def test_ranks_answer_disjoint_shares_that_merge_in_plan_order(tmp_path, data):
+    cfg = config(data)
+    plan, store = rag_task.plan_queries(cfg, None, tmp_path)
+    answers = gold_answers(cfg)
+    for rank in (1, 0):
+        generator = rag_task.build_generator(dict(cfg.generator), GoldBackend(answers))
+        writer = TraceWriter(tmp_path, rank)
+        answered = rag_task.answer_queries(plan, store, generator.answer, None, writer, rank, 2, progress=False)
+        assert answered == 3
+    shares = [[o.query_id for o in load_trace(tmp_path / PARTS_DIR / f"rank-{r}.jsonl")] for r in (0, 1)]
+    assert not set(shares[0]) & set(shares[1])
+    assert [o.query_id for o in merge(tmp_path, [p.key for p in plan])] == [p.example.query_id for p in plan]
+
+
+def test_rag_with_the_tiny_retriever_and_generator(tmp_path, data):
+    cfg = config(data, "task=rag", "model=tiny", "rag.max_queries=1", "eval.shard_size=64")
+    report = run_eval_task(cfg, tmp_path / "run")
+    assert set(report["results"]["syninfo"]) == {"single", "all"} and report["overall"]["n"] == 4
+    trace = load_trace(tmp_path / "run" / "trace.jsonl")
+    assert {len(o.retrieved) for o in trace if o.pool == "all"} == {cfg.rag.top_k}
+    assert {len(o.retrieved) for o in trace if o.pool == "single"} == {2}  # the style's two test pages
+    assert all(o.calls and not o.failed for o in trace)
+    assert report["meta"]["lvlm"] == {"backend": "phi3v", "model": "tiny-phi3v-seed0"}
+    assert (tmp_path / "run" / "retrieval.md").is_file()
