@@ -325,3 +325,41 @@ def sweep_summary(
         write_text(out_dir / "sweep.md", "# Judger threshold sweep\n\n" + result["table"] + "\n")
         write_bytes(out_dir / "sweep.png", sweep_plot(rows))
     return result
+
+
+def compare_runs(run_dirs: Sequence[str | Path], metric: str = "accuracy") -> str:
+    """One table with a row per RAG run directory (its ``rag.json``), as the paper's Tables 3, 4 and 6."""
+    summaries = {}
+    for run_dir in map(Path, run_dirs):
+        report_file = run_dir / "rag.json"
+        if not report_file.is_file():
+            raise FileNotFoundError(f"{run_dir}: no rag.json (not a finished eval.py task=rag|generation run)")
+        summaries[run_dir.name] = json.loads(report_file.read_text())
+    if metric == "accuracy" and all(s["overall"]["accuracy"] is None for s in summaries.values()):
+        raise ValueError("no run was judged (judge: disabled); compare a rule metric, e.g. --metric relaxed_accuracy")
+    return comparison_table(summaries, metric)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m hkrag.rag_report sweep MULTIRUN_DIR`` | ``compare RUN_DIR ...``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m hkrag.rag_report", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    sweep = commands.add_parser("sweep", help="accuracy, routes and cost per Judger threshold of a multirun folder "
+                                "(eval.py -m ... generator.threshold=0.2,0.5,0.8); writes sweep.{json,md,png}")
+    sweep.add_argument("folder", type=Path)
+    sweep.add_argument("--key", default="generator.threshold", help="the swept setting (default %(default)s)")
+    sweep.add_argument("--out", type=Path, default=None, help="where to write (default: the folder)")
+    compare = commands.add_parser("compare", help="one table with a row per run directory (Tables 3, 4, 6)")
+    compare.add_argument("run_dirs", type=Path, nargs="+")
+    compare.add_argument("--metric", default="accuracy", choices=["accuracy", *METRICS])
+    args = parser.parse_args(argv)
+    if args.command == "sweep":
+        print(sweep_summary(args.folder, args.out, args.key)["table"])
+    else:
+        print(compare_runs(args.run_dirs, args.metric))
+
+
+if __name__ == "__main__":
+    main()

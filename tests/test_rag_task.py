@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from hkrag.data.opendocvqa import load_qa
 from hkrag.lvlm import LVLMTimeoutError
 from hkrag.lvlm.scripted import Reply, ScriptedBackend, request_text
+from hkrag.rag_report import main
 from hkrag.tasks import rag as rag_task
 from hkrag.tasks import run_eval_task
 from hkrag.trace import PARTS_DIR, TraceWriter, load_trace, merge
@@ -183,3 +184,25 @@ def test_rag_with_the_tiny_retriever_and_generator(tmp_path, data):
     assert all(o.calls and not o.failed for o in trace)
     assert report["meta"]["lvlm"] == {"backend": "phi3v", "model": "tiny-phi3v-seed0"}
     assert (tmp_path / "run" / "retrieval.md").is_file()
+
+
+def test_threshold_sweep_and_comparison_commands_read_finished_runs(tmp_path, data, backends, capsys):
+    answers = gold_answers(config(data))
+    for number, threshold in enumerate((0.5, 0.8)):
+        fail = next(iter(answers)) if threshold == 0.8 else None
+        run(config(data, f"generator.threshold={threshold}"), tmp_path / "multirun" / str(number),
+            lambda fail=fail: GoldBackend(answers, fail=fail), backends)
+    main(["sweep", str(tmp_path / "multirun")])
+    rows = json.loads((tmp_path / "multirun" / "sweep.json").read_text())["rows"]
+    assert [(r["threshold"], r["metric"], r["failed"]) for r in rows] == [(0.5, "relaxed_accuracy", 0),
+                                                                        (0.8, "relaxed_accuracy", 1)]
+    assert [r["value"] for r in rows] == pytest.approx([1.0, 5 / 6])
+    assert "| 0.8 | 6 | 83.3 [" in capsys.readouterr().out
+
+    main(["compare", str(tmp_path / "multirun" / "0"), str(tmp_path / "multirun" / "1"), "--metric", "exact_match"])
+    table = capsys.readouterr().out
+    assert re.search(r"\| 0 \| 100\.0 \| 100\.0 \| 100\.0 \|", table) and re.search(r"\| 1 \| 66\.7 \|", table)
+    with pytest.raises(ValueError, match="no run was judged"):
+        main(["compare", str(tmp_path / "multirun" / "0")])
+    with pytest.raises(FileNotFoundError, match="no rag.json"):
+        main(["compare", str(tmp_path)])
