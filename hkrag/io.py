@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -28,8 +29,9 @@ class WriteError(OSError):
         self.path = Path(path)
 
 
-def _temporary(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def _sibling(path: Path, suffix: str) -> Path:
+    """A hidden name beside ``path``, unique per process and thread (two writers never share one)."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.{suffix}")
 
 
 def atomic_write(path: str | Path, write: Callable[[IO], Any], mode: str = "w") -> Path:
@@ -38,7 +40,7 @@ def atomic_write(path: str | Path, write: Callable[[IO], Any], mode: str = "w") 
     ``mode`` is ``"w"`` (text, UTF-8) or ``"wb"``. Raises :class:`WriteError` naming ``path``.
     """
     path = Path(path)
-    tmp = _temporary(path)
+    tmp = _sibling(path, "tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
@@ -78,8 +80,7 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     one in, so at every instant one complete version exists under ``path`` or its ``.old`` name.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    old = path.with_name(f".{path.name}.{os.getpid()}.old")
+    tmp, old = _sibling(path, "tmp"), _sibling(path, "old")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)

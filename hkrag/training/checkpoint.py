@@ -192,7 +192,7 @@ def check_tensors(path: Path, tensors: Mapping[str, torch.Tensor], params: Mappi
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The finished ``step-<N>`` checkpoint with the highest N under ``output_dir/checkpoints``, if any.
 
-    Temporaries (``.step-N.<pid>.tmp``, ``step-N.tmp``) and folders without ``state.json`` are skipped.
+    Temporaries (``.step-N.<pid>-<thread>.tmp``, ``step-N.tmp``) and folders without ``state.json`` are skipped.
     """
     steps = {}
     for path in Path(output_dir, "checkpoints").glob("step-*"):
