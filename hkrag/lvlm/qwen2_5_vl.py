@@ -20,7 +20,6 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoProcessor,
     PreTrainedTokenizerFast,
@@ -33,7 +32,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from hkrag.models.phi3v.modeling_phi3v import default_attn_implementation
-from hkrag.models.phi3v.tokenization import BASE_TEXT
+from hkrag.models.phi3v.tokenization import BASE_TEXT, train_byte_level_bpe
 
 from .base import LVLMRequest, Message, PageImage
 from .local import LocalBackend, ModelInputs, resolve_device, resolve_dtype
@@ -70,16 +69,8 @@ class PageProcessor(Qwen2_5_VLProcessor):
 
 def build_qwen_offline_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
     """A deterministic byte-level BPE with Qwen2.5-VL's special tokens and chat template (no downloads)."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator([BASE_TEXT, "system user assistant You are a helpful assistant."], trainer=trainer)
+    texts = [BASE_TEXT, "system user assistant You are a helpful assistant."]
+    tokenizer = train_byte_level_bpe(texts, SPECIAL_TOKENS, vocab_size)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",

@@ -27,22 +27,30 @@ BASE_TEXT = (
 )
 
 
+def train_byte_level_bpe(
+    texts: Iterable[str], special_tokens: list[str], vocab_size: int, unk_token: str | None = None
+) -> Tokenizer:
+    """A deterministic byte-level BPE trained on ``texts`` with ``special_tokens`` first in its vocabulary."""
+    tokenizer = Tokenizer(models.BPE(unk_token=unk_token))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(texts), trainer=trainer)
+    return tokenizer
+
+
 def build_offline_tokenizer(texts: Iterable[str] = (), vocab_size: int = 1024) -> PreTrainedTokenizerFast:
     """Train a deterministic byte-level BPE on ``BASE_TEXT`` plus ``texts`` (no downloads).
 
     Returns a ``PreTrainedTokenizerFast`` that prepends ``<s>`` like Phi-3's and uses
     ``<|endoftext|>`` as eos and pad. ``len(tokenizer) <= vocab_size``.
     """
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator([BASE_TEXT, *texts], trainer=trainer)
+    tokenizer = train_byte_level_bpe([BASE_TEXT, *texts], SPECIAL_TOKENS, vocab_size, unk_token="<unk>")
     bos = tokenizer.token_to_id("<s>")
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
