@@ -1,7 +1,7 @@
 """The generator's cost per query: HKRAG's agents against the single-pass baseline, with and without reuse.
 
-    python bench/generator.py                         # tiny Phi3V on the CPU
-    python bench/generator.py --device cuda --queries 20
+    python bench/agents.py                         # tiny Phi3V on the CPU
+    python bench/agents.py --device cuda --queries 20
 
 Every generator answers the same ``--queries`` questions over 3 synthetic pages each (the paper's top-3)
 on one local backend. HKRAG runs twice: with the Judger's threshold h = 0.8 (the paper's) and with h = 0
@@ -25,11 +25,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[0] = str(ROOT)  # not bench/: this file's name would shadow the agents package
 from agents import build_generator  # noqa: E402
 from agents.records import Query  # noqa: E402
+from bench.common import machine  # noqa: E402
 from hkrag.lvlm import PageImage, build_backend  # noqa: E402
 
 CONFIGURATIONS = {  # name -> (generator config, overrides)
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
-    conf = Path(__file__).resolve().parents[1] / "conf"
+    conf = ROOT / "conf"
     queries = [Query(query_id=str(i), question=f"What is the value in row {i}?", pages=query_pages(i), gold=["1"])
                for i in range(args.queries)]
     print(machine())
