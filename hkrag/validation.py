@@ -81,6 +81,7 @@ RULES: dict[str, Rule] = {
     "eval.shard_size": POSITIVE,
     "rag.top_k": POSITIVE,
     "rag.max_queries": OPTIONAL_POSITIVE,
+    "rag.concurrency": POSITIVE,
     "generator.top_k": POSITIVE,
     "generator.threshold": Rule(float, low=0),
     "generator.top_logprobs": Rule(int, low=0, high=20),

@@ -206,3 +206,19 @@ def test_threshold_sweep_and_comparison_commands_read_finished_runs(tmp_path, da
         main(["compare", str(tmp_path / "multirun" / "0")])
     with pytest.raises(FileNotFoundError, match="no rag.json"):
         main(["compare", str(tmp_path)])
+
+
+def test_concurrent_queries_fill_the_trace_once_each_and_local_backends_refuse(tmp_path, data, backends):
+    cfg = config(data, "rag.concurrency=4")
+    answers = gold_answers(cfg)
+    report = run(cfg, tmp_path / "run", lambda: GoldBackend(answers), backends)
+    assert report["overall"]["n"] == 6 and report["overall"]["metrics"]["exact_match"] == 1.0
+    part = [json.loads(line)["query_id"] for line in (tmp_path / "run" / PARTS_DIR / "rank-0.jsonl").open()]
+    merged = [o.query_id for o in load_trace(tmp_path / "run" / "trace.jsonl")]
+    assert sorted(part) == sorted(merged) and len(set(merged)) == 6
+
+    class LocalModel(GoldBackend):
+        name, thread_safe = "phi3v", False
+
+    with pytest.raises(ValueError, match="rag.concurrency=2 needs thread-safe backends.*the phi3v backend"):
+        run(config(data, "rag.concurrency=2"), tmp_path / "local", lambda: LocalModel(answers), backends)

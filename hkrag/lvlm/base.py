@@ -201,11 +201,13 @@ class LVLMBackend(ABC):
     """A vision-language model that returns text with per-token log-probabilities.
 
     Subclasses set ``name`` (the backend kind) and ``model`` (what produced the answers, written into
-    every result and report) and implement :meth:`generate`.
+    every result and report) and implement :meth:`generate`. ``thread_safe`` backends (HTTP clients)
+    may be called from several threads at once, so a run can answer several queries concurrently.
     """
 
     name: str = "lvlm"
     model: str = ""
+    thread_safe: bool = False
 
     @abstractmethod
     def generate(self, requests: Sequence[LVLMRequest]) -> list[LVLMResult]:

@@ -113,6 +113,7 @@ class OpenAIBackend(LVLMBackend):
     """
 
     name = "openai"
+    thread_safe = True
 
     def __init__(
         self,

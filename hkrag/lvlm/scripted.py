@@ -103,6 +103,7 @@ class ScriptedBackend(LVLMBackend):
     """
 
     name = "scripted"
+    thread_safe = True
 
     def __init__(
         self,

@@ -16,6 +16,7 @@ import json
 import logging
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from hkrag.evaluation import evaluate_retrieval
 from hkrag.index.shards import config_hash
 from hkrag.io import write_json, write_text
 from hkrag.judge import build_judge
-from hkrag.lvlm import PageImage, build_backend
+from hkrag.lvlm import LVLMBackend, PageImage, build_backend
 from hkrag.rag_report import flat_metrics, write_reports
 from hkrag.tasks.common import (
     build_retriever,
@@ -178,21 +179,42 @@ def to_query(item: PlannedQuery, store: PageStore) -> Query:
 
 def answer_queries(
     plan: list[PlannedQuery], store: PageStore, generate: Callable[[Query], QueryOutcome], judge, writer: TraceWriter,
-    rank: int, world: int, progress: bool,
+    rank: int, world: int, progress: bool, concurrency: int = 1,
 ) -> int:
-    """Answer this rank's share of ``plan`` that the trace does not hold yet; returns how many were answered."""
+    """Answer this rank's share of ``plan`` that the trace does not hold yet; returns how many were answered.
+
+    With ``concurrency > 1`` that many queries are in flight at once (for an HTTP endpoint serving many
+    clients); each outcome is appended to the trace as soon as it is finished, in whatever order.
+    """
     done = writer.done()
     mine = [item for i, item in enumerate(plan) if i % world == rank and item.key not in done]
     if done:
         logger.info("resuming: %d queries already in the trace, %d left for this process", len(done), len(mine))
-    for item in tqdm(mine, desc="rag", disable=not progress, dynamic_ncols=True):
+
+    def answer(item: PlannedQuery) -> QueryOutcome:
         outcome = generate(to_query(item, store))
         outcome.dataset, outcome.pool, outcome.retrieved = item.dataset, item.pool, list(item.page_ids)
         outcome.metrics = rule_metrics("" if outcome.failed else outcome.answer, outcome.gold)
         if judge is not None:
             outcome.judge = judge.judge(outcome.question, outcome.gold, "" if outcome.failed else outcome.answer)
-        writer.append(outcome)
+        return outcome
+
+    bar = tqdm(total=len(mine), desc="rag", disable=not progress, dynamic_ncols=True)
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for finished in as_completed([pool.submit(answer, item) for item in mine]):
+            writer.append(finished.result())
+            bar.update()
+    bar.close()
     return len(mine)
+
+
+def check_concurrency(concurrency: int, *backends: LVLMBackend) -> None:
+    """Concurrent queries need backends that may be called from several threads (the generator's and the judge's)."""
+    for backend in backends:
+        if concurrency > 1 and not backend.thread_safe:
+            raise ValueError(f"rag.concurrency={concurrency} needs thread-safe backends (HTTP ones such as "
+                             f"lvlm=openai); the {backend.name} backend answers one query at a time: set "
+                             "rag.concurrency=1")
 
 
 def run_rag_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
@@ -211,10 +233,11 @@ def run_rag_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any
         generator_cfg["allow_no_pages"] = True
     backend = build_backend(**OmegaConf.to_container(cfg.lvlm, resolve=True))
     judge = build_judge(OmegaConf.to_container(cfg.judge, resolve=True))
+    check_concurrency(cfg.rag.concurrency, backend, *([judge.backend] if judge is not None else []))
     generator = build_generator(generator_cfg, backend)
     writer = TraceWriter(output_dir, accelerator.process_index)
     answer_queries(plan, store, generator.answer, judge, writer, accelerator.process_index,
-                   accelerator.num_processes, accelerator.is_main_process)
+                   accelerator.num_processes, accelerator.is_main_process, cfg.rag.concurrency)
     backend.close()
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
