@@ -33,7 +33,6 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from hkrag.data.collators import RetrieverCollator
 from hkrag.data.opendocvqa import Corpus, TrainingPair
 from hkrag.distributed import gather_with_grad
 from hkrag.gradcache import grad_cache_step, split_batch
@@ -157,7 +156,7 @@ class RetrieverTrainer:
         self.output_dir = Path(output_dir)
         self.loss_fn = loss_fn
         self.retriever = retriever
-        self.collator = RetrieverCollator(retriever.processor)
+        self.collator = retriever.collator  # the same truncation as encoding
         self.dataset = PairDataset(pairs, corpus)
         self.pairs = pairs
         self.sampler = GlobalBatchSampler(
