@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -309,20 +308,17 @@ def test_scripted_backend_follows_settings_and_names_unmatched_prompts():
     assert len(script.requests) == 2
 
 
-TINY_LVLM = CONF / "lvlm" / "phi3v_tiny.yaml"
+TINY_LVLMS = ["phi3v_tiny", "qwen2_5_vl_tiny"]
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("hkrag.lvlm.phi3v") is None or not TINY_LVLM.exists(),
-    reason="hkrag/lvlm/phi3v.py or conf/lvlm/phi3v_tiny.yaml not present yet",
-)
-def test_pipeline_runs_end_to_end_on_tiny_phi3v():
-    """The real local backend through every agent (a random model: whatever it says, the run completes)."""
-    settings = {**yaml.safe_load(TINY_LVLM.read_text()), "device": "cpu"}
+@pytest.mark.parametrize("lvlm", TINY_LVLMS)
+def test_pipeline_runs_end_to_end_on_tiny_models(lvlm):
+    """The real local backends through every agent (random models: whatever they say, the run completes)."""
+    settings = {**yaml.safe_load((CONF / "lvlm" / f"{lvlm}.yaml").read_text()), "device": "cpu"}
     config = generator_config(caps={"max_iters": 1, "max_new_tokens": {"yes_no": 2, "answer": 4, "notes": 4}},
                               threshold=0.0)  # every query HQP: the longest path
-    with build_backend(**settings) as lvlm:
-        outcome = build_generator(config, lvlm).answer(make_query(2))
+    with build_backend(**settings) as backend:
+        outcome = build_generator(config, backend).answer(make_query(2))
     assert not outcome.failed, outcome.failure
     assert outcome.route == "HQP" and outcome.iterations == 1
     assert steps(outcome) == ["pruner.pruner", "judger.answer", "decoupler.salient", "decoupler.fine_print",

@@ -298,3 +298,23 @@ def test_openai_backend_over_loopback_matches_the_backend_in_process(tiny_server
         assert (got.text, got.prompt_tokens, got.completion_tokens, got.finish_reason) == (
             want.text, want.prompt_tokens, want.completion_tokens, want.finish_reason)
         assert got.model == "tiny" and got.backend == "openai"
+
+
+def test_agents_run_end_to_end_through_the_http_backend(tiny_server):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from agents import build_generator
+    from agents.records import Query
+
+    process, url = tiny_server
+    wait_healthy(process, url)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        generator = OmegaConf.to_container(compose("eval", ["generator.threshold=0", "generator.caps.max_iters=1",
+                                                            "generator.caps.max_new_tokens.notes=4"]).generator)
+    query = Query("q1", "What is on the page?", [page(key="doc-1"), page((90, 50), (10, 200, 30), "doc-2")], ["x"])
+    with OpenAIBackend("tiny", f"{url}/v1", api_key_env=None, timeout_s=60, max_retries=0) as client:
+        outcome = build_generator(generator, client).answer(query)
+    assert not outcome.failed, outcome.failure
+    assert outcome.route == "HQP" and [c.agent for c in outcome.calls][-1] == "summarizer"
+    assert all(c.page_ids for c in outcome.calls) and outcome.calls[1].uncertainty is not None
