@@ -111,3 +111,15 @@ def test_evaluation_warns_about_positives_missing_from_the_pool(tmp_path, caplog
     assert "1 judged document(s) of 1 queries are absent from the corpus" in caplog.text
     assert result["results"]["synchart"]["single"]["all"]["recall@10"] == pytest.approx(0.5)
     assert "recall@5 (x100)" in result["table"] and "mrr@10 (x100)" in result["table"]
+
+
+def test_run_dir_latest_is_the_newest_finished_training_run(tmp_path):
+    from hkrag.tasks.common import FINAL_ADAPTER, resolve_run_dir
+
+    with pytest.raises(FileNotFoundError, match="run_dir=latest: no finished train.py run under"):
+        resolve_run_dir("latest", tmp_path)
+    for stamp in ("2026-01-02_10-00-00", "2026-01-03_09-00-00"):
+        (tmp_path / stamp / FINAL_ADAPTER).mkdir(parents=True)
+    (tmp_path / "2026-01-04_08-00-00" / "checkpoints" / "step-1").mkdir(parents=True)  # still training
+    assert resolve_run_dir("latest", tmp_path) == tmp_path / "2026-01-03_09-00-00"
+    assert resolve_run_dir(tmp_path / "x", tmp_path) == tmp_path / "x"

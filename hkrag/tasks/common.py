@@ -105,10 +105,25 @@ def eval_config(cfg: DictConfig) -> RetrievalEvalConfig:
     return RetrievalEvalConfig(qa_source=cfg.data.qa_source, corpus_source=cfg.data.corpus_source, **settings)
 
 
+FINAL_ADAPTER = Path("checkpoints", "final", "adapter")
+TRAIN_RUNS = Path("outputs", "train")
+
+
+def resolve_run_dir(run_dir: str | Path, runs: Path = TRAIN_RUNS) -> Path:
+    """``run_dir`` itself, or for ``latest`` the newest finished ``train.py`` run under ``runs`` (by its stamp)."""
+    if str(run_dir) != "latest":
+        return Path(run_dir)
+    finished = sorted(path.parent.parent.parent for path in runs.glob(f"*/{FINAL_ADAPTER}") if path.is_dir())
+    if not finished:
+        raise FileNotFoundError(f"run_dir=latest: no finished train.py run under {runs}; run `python train.py` "
+                                "first or give run_dir=PATH")
+    return finished[-1]
+
+
 def trained_model_config(model_cfg: DictConfig, run_dir: str | Path) -> DictConfig:
-    """Model config that loads a ``train.py`` run: its saved tiny base (if any) and final adapter."""
-    run_dir = Path(run_dir)
-    adapter = run_dir / "checkpoints" / "final" / "adapter"
+    """Model config that loads a ``train.py`` run (or ``latest``): its saved tiny base (if any) and final adapter."""
+    run_dir = resolve_run_dir(run_dir)
+    adapter = run_dir / FINAL_ADAPTER
     if not adapter.is_dir():
         raise FileNotFoundError(f"{run_dir} has no checkpoints/final/adapter: is it a finished train.py run directory?")
     overrides = {"adapter": str(adapter)}

@@ -41,6 +41,7 @@ from hkrag.tasks.common import (
     eval_config,
     make_accelerator,
     prepare_data,
+    resolve_run_dir,
     shared_output_dir,
     trained_model_config,
 )
@@ -147,9 +148,11 @@ def retrieve(cfg: DictConfig, accelerator, output_dir: Path) -> dict[str, dict[s
 
 def run_identity(cfg: DictConfig) -> dict[str, Any]:
     """What determines the answers: a resumed trace must come from the same settings."""
-    keys = ("task", "retrieval", "run_dir", "model", "data", "lvlm", "generator", "judge", "rag")
-    return {key: OmegaConf.to_container(cfg[key], resolve=True) if isinstance(cfg.get(key), DictConfig)
-            else cfg.get(key) for key in keys}
+    keys = ("task", "retrieval", "model", "data", "lvlm", "generator", "judge", "rag")
+    identity = {key: OmegaConf.to_container(cfg[key], resolve=True) if isinstance(cfg.get(key), DictConfig)
+                else cfg.get(key) for key in keys}
+    identity["run_dir"] = str(resolve_run_dir(cfg.run_dir)) if cfg.get("run_dir") else None  # `latest` moves on
+    return identity
 
 
 def prepare_run_dir(cfg: DictConfig, output_dir: Path) -> None:
