@@ -40,6 +40,51 @@ def test_flat_has_most_bytes_and_best_ndcg(planted, tmp_path):
     png = budget.plot(rows, tmp_path / "budget.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert budget.to_markdown(rows).splitlines()[0].startswith("| index | bytes/doc | build s | ndcg@5 |")
+    assert min(rows, key=lambda r: r["bytes_per_doc"])["pareto"]
+    assert flat["pareto"] == all(r["ndcg@5"] < flat["ndcg@5"] for r in rows if r is not flat)
+    assert budget.to_markdown(rows).splitlines()[0].endswith("| Pareto |")
+
+
+def test_pareto_frontier_on_a_hand_built_case():
+    rows = [
+        {"spec": "flat", "bytes_per_doc": 128, "ndcg@5": 0.90},
+        {"spec": "fp16", "bytes_per_doc": 64, "ndcg@5": 0.90},  # as good, half the bytes: flat is dominated
+        {"spec": "sq8", "bytes_per_doc": 32, "ndcg@5": 0.85},
+        {"spec": "pq", "bytes_per_doc": 40, "ndcg@5": 0.80},  # bigger and worse than sq8
+        {"spec": "binary", "bytes_per_doc": 4, "ndcg@5": 0.50},
+        {"spec": "binary-copy", "bytes_per_doc": 4, "ndcg@5": 0.50},  # exact ties both stay on the frontier
+    ]
+    assert budget.pareto_frontier(rows) == [False, True, True, False, True, True]
+    assert budget.to_markdown([r | {"build_s": 0.0} for r in rows]).splitlines()[4].endswith("| 85.0 | yes |")
+
+
+def test_binary_codes_hamming_and_rerank():
+    docs = np.array(
+        [[1, 1, -1, -1, 1, 1, 1, 1], [1, -1, -1, -1, 1, 1, 1, 1], [-1, -1, 1, 1, -1, -1, -1, -1]], np.float32
+    )
+    query = np.array([[0.9, 0.1, -0.1, -1, 1, 1, 1, 1]], np.float32)  # signs equal doc 0's: Hamming 0, 1, 8
+    index = budget.SignIndex(["a", "b", "c"], docs)
+    scores, rows = index.search_arrays(query, 3)
+    assert rows.tolist() == [[0, 1, 2]] and scores.tolist() == [[0, -1, -8]]
+    assert index.nbytes() < 3 * 8 * 4 and index.spec == "binary"
+    reranked = budget.SignIndex(["a", "b", "c"], docs, rerank=3)
+    scores, rows = reranked.search_arrays(query, 2)
+    assert rows.tolist() == [[0, 1]]
+    np.testing.assert_allclose(scores, [[query[0] @ docs[0], query[0] @ docs[1]]], rtol=1e-6)  # 6.9, 6.7
+    assert budget.SignIndex.parse("binary:rerank=10") == 10 and budget.SignIndex.parse("sq8") is None
+    with pytest.raises(ValueError, match="bad binary option 'x=1'"):
+        budget.SignIndex.parse("binary:x=1")
+    with pytest.raises(ValueError, match="divisible by 8, got 12"):
+        budget.SignIndex(["a"], np.ones((1, 12), np.float32))
+
+
+def test_pca_and_binary_specs_in_the_sweep(planted):
+    rows = budget.sweep(*planted, ["flat", "faiss:PCA16,Flat", "binary", "binary:rerank=8"])
+    by_spec = {r["spec"]: r for r in rows}
+    assert by_spec["binary"]["bytes_per_doc"] == pytest.approx(DIM / 8, rel=0.1)
+    assert by_spec["binary:rerank=8"]["bytes_per_doc"] == by_spec["binary"]["bytes_per_doc"]
+    assert by_spec["faiss:PCA16,Flat"]["bytes_per_doc"] < by_spec["flat"]["bytes_per_doc"] / 1.5
+    assert by_spec["binary:rerank=8"]["ndcg@5"] >= by_spec["binary"]["ndcg@5"]
 
 
 def test_cli_from_shard_directories(planted, tmp_path):

@@ -2,9 +2,12 @@
 
 Vectors are assumed L2-normalised, so inner product is cosine similarity. The index is placed
 on GPU(s) when FAISS was built with GPU support and a GPU is present, otherwise on CPU; the
-choice is logged. FAISS pads results with id -1 when fewer than k neighbours are found (k
-larger than the corpus, or too few IVF lists probed); those slots are dropped, never mapped
-to a document.
+choice is logged. Besides the named kinds, any ``faiss.index_factory`` description can be used
+(``faiss:PCA384,IVF2048,PQ96x4fs,Refine(PCA384,SQ8)``), with FAISS search parameters after a semicolon
+(``...;nprobe=32,k_factor_rf=4``, as :mod:`hkrag.index.tuning` writes them), or ``tuned:<dir>`` to
+take the spec and tuned parameters saved with another index. FAISS pads results with id -1 when
+fewer than k neighbours are found (k larger than the corpus, or too few IVF lists probed); those
+slots are dropped, never mapped to a document.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -23,9 +27,10 @@ from hkrag.io import write_bytes, write_json
 
 log = logging.getLogger(__name__)
 
-KINDS = ("flat", "ivfpq", "sq8", "fp16")
+KINDS = ("flat", "ivfpq", "sq8", "fp16", "faiss")
 # FAISS clones only these to GPU; its cloner would silently keep a flat scalar quantiser on CPU.
-GPU_KINDS = ("flat", "ivfpq")
+# A faiss: spec is tried too: whatever part of it FAISS can clone goes to GPU (checked after cloning).
+GPU_KINDS = ("flat", "ivfpq", "faiss")
 _INDEX_FILE = "index.faiss"
 _IDS_FILE = "ids.json"
 _META_FILE = "index.json"
@@ -37,8 +42,10 @@ class IndexSpec:
 
     ``kind`` is one of ``flat`` (exact), ``ivfpq`` (inverted lists + product quantiser: ``m``
     sub-quantisers of ``nbits`` bits each, ``nlist`` lists, ``nprobe`` probed at search),
-    ``sq8`` (8-bit scalar quantiser) or ``fp16`` (16-bit float scalar quantiser). ``nlist=None``
-    picks ``4*sqrt(n)`` bounded by the number of training vectors.
+    ``sq8`` (8-bit scalar quantiser), ``fp16`` (16-bit float scalar quantiser) or ``faiss``: the
+    ``faiss.index_factory`` description ``factory`` searched with the FAISS ``ParameterSpace``
+    string ``params`` (e.g. ``nprobe=32,k_factor_rf=4``). ``nlist=None`` picks ``4*sqrt(n)``
+    bounded by the number of training vectors.
     """
 
     kind: str = "flat"
@@ -46,17 +53,31 @@ class IndexSpec:
     m: int = 64
     nbits: int = 8
     nprobe: int = 16
+    factory: str | None = None
+    params: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown index kind {self.kind!r}; expected one of {KINDS}")
+        if (self.kind == "faiss") != bool(self.factory):
+            raise ValueError(f"a factory string goes with kind 'faiss' only ({self.kind=}, {self.factory=})")
+        if self.params and self.kind != "faiss":
+            raise ValueError(f"search parameters {self.params!r} apply to faiss: specs only, not {self.kind!r}")
 
     @classmethod
     def parse(cls, text: str | IndexSpec) -> IndexSpec:
-        """Parse ``"flat"``, ``"sq8"``, ``"fp16"`` or ``"ivfpq:nlist=1024,m=64,nbits=8,nprobe=32"``."""
+        """Parse ``"flat"``, ``"sq8"``, ``"fp16"``, ``"ivfpq:nlist=1024,m=64,nbits=8,nprobe=32"``,
+        ``"faiss:<index_factory string>[;<search parameters>]"`` or ``"tuned:<index directory>"``."""
         if isinstance(text, IndexSpec):
             return text
         kind, _, params = text.strip().partition(":")
+        if kind.strip().lower() == "faiss":
+            factory, _, search = params.partition(";")
+            if not factory.strip():
+                raise ValueError(f"{text!r}: expected faiss:<index_factory string>[;<search parameters>]")
+            return cls(kind="faiss", factory=factory.strip(), params=search.strip())
+        if kind.strip().lower() == "tuned":
+            return cls(**read_meta(params.strip())["spec"])
         known = {f.name for f in fields(cls)} - {"kind"}
         values: dict[str, int] = {}
         for item in filter(None, params.split(",")):
@@ -67,6 +88,8 @@ class IndexSpec:
         return cls(kind=kind.strip().lower(), **values)
 
     def __str__(self) -> str:
+        if self.kind == "faiss":
+            return f"faiss:{self.factory}" + (f";{self.params}" if self.params else "")
         if self.kind != "ivfpq":
             return self.kind
         return f"ivfpq:nlist={self.nlist},m={self.m},nbits={self.nbits},nprobe={self.nprobe}"
@@ -78,7 +101,17 @@ class IndexSpec:
             "sq8": "SQ8",
             "fp16": "SQfp16",
             "ivfpq": f"IVF{self.nlist},PQ{self.m}x{self.nbits}",
+            "faiss": self.factory,
         }[self.kind]
+
+    def default_max_train(self) -> int:
+        """Training sample size: 64 vectors per IVF/PQ centroid (k-means and PQ codebooks; 40 per
+        list for a factory IVF, FAISS's minimum without a warning), at least 65,536 (scalar
+        quantiser ranges, PCA/OPQ rotations)."""
+        if self.kind == "ivfpq":
+            return 64 * max(self.nlist, 2**self.nbits)
+        lists = re.search(r"IVF(\d+)", self.factory or "")
+        return max(65536, 40 * int(lists.group(1))) if lists else 65536
 
     def resolved(self, dim: int, num_train: int) -> IndexSpec:
         """Fill in ``nlist`` and check the spec against the data it will be trained on."""
@@ -94,6 +127,28 @@ class IndexSpec:
                 f"(nlist={nlist}, 2**nbits={2**self.nbits}); lower nlist/nbits or use flat"
             )
         return replace(self, nlist=nlist)
+
+
+def read_meta(directory: str | Path) -> dict:
+    """The ``index.json`` of a saved index (spec, dim, count, tuning record)."""
+    path = Path(directory) / _META_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no saved index at {directory!s} ({path} is missing)")
+    return json.loads(path.read_text())
+
+
+def _has_gpu_part(index: faiss.Index) -> bool:
+    """Whether ``index`` or a sub-index it wraps (pre-transform, refine base, shards) lives on a GPU."""
+    index = faiss.downcast_index(index)
+    if type(index).__name__.startswith("Gpu"):
+        return True
+    if isinstance(index, faiss.IndexPreTransform):
+        return _has_gpu_part(index.index)
+    if isinstance(index, faiss.IndexRefine):
+        return _has_gpu_part(index.base_index) or _has_gpu_part(index.refine_index)
+    if isinstance(index, (faiss.IndexShards, faiss.IndexReplicas)):
+        return any(_has_gpu_part(index.at(i)) for i in range(index.count()))
+    return False
 
 
 def gpu_count() -> int:
@@ -114,7 +169,7 @@ class DocumentIndex:
     """A FAISS index over documents, searched by inner product and answering with doc ids."""
 
     def __init__(self, dim: int, spec: IndexSpec | str = "flat", *, use_gpu: bool | None = None) -> None:
-        """Create an empty index; IVF kinds need :meth:`train` before :meth:`add`.
+        """Create an empty index; quantising kinds need :meth:`train` before :meth:`add`.
 
         ``use_gpu=None`` uses every GPU FAISS can see, ``False`` forces CPU, ``True`` requires a GPU.
         """
@@ -126,9 +181,11 @@ class DocumentIndex:
         self._use_gpu = use_gpu
         self._index: faiss.Index | None = None
         self.on_gpu = False  # set by _place
+        self.tuning: dict | None = None  # how the search parameters were chosen (hkrag.index.tuning)
         if self.spec.kind != "ivfpq":
             cpu = self._new_cpu_index(self.spec)
             self._index = self._place(cpu) if cpu.is_trained else None
+            self._apply_search_parameters()
 
     @classmethod
     def build(
@@ -152,10 +209,14 @@ class DocumentIndex:
         return index
 
     def _new_cpu_index(self, spec: IndexSpec) -> faiss.Index:
-        index = faiss.index_factory(self.dim, spec.factory_string(), faiss.METRIC_INNER_PRODUCT)
-        if spec.kind == "ivfpq":
+        try:
+            index = faiss.index_factory(self.dim, spec.factory_string(), faiss.METRIC_INNER_PRODUCT)
+        except RuntimeError as error:
+            raise ValueError(f"FAISS cannot build {spec} in dimension {self.dim}: {error}") from error
+        ivf = faiss.try_extract_index_ivf(index)
+        if ivf is not None and isinstance(faiss.downcast_index(ivf), faiss.IndexIVFPQ):
             # Polysemous codes only serve Hamming pre-filtering, unused here, and dominate training time.
-            faiss.downcast_index(index).do_polysemous_training = False
+            faiss.downcast_index(ivf).do_polysemous_training = False
         return index
 
     def _cpu_reason(self) -> str | None:
@@ -188,6 +249,11 @@ class DocumentIndex:
                 raise
             log.warning("FAISS %s index not supported on GPU (%s); using CPU", self.spec, error)
             return index
+        if not _has_gpu_part(placed):
+            if self._use_gpu:
+                raise RuntimeError(f"use_gpu=True but FAISS has no GPU version of any part of {self.spec}")
+            log.info("FAISS %s index on CPU (FAISS has no GPU version of its parts)", self.spec)
+            return index
         log.info("FAISS %s index sharded over %d GPU(s)", self.spec, gpu_count())
         self.on_gpu = True
         return placed
@@ -211,7 +277,7 @@ class DocumentIndex:
         vectors = _as_matrix(vectors, "training vectors")
         self._check_dim(vectors, "training vectors")
         spec = self.spec.resolved(self.dim, len(vectors))
-        limit = max_train or (64 * max(spec.nlist, 2**spec.nbits) if spec.kind == "ivfpq" else 65536)
+        limit = max_train or spec.default_max_train()
         if len(vectors) > limit:
             rows = np.random.default_rng(seed).choice(len(vectors), size=limit, replace=False)
             vectors = vectors[np.sort(rows)]
@@ -220,8 +286,7 @@ class DocumentIndex:
         log.info("training %s on %d vectors", self.spec, len(vectors))
         cpu.train(vectors)
         self._index = self._place(cpu)
-        if self.spec.kind == "ivfpq":
-            self.nprobe = self.spec.nprobe
+        self._apply_search_parameters()
 
     def add(self, ids: Sequence[str], vectors: np.ndarray) -> None:
         """Append documents; ids must be unique across the whole index."""
@@ -248,6 +313,33 @@ class DocumentIndex:
         space = faiss.GpuParameterSpace() if self.on_gpu else faiss.ParameterSpace()
         space.set_index_parameter(self._index, "nprobe", int(value))
         self.spec = replace(self.spec, nprobe=int(value))
+
+    @property
+    def search_params(self) -> str:
+        """FAISS ``ParameterSpace`` string used at search time (``faiss:`` specs), e.g. ``nprobe=32,k_factor_rf=4``."""
+        return self.spec.params
+
+    @search_params.setter
+    def search_params(self, value: str) -> None:
+        if self.spec.kind != "faiss":
+            raise ValueError(f"search parameters apply to faiss: specs only, not {self.spec} (use nprobe for ivfpq)")
+        self.spec = replace(self.spec, params=value.strip())
+        self._apply_search_parameters()
+
+    def _apply_search_parameters(self) -> None:
+        """Set the spec's nprobe (ivfpq) or ParameterSpace string (faiss) on the trained index."""
+        if self._index is None:
+            return
+        if self.spec.kind == "ivfpq":
+            self.nprobe = self.spec.nprobe
+        if self.spec.kind != "faiss" or not self.spec.params:
+            return
+        space = faiss.GpuParameterSpace() if self.on_gpu else faiss.ParameterSpace()
+        try:
+            space.set_index_parameters(self._index, self.spec.params)
+        except RuntimeError as error:
+            bad = f"cannot set search parameters {self.spec.params!r} on {self.spec.factory}"
+            raise ValueError(f"{bad}: {error}") from error
 
     def _check_dim(self, vectors: np.ndarray, name: str) -> None:
         if vectors.shape[1] != self.dim:
@@ -283,6 +375,13 @@ class DocumentIndex:
             for qid, docs, sc in zip(query_ids, doc_ids, scores, strict=True)
         }
 
+    @property
+    def faiss_index(self) -> faiss.Index:
+        """The live FAISS index (on GPU when placed there), e.g. for ``ParameterSpace`` exploration."""
+        if self._index is None:
+            raise RuntimeError(f"{self.spec} index has not been trained")
+        return self._index
+
     def cpu_index(self) -> faiss.Index:
         """The index as a CPU FAISS index (a copy when it lives on GPU)."""
         if self._index is None:
@@ -294,18 +393,24 @@ class DocumentIndex:
         return int(faiss.serialize_index(self.cpu_index()).nbytes)
 
     def save(self, directory: str | Path) -> Path:
-        """Write ``index.faiss``, ``ids.json`` and ``index.json`` (spec, dim, count) into ``directory``."""
+        """Write ``index.faiss``, ``ids.json`` and ``index.json`` (spec with its search parameters, dim,
+        count, tuning record) into ``directory``."""
         directory = Path(directory)
         write_bytes(directory / _INDEX_FILE, faiss.serialize_index(self.cpu_index()).tobytes())
         write_json(directory / _IDS_FILE, self.ids, indent=None)
-        write_json(directory / _META_FILE, {"spec": asdict(self.spec), "dim": self.dim, "count": len(self.ids)})
+        self.save_meta(directory)
         return directory
+
+    def save_meta(self, directory: str | Path) -> Path:
+        """Rewrite only ``index.json`` (after tuning an index already saved in ``directory``)."""
+        meta = {"spec": asdict(self.spec), "dim": self.dim, "count": len(self.ids), "tuning": self.tuning}
+        return write_json(Path(directory) / _META_FILE, meta)
 
     @classmethod
     def load(cls, directory: str | Path, *, use_gpu: bool | None = None) -> DocumentIndex:
         """Load an index written by :meth:`save`, checking ids and vectors agree."""
         directory = Path(directory)
-        meta = json.loads((directory / _META_FILE).read_text())
+        meta = read_meta(directory)
         ids = json.loads((directory / _IDS_FILE).read_text())
         cpu = faiss.read_index(str(directory / _INDEX_FILE))
         if not (cpu.ntotal == len(ids) == meta["count"] and cpu.d == meta["dim"]):
@@ -315,7 +420,7 @@ class DocumentIndex:
             )
         index = cls.__new__(cls)
         index.dim, index.spec, index.ids, index._use_gpu = cpu.d, IndexSpec(**meta["spec"]), ids, use_gpu
+        index.tuning = meta.get("tuning")
         index._index = index._place(cpu)
-        if index.spec.kind == "ivfpq":
-            index.nprobe = index.spec.nprobe
+        index._apply_search_parameters()
         return index

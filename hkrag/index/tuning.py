@@ -1,0 +1,148 @@
+"""Search-parameter tuning: the cheapest FAISS parameters meeting a recall target on held-out queries.
+
+Recall@k here is agreement with exact search (``|top-k ∩ exact top-k| / k``), not relevance: it says how much
+of the flat index's ranking a compressed index keeps. Exact neighbours are computed chunk by chunk over the
+corpus, so a 1M x 3072 corpus never has to sit in memory next to its index. The parameter search is FAISS's
+parameter space: ``ParameterSpace.initialize`` lists the index's parameters (``nprobe``, ``efSearch``,
+``k_factor_rf`` of a refine stage, ...), every combination is timed on the tuning queries and collected as
+FAISS ``OperatingPoints`` (Pareto front of time and recall); we take the fastest one whose recall reaches the
+target and store it with the index (``index.json``: spec parameters plus a ``tuning`` record), so
+``DocumentIndex.load`` and ``eval.index=tuned:<dir>`` search with it.
+
+    python -m hkrag.index.tuning --index runs/index --shards runs/corpus --queries runs/tuning-queries \\
+        --spec "faiss:PCA384,IVF2048,PQ96x4fs,Refine(PCA384,SQ8)" --target 0.95 --k 5
+
+Without ``--spec`` the index already saved in ``--index`` is tuned and only its ``index.json`` is rewritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import faiss
+import numpy as np
+from faiss.contrib.exhaustive_search import knn_ground_truth
+from tqdm import tqdm
+
+from hkrag.index.faiss_index import DocumentIndex
+from hkrag.index.shards import load_shards, read_manifest
+
+log = logging.getLogger(__name__)
+
+
+def exact_neighbours(queries: np.ndarray, chunks: Iterable[np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exact inner-product top-``k`` over a corpus given as consecutive chunks: (scores, row numbers)."""
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    chunks = (np.ascontiguousarray(c, dtype=np.float32) for c in chunks)
+    return knn_ground_truth(queries, chunks, k, metric_type=faiss.METRIC_INNER_PRODUCT)
+
+
+def recall_at_k(rows: np.ndarray, exact: np.ndarray) -> float:
+    """Mean fraction of each query's exact top-k found in its top-k (``-1`` slots never match)."""
+    k = exact.shape[1]
+    return float(np.mean([len(set(r[:k][r[:k] >= 0].tolist()) & set(e.tolist())) / k for r, e in zip(rows, exact)]))
+
+
+def _timed_search(index: faiss.Index, queries: np.ndarray, k: int, repeats: int) -> tuple[float, np.ndarray]:
+    """Fastest of ``repeats`` batched searches (the least disturbed run on a shared machine) and its rows."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _, rows = index.search(queries, k)
+        best = min(best, time.perf_counter() - start)
+    return best, rows
+
+
+def tune(
+    index: DocumentIndex, queries: np.ndarray, exact: np.ndarray, *, target: float = 0.95, repeats: int = 3
+) -> dict:
+    """Set the fastest parameters of ``index`` whose recall@k (k = ``exact.shape[1]``) on ``queries`` reaches
+    ``target``; return the tuning record also stored in ``index.tuning``.
+
+    Every combination of the ranges ``faiss.ParameterSpace.initialize`` gives the index (powers of two for
+    ``nprobe``, ``k_factor_rf``, ``efSearch``...) is measured: recall is not monotone in them with 4-bit PQ
+    (more probed lists bring more candidates that can push true neighbours out of the refine list), so the
+    autotuner's pruning could skip the cheapest good point. Time is the fastest of ``repeats`` batched searches.
+    When no combination reaches the target, the most accurate is set and the record says ``met: False``.
+    """
+    if index.spec.kind != "faiss":
+        raise ValueError(f"only faiss: specs have tunable search parameters, not {index.spec}")
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    k = exact.shape[1]
+    space = faiss.GpuParameterSpace() if index.on_gpu else faiss.ParameterSpace()
+    space.initialize(index.faiss_index)
+    if space.n_combinations() <= 1:
+        raise ValueError(f"{index.spec.factory} has no search parameters to tune")
+    points = faiss.OperatingPoints()
+    measured = []
+    for combination in tqdm(range(space.n_combinations()), desc="tuning", leave=False):
+        key = space.combination_name(combination)
+        space.set_index_parameters(index.faiss_index, key)
+        seconds, rows = _timed_search(index.faiss_index, queries, k, repeats)
+        recall = recall_at_k(rows, exact)
+        points.add(recall, seconds, key)
+        measured.append({"params": key, "recall": recall, "ms_per_query": 1000 * seconds / len(queries)})
+    meeting = [m for m in measured if m["recall"] >= target]
+    best = min(meeting, key=lambda m: m["ms_per_query"]) if meeting else max(measured, key=lambda m: m["recall"])
+    index.search_params = best["params"]
+    optimal = {points.optimal_pts.at(i).key for i in range(points.optimal_pts.size())}
+    index.tuning = {
+        **best,
+        "target": target,
+        "k": k,
+        "met": bool(meeting),
+        "queries": len(queries),
+        "measured": [m | {"pareto": m["params"] in optimal} for m in measured],
+    }
+    log.info("%s: %s gives recall@%d %.4f (target %.2f)", index.spec.factory, best["params"], k, best["recall"], target)
+    if not meeting:
+        log.warning("no parameters of %s reach recall@%d %.2f; using the most accurate", index.spec.factory, k, target)
+    return index.tuning
+
+
+def _chunks(vectors: np.ndarray, size: int) -> Iterable[np.ndarray]:
+    return (vectors[i : i + size] for i in range(0, len(vectors), size))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--index", required=True, help="index directory (written when --spec is given)")
+    parser.add_argument("--shards", required=True, help="shard directory of the indexed document embeddings")
+    parser.add_argument("--queries", required=True, help="shard directory of held-out tuning query embeddings")
+    parser.add_argument("--spec", help="build this index over --shards first (e.g. faiss:...)")
+    parser.add_argument("--target", type=float, default=0.95, help="recall@k against exact search to reach")
+    parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--chunk", type=int, default=65536, help="documents per exact-search chunk")
+    parser.add_argument("--cpu", action="store_true", help="never use a GPU")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    doc_ids, docs = load_shards(args.shards)
+    _, queries = load_shards(args.queries, expect={"dim": docs.shape[1], "model": read_manifest(args.shards)["model"]})
+    use_gpu = False if args.cpu else None
+    if args.spec:
+        start = time.perf_counter()
+        index = DocumentIndex.build(doc_ids, docs, args.spec, use_gpu=use_gpu)
+        log.info("built %s over %d documents in %.1f s", index.spec, len(index), time.perf_counter() - start)
+    else:
+        index = DocumentIndex.load(args.index, use_gpu=use_gpu)
+        if index.ids != doc_ids:
+            raise ValueError(f"{args.index} does not index the documents of {args.shards} (ids differ)")
+    _, exact = exact_neighbours(queries, _chunks(docs, args.chunk), args.k)
+    record = tune(index, queries, exact, target=args.target)
+    if args.spec:
+        index.save(args.index)
+    else:
+        index.save_meta(args.index)
+    print(
+        f"{index.spec}: recall@{args.k} {record['recall']:.4f} (target {args.target}, met {record['met']}), "
+        f"{record['ms_per_query']:.3f} ms/query batched; written to {Path(args.index) / 'index.json'}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Factory specs, the refine stage, search-parameter tuning and its persistence (small n)."""
+
+import faiss
+import numpy as np
+import pytest
+
+from hkrag.index.faiss_index import DocumentIndex, IndexSpec
+from hkrag.index.shards import encode_corpus
+from hkrag.index.synthetic_embeddings import (
+    QUERY_STREAM,
+    TUNING_STREAM,
+    EmbeddingLike,
+    IsotropicMixture,
+    embedding_stats,
+)
+from hkrag.index.tuning import exact_neighbours, main, recall_at_k, tune
+
+K = 5
+SPEC = "faiss:PCA32,IVF16,PQ8x4fs,Refine(SQ8)"
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    data = EmbeddingLike(dim=64, rank=16, topics=30, seed=1)
+    docs = np.vstack([chunk for _, chunk in data.chunks(4000, 1000)])
+    return [f"d{i}" for i in range(len(docs))], docs, data
+
+
+@pytest.fixture(scope="module")
+def tuned(corpus):
+    ids, docs, data = corpus
+    queries = data.sample(150, stream=TUNING_STREAM)
+    index = DocumentIndex.build(ids, docs, SPEC, use_gpu=False)
+    record = tune(index, queries, exact_neighbours(queries, [docs], K)[1], target=0.9, repeats=1)
+    return index, record
+
+
+def test_factory_spec_parses_and_round_trips():
+    spec = IndexSpec.parse("faiss: PCA32,IVF16,PQ8x4fs,Refine(SQ8) ; nprobe=4,k_factor_rf=8")
+    assert (spec.kind, spec.params) == ("faiss", "nprobe=4,k_factor_rf=8")
+    assert spec.factory == "PCA32,IVF16,PQ8x4fs,Refine(SQ8)"
+    assert IndexSpec.parse(str(spec)) == spec and spec.factory_string() == spec.factory
+    assert IndexSpec.parse("faiss:IVF4096,Flat").default_max_train() == 40 * 4096
+    with pytest.raises(ValueError, match="expected faiss:<index_factory string>"):
+        IndexSpec.parse("faiss: ;nprobe=2")
+    with pytest.raises(ValueError, match="apply to faiss: specs only"):
+        IndexSpec(kind="sq8", params="nprobe=2")
+
+
+def test_bad_factory_or_parameter_is_named(corpus):
+    ids, docs, _ = corpus
+    with pytest.raises(ValueError, match="FAISS cannot build faiss:NoSuchIndex7"):
+        DocumentIndex(64, "faiss:NoSuchIndex7")
+    with pytest.raises(ValueError, match="cannot set search parameters 'bogus=3' on IVF4,Flat"):
+        DocumentIndex.build(ids[:500], docs[:500], "faiss:IVF4,Flat;bogus=3", use_gpu=False)
+    with pytest.raises(ValueError, match="search parameters apply to faiss: specs only, not flat"):
+        DocumentIndex.build(ids[:10], docs[:10]).search_params = "nprobe=2"
+    with pytest.raises(ValueError, match="Flat has no search parameters to tune"):
+        tune(DocumentIndex.build(ids[:10], docs[:10], "faiss:Flat"), docs[:3], np.zeros((3, K), np.int64))
+
+
+def test_chunked_exact_search_matches_brute_force(corpus):
+    _, docs, data = corpus
+    queries = data.sample(20, stream=QUERY_STREAM)
+    scores, rows = exact_neighbours(queries, (docs[i : i + 700] for i in range(0, len(docs), 700)), K)
+    expected = np.argsort(-(queries @ docs.T), axis=1)[:, :K]
+    np.testing.assert_array_equal(rows, expected)
+    np.testing.assert_allclose(scores, np.take_along_axis(queries @ docs.T, expected, axis=1), rtol=1e-5)
+    assert recall_at_k(rows, expected) == 1.0
+    assert recall_at_k(np.c_[rows[:, :4], np.full(20, -1)], expected) == pytest.approx(0.8)
+
+
+def test_refine_returns_exact_top_k_when_candidates_contain_it(corpus):
+    ids, docs, data = corpus
+    index = DocumentIndex.build(ids, docs, "faiss:IVF16,PQ16x4fs,RFlat;nprobe=4,k_factor_rf=8", use_gpu=False)
+    queries = data.sample(100, stream=QUERY_STREAM)
+    _, candidates = faiss.downcast_index(index.faiss_index).base_index.search(queries, 8 * K)
+    scores = queries @ docs.T
+    exact = np.argsort(-scores, axis=1)[:, :K]
+    found_scores, found = index.search_arrays(queries, K)
+    contained = np.array([set(e) <= set(c) for e, c in zip(exact, candidates, strict=True)])
+    assert 0 < contained.sum() < len(queries), "the case needs queries of both kinds"
+    # Near duplicates tie to 1e-7, so the order of equal scores may differ: compare sets and scores.
+    assert all(set(f) == set(e) for f, e in zip(found[contained], exact[contained], strict=True))
+    np.testing.assert_allclose(found_scores[contained], np.take_along_axis(scores, exact, 1)[contained], rtol=1e-5)
+    assert not any(set(f) == set(e) for f, e in zip(found[~contained], exact[~contained], strict=True))
+
+
+def test_tuned_index_meets_its_target_on_held_out_queries(corpus, tuned):
+    ids, docs, data = corpus
+    index, record = tuned
+    assert record["met"] and record["recall"] >= 0.9 and index.search_params == record["params"]
+    assert {"nprobe", "k_factor_rf"} == {p.split("=")[0] for p in record["params"].split(",")}
+    assert any(m["recall"] < 0.9 for m in record["measured"]), "a target every setting meets tests nothing"
+    held_out = data.sample(300, stream=QUERY_STREAM)
+    _, rows = index.search_arrays(held_out, K)
+    # 300 queries x 5 slots: a tolerance of 0.03 is about four standard errors of the recall estimate.
+    assert recall_at_k(rows, exact_neighbours(held_out, [docs], K)[1]) >= 0.9 - 0.03
+
+
+def test_tuned_parameters_persist_and_reload(corpus, tuned, tmp_path):
+    ids, docs, data = corpus
+    index, record = tuned
+    loaded = DocumentIndex.load(index.save(tmp_path / "index"), use_gpu=False)
+    assert loaded.spec == index.spec and loaded.search_params == record["params"] and loaded.tuning == record
+    queries = data.sample(30, stream=QUERY_STREAM)
+    np.testing.assert_array_equal(loaded.search_arrays(queries, K)[1], index.search_arrays(queries, K)[1])
+    nprobe = int(dict(p.split("=") for p in record["params"].split(","))["nprobe"])
+    assert faiss.extract_index_ivf(loaded.faiss_index).nprobe == nprobe
+    rebuilt = DocumentIndex.build(ids[:1000], docs[:1000], f"tuned:{tmp_path / 'index'}", use_gpu=False)
+    assert rebuilt.spec == index.spec and faiss.extract_index_ivf(rebuilt.faiss_index).nprobe == nprobe
+    with pytest.raises(FileNotFoundError, match="no saved index at"):
+        IndexSpec.parse(f"tuned:{tmp_path / 'missing'}")
+
+
+def test_cli_builds_tunes_and_writes_parameters(corpus, tmp_path, capsys):
+    ids, docs, data = corpus
+    queries = data.sample(100, stream=TUNING_STREAM)
+    for name, rows, vectors, key in (("docs", ids, docs, "doc_id"), ("queries", range(100), queries, "query_id")):
+        encode_corpus([{key: str(r)} for r in rows], lambda batch, v=vectors, k=key: v[[
+            int(str(b[k]).lstrip("d")) for b in batch]], tmp_path / name, shard_size=1000,
+            manifest={"model": "m", "config_hash": "h"}, dtype="float32", id_key=key, progress=False)
+    args = ["--index", str(tmp_path / "ix"), "--shards", str(tmp_path / "docs"), "--queries", str(tmp_path / "queries"),
+            "--target", "0.9", "--cpu"]
+    main([*args, "--spec", SPEC])
+    first = DocumentIndex.load(tmp_path / "ix", use_gpu=False)
+    assert first.tuning["met"] and first.search_params == first.tuning["params"]
+    main(args)  # re-tune the saved index in place: only index.json is rewritten
+    assert DocumentIndex.load(tmp_path / "ix", use_gpu=False).tuning["target"] == 0.9
+    assert "recall@5" in capsys.readouterr().out
+
+
+def test_embedding_like_generator_has_the_measured_structure():
+    data = EmbeddingLike(dim=256, rank=16, topics=40, duplicates=0.3, seed=3)
+    a = data.sample(600, stream=5)
+    np.testing.assert_array_equal(a, EmbeddingLike(data.settings).sample(600, stream=5))
+    np.testing.assert_allclose(np.linalg.norm(a, axis=1), 1, rtol=1e-5)
+    stats = embedding_stats(a)
+    isotropic = embedding_stats(IsotropicMixture(256, clusters=40, seed=3).sample(600, stream=5))
+    assert stats["dims_90"] < 0.15 < isotropic["dims_90"]  # 16 latent directions hold the signal
+    assert stats["mean_cos"] > 0.3 > abs(isotropic["mean_cos"])  # the shared mean direction
+    no_copies = embedding_stats(EmbeddingLike(dim=256, rank=16, topics=40, duplicates=0, seed=3).sample(600, 5))
+    assert stats["near_duplicates"] > no_copies["near_duplicates"] + 0.15 and isotropic["near_duplicates"] == 0
+    with pytest.raises(ValueError, match="rank must be in"):
+        EmbeddingLike(dim=8, rank=9)
