@@ -1,16 +1,33 @@
 """The generator's cost per query: HKRAG's agents against the single-pass baseline, with and without reuse.
 
     python bench/agents.py                         # tiny Phi3V on the CPU
+    python bench/agents.py --answer-tokens 8       # answers capped as a real model's short answers end
+    python bench/agents.py --reuse all features none
+    python bench/agents.py --configs single hkrag  # skip the slow all-HQP row
     python bench/agents.py --device cuda --queries 20
 
 Every generator answers the same ``--queries`` questions over 3 synthetic pages each (the paper's top-3)
-on one local backend. HKRAG runs twice: with the Judger's threshold h = 0.8 (the paper's) and with h = 0
+on a local backend. HKRAG runs twice: with the Judger's threshold h = 0.8 (the paper's) and with h = 0
 (every query routed to the Decoupler, the most expensive path: Pruner, Judger, ``max_iters`` Decoupler
-rounds, Summarizer). Each runs with the backend's page-feature cache on (``feature_cache_size=32``, the
-default: the agents ask several questions about the same pages) and off (0). Printed per configuration:
-LVLM calls, input/output tokens and wall time per query (medians over queries of the median of
-``--repeats`` runs), and the wall-time ratio to single-pass. A tiny random model never emits its end token,
-so every reply runs to its token cap; the ratios, not the seconds, carry over to a real model.
+rounds, Summarizer). Each runs under every ``--reuse`` setting of the backend's caches (the agents ask
+several questions about the same pages, images first):
+
+* ``all`` (default): page features (``feature_cache_size=32``) and prompt-prefix keys and values
+  (``prefix_cache_size=8``) reused, the backend's defaults;
+* ``features``: page features only, every call prefills its whole prompt;
+* ``none`` (default): nothing reused.
+
+Every query starts with empty caches (its pages are new), and every round runs each configuration on
+each query in turn, so a shared machine's changing load hits all rows alike. Printed per configuration:
+LVLM calls, input tokens, input tokens taken from a cached prefix instead of prefilled (``reused``),
+output tokens and wall seconds per query (medians over queries and rounds), and the median over queries
+and rounds of the wall-time ratio to single-pass on the same query in the same round, same reuse.
+
+A tiny random model never emits its end token, so every reply runs to its token cap (``max_new_tokens``
+of the generator config: 64 for answers); ``--answer-tokens`` lowers the answers' cap, as a real model's
+short answers end after a few tokens. The tiny model's prefill is cheap next to its per-token decoding
+overhead, so its seconds weigh decode steps and calls; the token columns carry over to a real model,
+whose prefill over thousands of image tokens per page is what the prefix cache saves.
 """
 
 from __future__ import annotations
@@ -20,10 +37,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from PIL import Image
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # not bench/: this file's name would shadow the agents package
@@ -32,10 +51,10 @@ from agents.records import Query  # noqa: E402
 from bench.common import machine  # noqa: E402
 from hkrag.lvlm import PageImage, build_backend  # noqa: E402
 
-CONFIGURATIONS = {  # name -> (generator config, overrides)
-    "single-pass": ("single_pass", {}),
-    "HKRAG h=0.8": ("hkrag", {}),
-    "HKRAG h=0 (all HQP)": ("hkrag", {"threshold": 0.0}),
+CONFIGURATIONS = {  # --configs id -> (printed name, generator config, overrides)
+    "single": ("single-pass", "single_pass", {}),
+    "hkrag": ("HKRAG h=0.8", "hkrag", {}),
+    "hkrag-h0": ("HKRAG h=0 (all HQP)", "hkrag", {"threshold": 0.0}),
 }
 
 
@@ -55,26 +74,36 @@ def generator_config(conf: Path, group: str) -> dict:
         return OmegaConf.to_container(compose("eval", [f"generator={group}"]).generator, resolve=True)
 
 
-def measure(generator_cfg: dict, backend, queries: list[Query], repeats: int) -> dict[str, float]:
-    """Median calls, tokens and wall seconds per query."""
-    walls: list[list[float]] = [[] for _ in queries]
-    outcomes = []
-    for _ in range(repeats):
-        backend.features.clear()  # every repeat starts cold
-        generator = build_generator(generator_cfg, backend)
-        outcomes = []
-        for i, query in enumerate(queries):
-            start = time.perf_counter()
-            outcomes.append(generator.answer(query))
-            walls[i].append(time.perf_counter() - start)
-    failed = [o.failure for o in outcomes if o.failed]
-    if failed:
-        raise RuntimeError(f"{len(failed)} queries failed, e.g. {failed[0]}")
+REUSE = {  # --reuse -> (feature_cache_size, prefix_cache_size)
+    "all": (32, 8),
+    "features": (32, 0),
+    "none": (0, 0),
+}
+
+
+def cold_answer(generator, backend, query: Query) -> tuple[Any, float, int]:
+    """One query from empty caches: its outcome, wall seconds and prompt tokens taken from a cached prefix."""
+    backend.close()
+    before = backend.prefixes.reused_tokens
+    start = time.perf_counter()
+    outcome = generator.answer(query)
+    wall = time.perf_counter() - start
+    if outcome.failed:
+        raise RuntimeError(f"query {query.query_id} failed: {outcome.failure}")
+    return outcome, wall, backend.prefixes.reused_tokens - before
+
+
+def summary(runs: list[tuple[Any, float, int]], baseline: list[tuple[Any, float, int]]) -> dict[str, Any]:
+    """Medians per query; ``ratio`` is the median of each run's wall time over the baseline's on the same
+    query in the same round (paired, so load that shifts during the run cancels)."""
+    outcomes = [outcome for outcome, _, _ in runs]
     return {
         "calls": statistics.median(o.num_calls for o in outcomes),
         "input_tokens": statistics.median(o.prompt_tokens for o in outcomes),
+        "reused_tokens": statistics.median(reused for _, _, reused in runs),
         "output_tokens": statistics.median(o.completion_tokens for o in outcomes),
-        "wall_s": statistics.median(statistics.median(w) for w in walls),
+        "wall_s": statistics.median(wall for _, wall, _ in runs),
+        "ratio": statistics.median(wall / base for (_, wall, _), (_, base, _) in zip(runs, baseline)),
         "routes": ",".join(sorted({o.route for o in outcomes})),
     }
 
@@ -84,28 +113,45 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGURATIONS), default=list(CONFIGURATIONS),
+                        help="generators to run; the first is the ratios' baseline")
+    parser.add_argument("--reuse", nargs="+", choices=list(REUSE), default=["all", "none"])
+    parser.add_argument("--answer-tokens", type=int, default=None,
+                        help="cap on answer lengths (default: the generator config's max_new_tokens.answer)")
     args = parser.parse_args()
 
     conf = ROOT / "conf"
     queries = [Query(query_id=str(i), question=f"What is the value in row {i}?", pages=query_pages(i), gold=["1"])
                for i in range(args.queries)]
+    backends = {
+        reuse: build_backend("phi3v", base="tiny", device=args.device, dtype="float32",
+                             feature_cache_size=REUSE[reuse][0], prefix_cache_size=REUSE[reuse][1])
+        for reuse in args.reuse
+    }
+    rows = [(config, reuse) for reuse in args.reuse for config in args.configs]
+    generators = {}
+    for config, reuse in rows:
+        _, group, overrides = CONFIGURATIONS[config]
+        generator_cfg = {**generator_config(conf, group), **overrides}
+        if args.answer_tokens is not None:
+            generator_cfg["caps"]["max_new_tokens"]["answer"] = args.answer_tokens
+        generators[config, reuse] = build_generator(generator_cfg, backends[reuse])
+    runs: dict[tuple[str, str], list] = {row: [] for row in rows}
+    for _ in tqdm(range(args.repeats), desc="rounds"):  # every row answers each query in turn: paired timings
+        for query in queries:
+            for config, reuse in rows:
+                runs[config, reuse].append(cold_answer(generators[config, reuse], backends[reuse], query))
+
     print(machine())
-    print(f"{args.queries} queries x 3 pages, tiny Phi3V ({args.device}), medians of {args.repeats} runs")
-    header = f"{'configuration':<22} {'reuse':<5} {'routes':<11} {'calls':>5} {'in tok':>7} {'out tok':>7} " \
-             f"{'wall s':>7} {'vs single':>9}"
-    print(header)
-    baseline = {}
-    for reuse in (True, False):
-        backend = build_backend("phi3v", base="tiny", device=args.device, dtype="float32",
-                                feature_cache_size=32 if reuse else 0)
-        for name, (group, overrides) in CONFIGURATIONS.items():
-            generator_cfg = {**generator_config(conf, group), **overrides}
-            row = measure(generator_cfg, backend, queries, args.repeats)
-            baseline.setdefault(reuse, row["wall_s"])
-            print(f"{name:<22} {'on' if reuse else 'off':<5} {row['routes']:<11} {row['calls']:>5.0f} "
-                  f"{row['input_tokens']:>7.0f} {row['output_tokens']:>7.0f} {row['wall_s']:>7.3f} "
-                  f"{row['wall_s'] / baseline[reuse]:>8.2f}x")
-        backend.close()
+    cap = "" if args.answer_tokens is None else f", answers capped at {args.answer_tokens} tokens"
+    print(f"{args.queries} queries x 3 pages, tiny Phi3V ({args.device}), {args.repeats} rounds{cap}")
+    print(f"{'configuration':<22} {'reuse':<8} {'routes':<11} {'calls':>5} {'in tok':>7} {'reused':>7} "
+          f"{'out tok':>7} {'wall s':>7} {'vs ' + CONFIGURATIONS[args.configs[0]][0]:>15}")
+    for config, reuse in rows:
+        row = summary(runs[config, reuse], runs[args.configs[0], reuse])
+        print(f"{CONFIGURATIONS[config][0]:<22} {reuse:<8} {row['routes']:<11} {row['calls']:>5.0f} "
+              f"{row['input_tokens']:>7.0f} {row['reused_tokens']:>7.0f} {row['output_tokens']:>7.0f} "
+              f"{row['wall_s']:>7.3f} {row['ratio']:>14.2f}x")
 
 
 if __name__ == "__main__":

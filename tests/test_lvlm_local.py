@@ -11,10 +11,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from PIL import Image
+from transformers import DynamicCache
 
 from hkrag.lvlm import BACKENDS, GenerationSettings, LVLMRequest, Message, PageImage, build_backend, uncertainty
 from hkrag.lvlm.base import ImageError
-from hkrag.lvlm.local import FeatureCache, cut_at_stop, token_statistics
+from hkrag.lvlm.local import FeatureCache, PrefixCache, PromptLayout, cut_at_stop, token_statistics
 from hkrag.lvlm.phi3v import phi3_chat
 
 KINDS = ("phi3v", "qwen2_5_vl")
@@ -123,6 +124,108 @@ def test_feature_reuse_changes_nothing_and_runs_the_vision_tower_once_per_page(k
         assert plain.logprobs == reused.logprobs
 
 
+def agent_like_calls(pages: list[PageImage]) -> list[LVLMRequest]:
+    """Pages first, then text: the Pruner's pages 1..2, an answer and a verification on all three, other
+    pages, a text-only call, the first page again after its entry was extended."""
+    a, b, c = pages
+    calls = [([a], "Do the 1 page(s) suffice?"), ([a, b], "Do the 2 page(s) suffice?"), ([a, b, c], "Answer:"),
+             ([a, b, c], "Verify the answer."), ([b, c], "Answer:"), ([a, b, c], "Verify again."),
+             ([], "No page."), ([a], "Do the 1 page(s) suffice?")]
+    return [LVLMRequest.user(*shown, text, settings=GREEDY) for shown, text in calls]
+
+
+def prefill_lengths(backend) -> list[int]:
+    """Records how many tokens each forward pass of the language model takes."""
+    lengths = []
+    backend.lm.get_input_embeddings().register_forward_hook(lambda _, __, out: lengths.append(out.shape[1]))
+    return lengths
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefix_reuse_gives_identical_answers_and_prefills_only_the_new_tokens(kind, pages):
+    plain, reused = tiny(kind, prefix_cache_size=0), tiny(kind, prefix_cache_size=8)
+    lengths = prefill_lengths(reused)
+    firsts = []
+    for request in agent_like_calls(pages):
+        expected, lengths[:] = plain(request), []
+        got = reused(request)
+        firsts.append(lengths[0])
+        assert [t.token_id for t in got.tokens] == [t.token_id for t in expected.tokens]
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(expected.logprobs), atol=1e-5, rtol=0)
+        assert [t.entropy for t in got.tokens] == pytest.approx([t.entropy for t in expected.tokens], abs=1e-5)
+        assert got.prompt_tokens == expected.prompt_tokens  # the whole prompt, reused or not
+    hit = [False, True, True, True, False, True, False, True]
+    assert (reused.prefixes.hits, reused.prefixes.misses) == (5, 3)
+    prompts = [reused.layout(reused.prepare([r])) for r in agent_like_calls(pages)]
+    for prompt, first, was_hit in zip(prompts, firsts, hit):
+        assert (first < len(prompt)) == was_hit
+    a_b_c, verify = prompts[2], prompts[3]
+    assert firsts[3] == len(verify) - a_b_c.spans[-1][1]  # only the text after the third page
+    assert (plain.prefixes.hits, plain.prefixes.misses, len(plain.prefixes)) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batches_do_not_use_the_prefix_cache(kind, pages):
+    backend = tiny(kind, prefix_cache_size=8)
+    backend.generate(agent_like_calls(pages)[:3])
+    assert (backend.prefixes.hits, backend.prefixes.misses, len(backend.prefixes)) == (0, 0, 0)
+
+
+def test_another_page_or_num_crops_never_hits(pages):
+    backend = tiny("phi3v", prefix_cache_size=8)
+    backend(LVLMRequest.user(pages[0], pages[1], "What?", settings=GREEDY))
+    backend(LVLMRequest.user(pages[2], pages[1], "What?", settings=GREEDY))  # same tokens, another first page
+    assert (backend.prefixes.hits, backend.prefixes.misses) == (0, 2)
+    backend.processor.image_processor.num_crops = 1
+    other = tiny("phi3v", num_crops=1, prefix_cache_size=0)
+    request = LVLMRequest.user(pages[0], pages[1], "Where?", settings=GREEDY)
+    got, expected = backend(request), other(request)
+    assert (backend.prefixes.hits, backend.prefixes.misses) == (0, 3)
+    assert got.prompt_tokens == expected.prompt_tokens and got.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+
+
+def layout(ids: list[int], *pages: tuple[str, int, int]) -> PromptLayout:
+    return PromptLayout(torch.tensor(ids), tuple(key for key, _, _ in pages), tuple((s, e) for _, s, e in pages))
+
+
+def test_prompt_layouts_share_tokens_up_to_the_first_difference_in_ids_or_pages():
+    mine = layout([1, 2, -1, -1, 3, -1, 4, 5], ("a", 2, 4), ("b", 5, 6))
+    assert mine.shared_length(layout([1, 2, -1, -1, 3, -1, 4, 9], ("a", 2, 4), ("b", 5, 6))) == 7
+    assert mine.shared_length(layout([1, 2, -1, -1, 3, -1, 4], ("a", 2, 4), ("c", 5, 6))) == 5
+    assert mine.shared_length(layout([1, 2, -1, -1], ("z", 2, 4))) == 2
+    assert mine.whole_pages(3) == (2, 0) and mine.whole_pages(5) == (5, 1) and mine.whole_pages(8) == (8, 2)
+    head = mine.head(5)
+    assert (head.ids.tolist(), head.pages, head.spans) == ([1, 2, -1, -1, 3], ("a",), ((2, 4),))
+
+
+def key_values(length: int, value: float) -> DynamicCache:
+    """A one-layer cache whose position ``i`` holds ``value + i``."""
+    states = (value + torch.arange(length, dtype=torch.float32)).view(1, 1, length, 1)
+    return DynamicCache([(states, states.clone())])
+
+
+def test_prefix_cache_is_a_bounded_lru_that_keeps_the_longest_prompt():
+    cache = PrefixCache(2)
+    first = layout([1, -1, -1, 2, 3], ("a", 1, 3))
+    longer = layout([1, -1, -1, 2, -1, 4], ("a", 1, 3), ("b", 4, 5))
+    cache.store(first, key_values(5, 0.0))
+    cache.store(longer, key_values(6, 10.0))  # extends the first: replaces it
+    assert [prefix.pages for prefix, _ in cache.entries.values()] == [("a", "b")]
+    reuse = cache.lookup(layout([1, -1, -1, 2, 7, 7], ("a", 1, 3)))
+    assert (reuse.tokens, reuse.pages) == (4, 1)
+    assert reuse.key_values[0][0].flatten().tolist() == [10.0, 11.0, 12.0, 13.0]
+    cache.store(first, key_values(5, 0.0))  # held by the longer entry: nothing new
+    assert len(cache) == 1
+    assert cache.lookup(layout([1, -1, -1, 2], ("b", 1, 3))) is None  # same ids, another page
+    assert cache.lookup(layout([1, -1], ("a", 1, 2))) is None  # nothing before its last token is a whole page
+    for key in "cd":
+        cache.store(layout([5, -1, 6], (key, 1, 2)), key_values(3, 0.0))
+    assert [prefix.pages for prefix, _ in cache.entries.values()] == [("c",), ("d",)]
+    assert (cache.hits, cache.misses, cache.reused_tokens) == (1, 2, 4)
+    with pytest.raises(ValueError, match="prefix_cache_size must be >= 0, got -1"):
+        PrefixCache(-1)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_undecodable_page_raises_image_error_naming_the_page(kind):
     backend = tiny(kind)
@@ -199,7 +302,7 @@ def test_end_token_ends_the_answer(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_seeded_sampling_is_reproducible(kind, pages):
-    backend = tiny(kind)
+    backend = tiny(kind, prefix_cache_size=0)  # the second call would reuse the first's prefix: equal within 1e-5
     settings = GenerationSettings(max_new_tokens=6, temperature=1.0, seed=3)
     first, second = (backend(LVLMRequest.user(pages[0], "What?", settings=settings)) for _ in range(2))
     assert first.text == second.text and first.logprobs == second.logprobs

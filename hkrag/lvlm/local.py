@@ -12,7 +12,11 @@ rest the same way for both:
 * the answer ends at the first end token (``finish_reason="stop"``), at the first stop string (text and
   tokens cut together), or at ``max_new_tokens`` (``"length"``);
 * page image features are computed one page at a time and kept in a bounded LRU cache keyed by the
-  page's key, so the several questions the agents ask about the same pages run the vision tower once.
+  page's key, so the several questions the agents ask about the same pages run the vision tower once;
+* a one-request call whose prompt starts like an earlier one's (the same tokens and the same pages, up
+  to the end of at least one page) reuses the language model's keys and values of that prefix from a
+  bounded LRU :class:`PrefixCache` and prefills only the rest. The agents put the pages first, so the
+  Pruner's pages 1..n, the initial answer and the verification each prefill only their new pages and text.
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ import time
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria
 
 from .base import GenerationSettings, LVLMBackend, LVLMRequest, LVLMResult, PageImage, TokenLogprob
 
@@ -80,6 +84,131 @@ class FeatureCache:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
+"""One row's keys and values per decoder layer, each ``(1, heads, tokens, head_dim)``."""
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """One prompt as the prefix cache compares prompts: its token ids and each page's feature key and span.
+
+    Image tokens carry the same ids whatever the page shows, so two prompts share their first ``n`` tokens
+    when those ids are equal *and* every page starting among them has the same key.
+    """
+
+    ids: torch.Tensor
+    pages: tuple[Hashable, ...]
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def key(self) -> Hashable:
+        return tuple(self.ids.tolist()), self.pages
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def shared_length(self, other: PromptLayout) -> int:
+        """How many leading tokens this prompt shares with ``other``."""
+        n = min(len(self), len(other))
+        differ = (self.ids[:n] != other.ids[:n]).nonzero()
+        length = int(differ[0]) if len(differ) else n
+        for mine, theirs, (start, _) in zip(self.pages, other.pages, self.spans):
+            if start >= length:
+                break
+            if mine != theirs:
+                return start
+        return length
+
+    def whole_pages(self, length: int) -> tuple[int, int]:
+        """``(tokens, pages)``: ``length`` cut back to a page boundary, and the pages ending within it."""
+        for count, (start, end) in enumerate(self.spans):
+            if end > length:
+                return min(length, start), count
+        return length, len(self.spans)
+
+    def head(self, length: int) -> PromptLayout:
+        """The first ``length`` tokens, with the pages ending within them."""
+        pages = sum(end <= length for _, end in self.spans)
+        return PromptLayout(self.ids[:length], self.pages[:pages], self.spans[:pages])
+
+
+@dataclass
+class PrefixReuse:
+    """A cache hit: the keys and values of the prompt's first ``tokens`` tokens, which hold its first ``pages``."""
+
+    tokens: int
+    pages: int
+    key_values: KeyValues
+
+
+class PrefixCache:
+    """A bounded LRU of prompt prefixes' keys and values, ``capacity == 0`` keeps nothing.
+
+    An entry is a prompt cut after its last page. A lookup finds the entry sharing the most leading tokens
+    with a prompt, cut back to a page boundary and to one token short of the prompt (the last token is
+    always prefilled, for its logits); it hits when that covers at least one whole page. Storing a prompt
+    drops the entries it extends (the Pruner's pages 1..n keep one entry, not n) and stores nothing when an
+    entry extends it.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"prefix_cache_size must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self.entries: OrderedDict[Hashable, tuple[PromptLayout, KeyValues]] = OrderedDict()
+        self.hits = self.misses = self.reused_tokens = 0
+
+    def lookup(self, prompt: PromptLayout) -> PrefixReuse | None:
+        """The longest reusable prefix of ``prompt`` (a view of the entry: reusing it must not write to it)."""
+        best, best_key = 0, None
+        for key, (prefix, _) in self.entries.items():
+            shared = min(prompt.shared_length(prefix), len(prompt) - 1)
+            if shared > best:
+                best, best_key = shared, key
+        tokens, pages = prompt.whole_pages(best)
+        if not pages:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.reused_tokens += tokens
+        self.entries.move_to_end(best_key)
+        key_values = [(k[..., :tokens, :], v[..., :tokens, :]) for k, v in self.entries[best_key][1]]
+        return PrefixReuse(tokens, pages, key_values)
+
+    def store(self, prompt: PromptLayout, cache: DynamicCache) -> None:
+        """Keep ``cache``'s keys and values of ``prompt`` up to its last page (copied: ``cache`` may grow)."""
+        if not self.capacity or not prompt.spans:
+            return
+        prefix = prompt.head(prompt.spans[-1][1])
+        holder = next((key for key, (old, _) in self.entries.items() if prefix.shared_length(old) == len(prefix)), None)
+        if holder is not None:
+            self.entries.move_to_end(holder)
+            return
+        key_values = layer_prefix(cache, len(prefix))
+        if key_values is None:
+            return
+        for key in [key for key, (old, _) in self.entries.items() if prefix.shared_length(old) == len(old)]:
+            del self.entries[key]
+        self.entries[prefix.key] = (prefix, key_values)
+        if len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def layer_prefix(cache: DynamicCache, length: int) -> KeyValues | None:
+    """Copies of each layer's first ``length`` keys and values; ``None`` when a layer no longer holds them
+    all (a sliding-window layer past its window)."""
+    layers = cache.layers
+    if any(layer.keys is None or not length <= layer.keys.shape[-2] == layer.get_seq_length() for layer in layers):
+        return None
+    return [(layer.keys[..., :length, :].clone(), layer.values[..., :length, :].clone()) for layer in layers]
 
 
 @dataclass
@@ -179,10 +308,12 @@ def generation_config(settings: GenerationSettings, end_ids: Sequence[int], pad_
 
 @dataclass
 class ModelInputs:
-    """A left-padded batch for ``generate``: its keyword arguments and each row's prompt length in tokens."""
+    """A left-padded batch for ``generate``: its keyword arguments, each row's prompt length in tokens and
+    each row's pages as ``(feature key, image tokens)`` in prompt order."""
 
     kwargs: dict[str, Any]
     prompt_tokens: list[int]
+    pages: list[list[tuple[Hashable, int]]] = field(default_factory=list)
 
 
 class LocalBackend(LVLMBackend):
@@ -195,6 +326,7 @@ class LocalBackend(LVLMBackend):
         end_tokens: token strings that end an answer (looked up in the vocabulary).
         batch_size: requests per ``generate`` call.
         feature_cache_size: pages whose image features are kept (0 disables reuse).
+        prefix_cache_size: prompt prefixes whose keys and values are kept (0 disables reuse).
     """
 
     def __init__(
@@ -205,6 +337,7 @@ class LocalBackend(LVLMBackend):
         end_tokens: Sequence[str],
         batch_size: int = 4,
         feature_cache_size: int = 32,
+        prefix_cache_size: int = 8,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -213,6 +346,7 @@ class LocalBackend(LVLMBackend):
         self.model = model_name
         self.batch_size = batch_size
         self.features = FeatureCache(feature_cache_size)
+        self.prefixes = PrefixCache(prefix_cache_size)
         self.end_ids = end_token_ids(tokenizer, end_tokens)
 
     @property
@@ -226,6 +360,15 @@ class LocalBackend(LVLMBackend):
     @abstractmethod
     def page_features(self, page: PageImage) -> Any:
         """One page's image features, computed afresh (the cache wraps this)."""
+
+    @abstractmethod
+    def is_image_token(self, ids: torch.Tensor) -> torch.Tensor:
+        """Which of ``ids`` are image placeholders (a boolean mask)."""
+
+    @abstractmethod
+    def skip_pages(self, kwargs: dict[str, Any], pages: int, tokens: int) -> None:
+        """Drop from ``kwargs`` the features of the first ``pages`` pages (``tokens`` image tokens), whose
+        keys and values come from the prefix cache: ``generate`` prefills only the tokens after them."""
 
     def feature_key(self, page: PageImage) -> Hashable:
         """What identifies a page's features: its key (subclasses add preprocessing settings)."""
@@ -255,6 +398,11 @@ class LocalBackend(LVLMBackend):
         inputs = self.prepare(requests)
         prompt_length = inputs.kwargs["input_ids"].shape[1]
         stopping = [StopOnStrings(self.tokenizer, settings.stop, prompt_length)] if settings.stop else []
+        layout = self.layout(inputs) if len(requests) == 1 and self.prefixes.capacity else None
+        reuse = self.prefixes.lookup(layout) if layout is not None else None
+        if reuse is not None:
+            self.skip_pages(inputs.kwargs, reuse.pages, sum(count for _, count in inputs.pages[0][: reuse.pages]))
+            inputs.kwargs["past_key_values"] = DynamicCache(reuse.key_values, config=self.lm.config)
         if settings.seed is not None:
             torch.manual_seed(settings.seed)
         out = self.lm.generate(
@@ -262,6 +410,8 @@ class LocalBackend(LVLMBackend):
             generation_config=generation_config(settings, self.end_ids, self.tokenizer.pad_token_id),
             stopping_criteria=stopping,
         )
+        if layout is not None:
+            self.prefixes.store(layout, out.past_key_values)
         generated = out.sequences[:, prompt_length:]
         stats = token_statistics(out.logits, generated, settings.top_logprobs)
         if self.device.type == "cuda":
@@ -321,8 +471,20 @@ class LocalBackend(LVLMBackend):
             vocab_size=stats.vocab_size,
         )
 
+    def layout(self, inputs: ModelInputs) -> PromptLayout:
+        """The first row's prompt as the prefix cache compares it (a one-row batch: no padding)."""
+        ids = inputs.kwargs["input_ids"][0].cpu()
+        positions = self.is_image_token(ids).nonzero().squeeze(1).tolist()
+        keys, counts = zip(*inputs.pages[0]) if inputs.pages[0] else ((), ())
+        if sum(counts) != len(positions):
+            raise ValueError(f"the prompt holds {len(positions)} image tokens but its pages give {sum(counts)}")
+        ends = list(itertools.accumulate(counts))
+        spans = tuple((positions[end - count], positions[end - 1] + 1) for end, count in zip(ends, counts))
+        return PromptLayout(ids, tuple(keys), spans)
+
     def close(self) -> None:
         self.features.clear()
+        self.prefixes.clear()
 
 
 def end_token_ids(tokenizer: PreTrainedTokenizerBase, tokens: Sequence[str]) -> list[int]:

@@ -15,6 +15,7 @@ Page images become ``<|image_1|>\\n`` … ``<|image_k|>\\n``, numbered across th
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 from peft import PeftModel
@@ -58,6 +59,7 @@ class Phi3VBackend(LocalBackend):
         device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
         batch_size: requests per ``generate`` call.
         feature_cache_size: pages whose image features are reused across calls (0 disables).
+        prefix_cache_size: prompt prefixes (pages first) whose keys and values are reused (0 disables).
         seed: the tiny model's initialisation seed.
         model_name: the name written into results (default: base, plus ``+adapter``).
     """
@@ -74,6 +76,7 @@ class Phi3VBackend(LocalBackend):
         device: str | None = "auto",
         batch_size: int = 4,
         feature_cache_size: int = 32,
+        prefix_cache_size: int = 8,
         seed: int = 0,
         model_name: str | None = None,
     ) -> None:
@@ -98,6 +101,7 @@ class Phi3VBackend(LocalBackend):
             END_TOKENS,
             batch_size=batch_size,
             feature_cache_size=feature_cache_size,
+            prefix_cache_size=prefix_cache_size,
         )
         self.lm: Phi3VForCausalLM
 
@@ -114,6 +118,14 @@ class Phi3VBackend(LocalBackend):
         embedding = self.lm.model.vision_embed_tokens
         return embedding(vision["pixel_values"].to(self.device), vision["image_sizes"].to(self.device))
 
+    def is_image_token(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids < 0
+
+    def skip_pages(self, kwargs: dict[str, Any], pages: int, tokens: int) -> None:
+        rest = kwargs.pop("image_features")[tokens:]
+        if len(rest):
+            kwargs["image_features"] = rest
+
     def prompt(self, request: LVLMRequest) -> str:
         return phi3_chat(request.messages)
 
@@ -128,4 +140,5 @@ class Phi3VBackend(LocalBackend):
         flat = [f for pages in features for f in pages]
         if flat:
             kwargs["image_features"] = torch.cat(flat)
-        return ModelInputs(kwargs, [len(row) for row in ids])
+        keys = [[(self.feature_key(p), len(f)) for p, f in zip(r.images, row)] for r, row in zip(requests, features)]
+        return ModelInputs(kwargs, [len(row) for row in ids], keys)

@@ -133,7 +133,7 @@ class Qwen2_5_VLBackend(LocalBackend):
     Args:
         base: hub id or folder (``Qwen/Qwen2.5-VL-{3B,7B,32B}-Instruct``), or ``"tiny"``.
         min_pixels, max_pixels: bounds of each page's resized area in pixels (28² pixels per token).
-        dtype, attn_implementation, device, batch_size, feature_cache_size, seed, model_name: as for
+        dtype, attn_implementation, device, batch_size, feature_cache_size, prefix_cache_size, seed, model_name: as for
             :class:`hkrag.lvlm.phi3v.Phi3VBackend`.
     """
 
@@ -149,6 +149,7 @@ class Qwen2_5_VLBackend(LocalBackend):
         device: str | None = "auto",
         batch_size: int = 4,
         feature_cache_size: int = 32,
+        prefix_cache_size: int = 8,
         seed: int = 0,
         model_name: str | None = None,
     ) -> None:
@@ -175,6 +176,7 @@ class Qwen2_5_VLBackend(LocalBackend):
             END_TOKENS,
             batch_size=batch_size,
             feature_cache_size=feature_cache_size,
+            prefix_cache_size=prefix_cache_size,
         )
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
 
@@ -187,6 +189,17 @@ class Qwen2_5_VLBackend(LocalBackend):
         grid = vision["image_grid_thw"].to(self.device)
         output = self.lm.model.get_image_features(vision["pixel_values"].to(self.device), grid)
         return output.pooler_output[0], grid[0]
+
+    def is_image_token(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids == self.image_token_id
+
+    def skip_pages(self, kwargs: dict[str, Any], pages: int, tokens: int) -> None:
+        """Also forgets the previous call's rope offsets, so ``generate`` computes this prompt's 3-D positions
+        from all its pages (``image_grid_thw`` stays whole) instead of resuming another prompt's."""
+        rest = kwargs.pop("mm_encoder_outputs")["image"].pooler_output[pages:]
+        if rest:
+            kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=rest)}
+        self.lm.model.rope_deltas = None
 
     def prompt(self, request: LVLMRequest) -> str:
         """The chat-template prompt with one ``<|image_pad|>`` per page (before expansion)."""
@@ -219,4 +232,5 @@ class Qwen2_5_VLBackend(LocalBackend):
             kwargs["mm_encoder_outputs"] = {
                 "image": BaseModelOutputWithPooling(pooler_output=tuple(features for features, _ in flat))
             }
-        return ModelInputs(kwargs, batch["attention_mask"].sum(1).tolist())
+        keys = [[(self.feature_key(p), len(f)) for p, (f, _) in zip(r.images, row)] for r, row in zip(requests, pages)]
+        return ModelInputs(kwargs, batch["attention_mask"].sum(1).tolist(), keys)
