@@ -41,6 +41,20 @@ def test_flat_is_exact_inner_product(docs):
     np.testing.assert_allclose(np.stack(scores), np.sort(queries @ x.T, axis=1)[:, ::-1][:, :5], rtol=1e-5)
 
 
+def test_factory_pca_ranks_and_scores_by_inner_product_on_off_centre_data():
+    rng = np.random.default_rng(0)  # vectors leaning one way, as retriever embeddings do
+    x = rng.standard_normal((400, 16)).astype(np.float32) * 0.3 + 1.0
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    queries = x[:20] + 0.05 * rng.standard_normal((20, 16)).astype(np.float32)
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    ids = [f"d{i}" for i in range(400)]
+    index = DocumentIndex.build(ids, x, "faiss:PCA16,Flat")  # a full-rank PCA: a rotation after centring
+    scores, found = index.search(queries, 5)
+    exact = queries @ x.T
+    assert found == [[ids[j] for j in row] for row in np.argsort(-exact, axis=1)[:, :5]]
+    np.testing.assert_allclose(np.stack(scores), np.sort(exact, axis=1)[:, ::-1][:, :5], atol=1e-4)
+
+
 def test_cpu_placement_is_logged(docs, caplog):
     with caplog.at_level(logging.INFO, logger="hkrag.index.faiss_index"):
         index = DocumentIndex.build(*docs, use_gpu=False)
