@@ -8,7 +8,8 @@ in both (a ``doc_id`` holding another image in another pool is embedded from its
 warning). The shard identity includes a fingerprint of the retriever's weights, so embeddings of
 another model (another seed, checkpoint or adapter) are never reused. Every (data set, pool) pair is
 searched with FAISS and scored with trec_eval's definitions; queries carrying an ``evidence`` label are also
-scored per label (``salient`` / ``fine_print`` in the built-in corpus).
+scored per label (``salient`` / ``fine_print`` in the built-in corpus). Each query's nDCG@5 and label go to
+``<work_dir>/per_query.json`` (what ``hkrag.ablation``'s paired bootstrap reads).
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ from hkrag.data.opendocvqa import Corpus, QAExample, load_corpus, load_qa, pools
 from hkrag.distributed import is_main, rank, world_size
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import config_hash, encode_corpus, load_shards
+from hkrag.io import write_json
 from hkrag.metrics import check_qrels, evaluate_run, format_table
 from hkrag.retriever import Phi3VRetriever, weights_fingerprint
 
 logger = logging.getLogger(__name__)
 
 REPORTED_METRICS = ("ndcg@5", "recall@1", "recall@5", "recall@10", "mrr@10")
+PER_QUERY_FILE = "per_query.json"
+"""``{dataset: {pool: {query_id: {"evidence": label or null, "ndcg@5": value}}}}`` in an evaluation's work dir."""
 
 
 @dataclass
@@ -155,6 +159,12 @@ def score(run: dict, qa: Sequence[QAExample]) -> dict[str, Any]:
     return result
 
 
+def per_query_scores(run: dict, qa: Sequence[QAExample], metric: str = "ndcg@5") -> dict[str, dict[str, Any]]:
+    """``metric`` and the evidence label of every query of ``qa`` (a query the run lacks scores 0)."""
+    scores = evaluate_run(run, qrels(qa))["per_query"]
+    return {ex.query_id: {"evidence": ex.evidence, metric: scores.get(ex.query_id, {}).get(metric, 0.0)} for ex in qa}
+
+
 def shard_identity(retriever: Phi3VRetriever, identity: dict[str, Any]) -> dict[str, Any]:
     """The shard-manifest identity of ``retriever``'s embeddings: ``identity`` (model, adapter) plus a weights
     fingerprint, so that embeddings of another checkpoint are never reused."""
@@ -186,6 +196,7 @@ def evaluate_retrieval(
     embeddings = EmbeddingCache()
     results: dict[str, dict[str, Any]] = {}
     runs: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    per_query: dict[str, dict[str, dict[str, Any]]] = {}
     for dataset in cfg.datasets:
         qa = load_qa_fn(cfg.qa_source, dataset, cfg.split)
         queries = retriever.encode_queries([ex.query for ex in qa], batch_size=cfg.query_batch_size,
@@ -201,8 +212,11 @@ def evaluate_retrieval(
             run = index.to_run([ex.query_id for ex in qa], queries.numpy(), cfg.top_k)
             runs.setdefault(dataset, {})[pool] = run
             results.setdefault(dataset, {})[pool] = score(run, qa)
+            per_query.setdefault(dataset, {})[pool] = per_query_scores(run, qa)
             logger.info("%s/%s nDCG@5 %.4f", dataset, pool, results[dataset][pool]["all"]["ndcg@5"])
     retriever.train(was_training)
+    if is_main():
+        write_json(work_dir / PER_QUERY_FILE, per_query)
     tables = "\n\n".join(retrieval_table(results, metric) for metric in REPORTED_METRICS)
     return {"results": results, "table": tables, "runs": runs} if is_main() else {}
 

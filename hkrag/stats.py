@@ -90,3 +90,9 @@ def paired_bootstrap(
     p_value = min(1.0, 2 * min(np.mean(diffs <= 0), np.mean(diffs >= 0)))
     return {"diff": float(a_array.mean() - b_array.mean()), "low": float(low), "high": float(high),
             "p_value": float(p_value)}
+
+
+def mean_and_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (``ddof=1``, e.g. over training seeds); the std of one value is 0."""
+    array = _as_array(values, "values")
+    return float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else 0.0

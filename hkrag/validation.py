@@ -66,6 +66,7 @@ RULES: dict[str, Rule] = {
     "trainer.log_every": POSITIVE,
     "trainer.save_every": OPTIONAL_POSITIVE,
     "trainer.num_workers": Rule(int, low=0),
+    "trainer.num_threads": OPTIONAL_POSITIVE,
     "optim.lr": Rule(float, low=0, low_open=True),
     "optim.weight_decay": Rule(float, low=0),
     "optim.warmup_ratio": FRACTION,

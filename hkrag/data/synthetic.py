@@ -7,6 +7,12 @@ share a style and a title form a group whose members differ only in label, numbe
 print, so a ``fine_print`` query (which names a fine-print word) can only be resolved by
 reading the fine print of its positive, while a ``salient`` query is resolved by large text.
 
+A fifth data set, ``synfine`` (the fine-print split, paper Fig. 1's holistic knowledge gap), isolates
+fine print: each of its groups repeats one page's salient content (layout, title, chart, headline
+number, label) on every member, which differ only in fine print, and its questions name fine-print
+words only (no title, no style noun). Title or chart matching cannot rank its pages; reading can.
+It is drawn from its own random stream, so adding it leaves every other page and question unchanged.
+
 Everything visible is drawn from small closed vocabularies, reused across pages and splits:
 the test split holds new combinations of the same words, which a tiny random-initialised
 vision-language model can learn on a CPU in minutes. See ``docs/data.md``.
@@ -28,6 +34,7 @@ from functools import cache
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
+from tqdm.auto import tqdm
 
 from hkrag.data.opendocvqa import ALL_POOL, CORPUS_FEATURES, QA_FEATURES, format_query, save_split
 from hkrag.io import write_json, write_text
@@ -36,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 STYLES = {"synchart": "chart", "synslide": "slide", "syntable": "table", "syninfo": "infographic"}
 """Config name -> the noun queries use for pages of that style."""
+FINE_PRINT_SPLIT = "synfine"
+"""Config name of the fine-print split: groups of pages with identical salient content."""
 TITLES = ("SALES", "ENERGY", "TRAFFIC", "RAINFALL", "EXPORTS", "BUDGET", "HOUSING", "TOURISM")
 LABELS = {
     "RED": (214, 39, 40),
@@ -56,7 +65,7 @@ CONFIG_FILE = "synthetic_config.json"
 """Written into the output folder: the settings it was generated with (marks the folder as ours)."""
 """Layouts and font sizes are written for this page size and scale with the configured one."""
 MIN_FINE_PRINT_PX = 9
-"""Smallest accepted cap height of fine print, in pixels of the rendered page."""
+"""Smallest accepted cap height of fine print, in pixels of the rendered page and of the model's input."""
 INK = (25, 25, 25)
 FINE_INK = (70, 70, 70)
 PAPER = (255, 255, 255)
@@ -75,6 +84,8 @@ class SyntheticConfig:
     width: int = 224
     height: int = 168
     fine_print_size: int = 14
+    train_fine_groups: int = 0
+    test_fine_groups: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.group_size <= min(len(LABELS), len(SOURCES), len(CODES)):
@@ -83,6 +94,8 @@ class SyntheticConfig:
             groups = getattr(self, f"{split}_groups_per_style")
             if groups < 1:
                 raise ValueError(f"{split}_groups_per_style must be >= 1, got {groups}")
+            if getattr(self, f"{split}_fine_groups") < 0:
+                raise ValueError(f"{split}_fine_groups must be >= 0, got {getattr(self, f'{split}_fine_groups')}")
             pages = len(STYLES) * groups * self.group_size
             if not 0 <= getattr(self, f"n_{split}") <= 2 * pages:
                 raise ValueError(f"n_{split} must be in [0, {2 * pages}] for {pages} {split} pages")
@@ -103,6 +116,17 @@ class PageSpec:
     bars: tuple[int, ...]
     accent: int
     page_no: int
+    layout: str = ""
+
+    @property
+    def renderer(self) -> str:
+        """The style whose layout draws the page (``synfine`` pages borrow one of the four)."""
+        return self.layout or self.style
+
+    @property
+    def fine_key(self) -> tuple[str, str, str]:
+        """The fine-print words a ``synfine`` question names; unique among the test pages."""
+        return self.source, self.code, self.year
 
 
 @dataclass(frozen=True)
@@ -138,8 +162,14 @@ def generate(out_dir: str | Path, config: SyntheticConfig = SyntheticConfig()) -
     rng = random.Random(config.seed)
     train = _page_specs(rng, config, "train", taken=set())
     test = _page_specs(rng, config, "test", taken={_signature(p) for p in train})
-    rendered = {spec.doc_id: render_page(spec, config) for spec in train + test}
     queries = {"train": _queries(rng, train, config.n_train), "test": _queries(rng, test, config.n_test)}
+    fine_rng = random.Random(f"{config.seed}:{FINE_PRINT_SPLIT}")  # its own stream: other pages stay the same
+    fine_train = _fine_print_specs(fine_rng, config, "train", keys=set())
+    fine_test = _fine_print_specs(fine_rng, config, "test", keys={p.fine_key for p in test})
+    queries["train"] += _fine_print_queries(fine_rng, fine_train)
+    queries["test"] += _fine_print_queries(fine_rng, fine_test)
+    train, test = train + fine_train, test + fine_test
+    rendered = {spec.doc_id: render_page(spec, config) for spec in tqdm(train + test, desc="render", leave=False)}
     images = {doc_id: _png(image) for doc_id, (image, _) in rendered.items()}
 
     def corpus_rows(specs: list[PageSpec]) -> Iterator[dict]:
@@ -148,9 +178,9 @@ def generate(out_dir: str | Path, config: SyntheticConfig = SyntheticConfig()) -
     save_split(queries["train"], paths.qa, "default", "train", QA_FEATURES)
     save_split(corpus_rows(train), paths.corpus, "default", "train", CORPUS_FEATURES)
     save_split(corpus_rows(test), paths.corpus, ALL_POOL, "test", CORPUS_FEATURES)
-    for style in STYLES:
+    for style in data_sets(config):
         for split, rows in queries.items():
-            style_rows = [q for q in rows if q["relevant_doc_ids"][0].startswith(style)]
+            style_rows = [q for q in rows if q["relevant_doc_ids"][0].startswith(f"{style}-")]
             save_split(style_rows, paths.qa, style, split, QA_FEATURES)
         style_pages = [s for s in test if s.style == style]
         save_split(corpus_rows(style_pages), paths.corpus, style, "test", CORPUS_FEATURES)
@@ -168,7 +198,7 @@ def generate(out_dir: str | Path, config: SyntheticConfig = SyntheticConfig()) -
 def render_page(spec: PageSpec, config: SyntheticConfig = SyntheticConfig()) -> tuple[Image.Image, list[TextItem]]:
     """Draw one page; returns the image and every string drawn on it (for tests and oracles)."""
     canvas = _Canvas(config.width, config.height, config.fine_print_size)
-    _RENDERERS[spec.style](canvas, spec)
+    _RENDERERS[spec.renderer](canvas, spec)
     canvas.fine_print(spec)
     return canvas.image, canvas.items
 
@@ -214,6 +244,44 @@ def _page_specs(rng: random.Random, config: SyntheticConfig, split: str, taken: 
     return specs
 
 
+def data_sets(config: SyntheticConfig) -> list[str]:
+    """QA / corpus config names the corpus holds: the four styles, then ``synfine`` when it has test pages."""
+    return [*STYLES, *([FINE_PRINT_SPLIT] if config.test_fine_groups else [])]
+
+
+def _fine_print_specs(rng: random.Random, config: SyntheticConfig, split: str, keys: set[tuple]) -> list[PageSpec]:
+    """``synfine`` groups: one page's salient content repeated on every member, which differ only in fine print.
+
+    Sources and codes are distinct within a group; the (source, code, year) key of every page is new to
+    ``keys`` (on return ``keys`` holds them too), so a question naming it picks out one page of any pool
+    that ``keys`` covered.
+    """
+    specs = []
+    for group, title in enumerate(_titles(rng, getattr(config, f"{split}_fine_groups"))):
+        layout = rng.choice(list(STYLES))
+        salient = dict(title=title, label=rng.choice(list(LABELS)), value=rng.randrange(10, 100),
+                       bars=tuple(rng.choices(range(20, 96), k=4)), accent=rng.randrange(4))
+        members: list[PageSpec] = []
+        for page in range(1, config.group_size + 1):
+            doc_id = f"{FINE_PRINT_SPLIT}-{split}-d{group:03d}-p{page}"
+            free = [(s, c, y) for s in SOURCES for c in CODES for y in YEARS if (s, c, y) not in keys
+                    and all(s != m.source and c != m.code for m in members)]
+            if not free:
+                raise ValueError(f"no unused (source, code, year) left for {doc_id}: lower {split}_fine_groups "
+                                 f"(got {getattr(config, f'{split}_fine_groups')})")
+            source, code, year = rng.choice(free)
+            keys.add((source, code, year))
+            members.append(PageSpec(doc_id=doc_id, style=FINE_PRINT_SPLIT, source=source, code=code, year=year,
+                                    page_no=rng.randint(1, 9), layout=layout, **salient))
+        specs += members
+    return specs
+
+
+def _fine_print_queries(rng: random.Random, specs: list[PageSpec]) -> list[dict]:
+    """One ``fine_print`` question per ``synfine`` page, naming its (source, code, year) key only."""
+    return [_query_row(spec, "fine_print", *rng.choice(FINE_PRINT_TEMPLATES)) for spec in specs]
+
+
 def _titles(rng: random.Random, groups: int) -> list[str]:
     """``groups`` titles: shuffled passes over TITLES, so beyond 8 groups titles repeat across groups."""
     passes = -(-groups // len(TITLES))
@@ -232,20 +300,19 @@ def _queries(rng: random.Random, specs: list[PageSpec], n: int) -> list[dict]:
     chosen += [(spec, "salient") for spec in rng.sample(specs, n - n_fine)]
     order = {spec.doc_id: i for i, spec in enumerate(specs)}
     chosen.sort(key=lambda item: (order[item[0].doc_id], item[1]))
-    rows = []
-    for spec, evidence in chosen:
-        question, answers = rng.choice(TEMPLATES[evidence])
-        fields = {**dataclasses.asdict(spec), "noun": STYLES[spec.style]}
-        rows.append(
-            {
-                "query_id": f"{spec.doc_id}-{evidence}",
-                "query": format_query(question.format(**fields)),
-                "answers": [answer.format(**fields) for answer in answers],
-                "relevant_doc_ids": [spec.doc_id],
-                "evidence": evidence,
-            }
-        )
-    return rows
+    return [_query_row(spec, evidence, *rng.choice(TEMPLATES[evidence])) for spec, evidence in chosen]
+
+
+def _query_row(spec: PageSpec, evidence: str, question: str, answers: tuple[str, ...]) -> dict:
+    """A QA row (OpenDocVQA schema plus ``evidence``) from format strings over PageSpec's fields and ``noun``."""
+    fields = {**dataclasses.asdict(spec), "noun": STYLES.get(spec.style, "page")}
+    return {
+        "query_id": f"{spec.doc_id}-{evidence}",
+        "query": format_query(question.format(**fields)),
+        "answers": [answer.format(**fields) for answer in answers],
+        "relevant_doc_ids": [spec.doc_id],
+        "evidence": evidence,
+    }
 
 
 TEMPLATES = {
@@ -260,6 +327,11 @@ TEMPLATES = {
 }
 """(question, answers) format strings per evidence type; fields are PageSpec's plus ``noun``.
 Salient questions name large text only, fine-print questions name a fine-print word."""
+FINE_PRINT_TEMPLATES = [
+    ("Which page number has reference {code} from {source}, {year}?", ("P.{page_no}", "{page_no}")),
+    ("On which page is the {year} note from {source} with reference {code}?", ("P.{page_no}", "{page_no}")),
+]
+"""``synfine`` questions: they name the fine-print key (source, code, year) and nothing salient."""
 
 
 class _Canvas:

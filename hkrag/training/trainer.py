@@ -62,6 +62,8 @@ class TrainerConfig:
 
     ``group_pattern``: a regex whose first group maps a positive doc id to its document (e.g.
     ``^(.*)-p\\d+$``); pages of one document are then batched together as hard negatives.
+    ``num_threads``: intra-op CPU threads (``torch.set_num_threads``; null keeps torch's default). On a
+    shared 2-core machine 1 thread ran the demo's step in 0.18 s where 2 contended threads took 7.7 s.
     """
 
     global_batch_size: int = 64
@@ -79,6 +81,7 @@ class TrainerConfig:
     log_every: int = 1
     save_every: int | None = None
     num_workers: int = 0
+    num_threads: int | None = None
 
 
 OPTIM_KEYS = ("lr", "weight_decay", "betas", "warmup_ratio", "scheduler", "max_grad_norm")
@@ -152,6 +155,8 @@ class RetrieverTrainer:
         run_config: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
         self.loss_fn = loss_fn

@@ -1,0 +1,117 @@
+"""hkrag.ablation on a hand-built multirun folder: means, stds, paired intervals and mask shares by hand."""
+
+import json
+import math
+
+import pytest
+import yaml
+
+from hkrag.ablation import AblationError, aggregate, main
+from hkrag.evaluation import PER_QUERY_FILE
+from hkrag.stats import mean_and_std, paired_bootstrap
+
+QUERIES = [("synchart", "q1", "salient"), ("synchart", "q2", "fine_print"), ("synfine", "q3", "fine_print")]
+SCORES = {  # (loss, seed) -> nDCG@5 of q1, q2, q3 in the single pool; the all pool scores half of it
+    ("infonce", 0): (1.0, 0.0, 0.5),
+    ("infonce", 1): (0.5, 0.5, 0.0),
+    ("hkrag", 0): (1.0, 0.25, 0.75),
+    ("hkrag", 1): (0.75, 0.75, 0.25),
+    ("no_sin", 0): (1.0, 0.0, 0.5),
+    ("no_sin", 1): (0.5, 0.5, 0.0),
+}
+MASKS = {"infonce": (0.2, 0.3, 0.5), "hkrag": (0.4, 0.4, 0.2), "no_sin": (0.25, 0.25, 0.5)}
+"""(mask/one, mask/half, mask/zero) at step 1; step 2 logs 0.1 more ones and 0.1 fewer zeros."""
+
+
+def write_job(folder, number, loss, seed):
+    job = folder / str(number)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["experiment=demo", f"loss={loss}",
+                                                                   f"trainer.seed={seed}"]))
+    per_query = {}
+    for (dataset, query_id, evidence), value in zip(QUERIES, SCORES[loss, seed]):
+        for pool, scale in (("single", 1.0), ("all", 0.5)):
+            per_query.setdefault(dataset, {}).setdefault(pool, {})[query_id] = {"evidence": evidence,
+                                                                                 "ndcg@5": value * scale}
+    (job / "eval-after").mkdir()
+    (job / "eval-after" / PER_QUERY_FILE).write_text(json.dumps(per_query))
+    one, half, zero = MASKS[loss]
+    rows = [{"step": 1, "loss": 1.0, "mask/one": one, "mask/half": half, "mask/zero": zero},
+            {"step": 2, "loss": 0.9, "mask/one": one + 0.1, "mask/half": half, "mask/zero": zero - 0.1}]
+    (job / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+@pytest.fixture
+def multirun(tmp_path):
+    folder = tmp_path / "multirun" / "train" / "stamp"
+    for number, (loss, seed) in enumerate(SCORES):
+        write_job(folder, number, loss, seed)
+    (folder / "multirun.yaml").write_text("hydra: {}\n")  # Hydra's own file beside the jobs is ignored
+    return folder
+
+
+def test_means_stds_and_paired_intervals_equal_hand_computed_values(multirun):
+    summary = aggregate(multirun, n_resamples=500)
+    assert summary["conditions"] == ["infonce", "hkrag", "no_sin"]  # baseline first, then in job order
+    assert summary["evidence"] == ["all", "fine_print", "salient"]
+    single = summary["ndcg@5"]["single"]
+    # hkrag, all queries: seed 0 (1 + 0.25 + 0.75)/3 = 2/3, seed 1 (0.75 + 0.75 + 0.25)/3 = 7/12
+    assert single["all"]["hkrag"]["per_seed"] == pytest.approx([2 / 3, 7 / 12])
+    assert single["all"]["hkrag"]["mean"] == pytest.approx(0.625)
+    assert single["all"]["hkrag"]["std"] == pytest.approx(math.sqrt(2) * (2 / 3 - 0.625))
+    # fine print of infonce: seed 0 (0 + 0.5)/2, seed 1 (0.5 + 0)/2: no spread over seeds
+    assert single["fine_print"]["infonce"] == pytest.approx({"mean": 0.25, "std": 0.0, "per_seed": [0.25, 0.25],
+                                                             "num_queries": 2})
+    assert single["salient"]["no_sin"]["mean"] == pytest.approx(0.75)
+    assert summary["ndcg@5"]["all"]["salient"]["no_sin"]["mean"] == pytest.approx(0.375)
+    # no_sin scores every query as infonce does: difference 0, interval [0, 0], p = 1
+    same = summary["vs_baseline"]["single"]["all"]["no_sin"]
+    assert (same["diff"], same["low"], same["high"], same["p_value"]) == (0.0, 0.0, 0.0, 1.0)
+    # hkrag - infonce per query, averaged over seeds 0 and 1: q1 (0 + 0.25)/2, q2 (0.25 + 0.25)/2, q3 (0.25 + 0.25)/2
+    versus = summary["vs_baseline"]["single"]["fine_print"]["hkrag"]
+    assert versus["diff"] == pytest.approx(0.25) and versus["low"] == versus["high"] == pytest.approx(0.25)
+    assert versus["p_value"] == 0.0 and versus["seeds"] == [0, 1] and versus["num_queries"] == 2
+    everything = summary["vs_baseline"]["single"]["all"]["hkrag"]
+    expected = paired_bootstrap([0.875, 0.5, 0.5], [0.75, 0.25, 0.25], n_resamples=500)
+    assert everything["diff"] == pytest.approx(0.5 / 3 + 0.125 / 3)
+    assert {k: everything[k] for k in expected} == pytest.approx(expected)
+    assert 0.125 <= everything["low"] <= everything["diff"] <= everything["high"] <= 0.25
+
+
+def test_mask_shares_and_written_files(multirun):
+    summary = aggregate(multirun, n_resamples=200)
+    masks = summary["masks"]["hkrag"]
+    assert masks["mean"] == pytest.approx({"mask/one": 0.45, "mask/half": 0.4, "mask/zero": 0.15})
+    assert masks["steps"] == [1, 2] and masks["curve"]["mask/zero"] == pytest.approx([0.2, 0.1])
+    assert json.loads((multirun / "ablation.json").read_text())["conditions"] == ["infonce", "hkrag", "no_sin"]
+    text = (multirun / "ablation.md").read_text()
+    assert "| hkrag | 62.5 ± 5.9 |" in text and "| hkrag | +20.8 [" in text
+    assert "| hkrag | 0.450 | 0.400 | 0.150 |" in text
+    assert (multirun / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_seeds_are_matched_and_bad_folders_are_named(multirun, tmp_path):
+    (multirun / "2" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["loss=hkrag", "trainer.seed=7"]))
+    summary = aggregate(multirun, tmp_path / "out", n_resamples=200)
+    assert summary["seeds"]["hkrag"] == [1, 7] and summary["vs_baseline"]["single"]["all"]["hkrag"]["seeds"] == [1]
+    with pytest.raises(AblationError, match="baseline 'bogus' is not among the conditions"):
+        aggregate(multirun, baseline="bogus")
+    (multirun / "5" / "eval-after" / PER_QUERY_FILE).unlink()
+    with pytest.raises(AblationError, match=r"5: eval-after/per_query.json is missing"):
+        aggregate(multirun)
+    partial = aggregate(multirun, tmp_path / "partial", n_resamples=200, finished_only=True)
+    assert partial["seeds"] == {"infonce": [0, 1], "hkrag": [1, 7], "no_sin": [0]}
+
+
+def test_cli_errors_name_the_folder(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "nowhere")])
+    assert exit_info.value.code == 2 and "nowhere holds no job folders" in capsys.readouterr().err
+
+
+def test_mean_and_std():
+    assert mean_and_std([1.0, 2.0, 4.0]) == pytest.approx((7 / 3, math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2
+                                                                                + (4 - 7 / 3) ** 2) / 2)))
+    assert mean_and_std([0.5]) == (0.5, 0.0)
+    with pytest.raises(ValueError, match="non-empty"):
+        mean_and_std([])
