@@ -4,7 +4,7 @@
     python bench/agents.py --answer-tokens 8       # answers capped as a real model's short answers end
     python bench/agents.py --reuse all features none
     python bench/agents.py --configs single hkrag  # skip the slow all-HQP row
-    python bench/agents.py --device cuda --queries 20
+    python bench/agents.py --device cuda --full --answer-tokens 8 --queries 20   # Phi-3-vision size, random bf16
 
 Every generator answers the same ``--queries`` questions over 3 synthetic pages each (the paper's top-3)
 on a local backend. HKRAG runs twice: with the Judger's threshold h = 0.8 (the paper's) and with h = 0
@@ -27,7 +27,8 @@ A tiny random model never emits its end token, so every reply runs to its token 
 of the generator config: 64 for answers); ``--answer-tokens`` lowers the answers' cap, as a real model's
 short answers end after a few tokens. The tiny model's prefill is cheap next to its per-token decoding
 overhead, so its seconds weigh decode steps and calls; the token columns carry over to a real model,
-whose prefill over thousands of image tokens per page is what the prefix cache saves.
+whose prefill over thousands of image tokens per page is what the prefix cache saves. ``--full`` runs a
+Phi-3-vision-sized model with random bf16 weights (``bench/lvlm.py``'s, 16 crops) for those seconds.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ sys.path[0] = str(ROOT)  # not bench/: this file's name would shadow the agents 
 from agents import build_generator  # noqa: E402
 from agents.records import Query  # noqa: E402
 from bench.common import machine  # noqa: E402
+from bench.lvlm import full_backend  # noqa: E402
 from hkrag.lvlm import PageImage, build_backend  # noqa: E402
 
 CONFIGURATIONS = {  # --configs id -> (printed name, generator config, overrides)
@@ -108,11 +110,23 @@ def summary(runs: list[tuple[Any, float, int]], baseline: list[tuple[Any, float,
     }
 
 
+def make_backend(reuse: str, device: str, full: bool):
+    """The tiny Phi3V (fp32), or a full-size random bf16 one, with the caches ``reuse`` names."""
+    features, prefixes = REUSE[reuse]
+    if not full:
+        return build_backend("phi3v", base="tiny", device=device, dtype="float32",
+                             feature_cache_size=features, prefix_cache_size=prefixes)
+    backend = full_backend("phi3v", device)
+    backend.features.capacity, backend.prefixes.capacity = features, prefixes
+    return backend
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--queries", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--full", action="store_true", help="Phi-3-vision-sized model, random bf16 (use a GPU)")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGURATIONS), default=list(CONFIGURATIONS),
                         help="generators to run; the first is the ratios' baseline")
     parser.add_argument("--reuse", nargs="+", choices=list(REUSE), default=["all", "none"])
@@ -123,11 +137,7 @@ def main() -> None:
     conf = ROOT / "conf"
     queries = [Query(query_id=str(i), question=f"What is the value in row {i}?", pages=query_pages(i), gold=["1"])
                for i in range(args.queries)]
-    backends = {
-        reuse: build_backend("phi3v", base="tiny", device=args.device, dtype="float32",
-                             feature_cache_size=REUSE[reuse][0], prefix_cache_size=REUSE[reuse][1])
-        for reuse in args.reuse
-    }
+    backends = {reuse: make_backend(reuse, args.device, args.full) for reuse in args.reuse}
     rows = [(config, reuse) for reuse in args.reuse for config in args.configs]
     generators = {}
     for config, reuse in rows:
