@@ -20,10 +20,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-import faiss
 import numpy as np
 
 from hkrag.io import write_bytes, write_json
+
+logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its INFO lines list every SIMD variant it tried
+import faiss  # noqa: E402
 
 log = logging.getLogger(__name__)
 
