@@ -28,7 +28,7 @@ from hkrag.data.opendocvqa import Corpus, QAExample, load_corpus, load_qa, pools
 from hkrag.distributed import is_main, rank, world_size
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import config_hash, encode_corpus, load_shards
-from hkrag.io import write_json
+from hkrag.io import atomic_directory, write_json
 from hkrag.metrics import check_qrels, evaluate_run, format_table
 from hkrag.retriever import Phi3VRetriever, weights_fingerprint
 
@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 REPORTED_METRICS = ("ndcg@5", "recall@1", "recall@5", "recall@10", "mrr@10")
 PER_QUERY_FILE = "per_query.json"
+QUERIES_DIR = "queries"
+QRELS_FILE = "qrels.json"
 """``{dataset: {pool: {query_id: {"evidence": label or null, "ndcg@5": value}}}}`` in an evaluation's work dir."""
 
 
@@ -197,10 +199,12 @@ def evaluate_retrieval(
     results: dict[str, dict[str, Any]] = {}
     runs: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     per_query: dict[str, dict[str, dict[str, Any]]] = {}
+    all_queries: list[tuple[QAExample, np.ndarray]] = []
     for dataset in cfg.datasets:
         qa = load_qa_fn(cfg.qa_source, dataset, cfg.split)
         queries = retriever.encode_queries([ex.query for ex in qa], batch_size=cfg.query_batch_size,
                                            ids=[ex.query_id for ex in qa])
+        all_queries += zip(qa, queries.float().numpy())
         for pool in cfg.pools:
             config = pools(dataset)[pool]
             corpus = load_corpus_fn(cfg.corpus_source, config, cfg.split)
@@ -217,8 +221,21 @@ def evaluate_retrieval(
     retriever.train(was_training)
     if is_main():
         write_json(work_dir / PER_QUERY_FILE, per_query)
+        save_queries(all_queries, work_dir, identity)
     tables = "\n\n".join(retrieval_table(results, metric) for metric in REPORTED_METRICS)
     return {"results": results, "table": tables, "runs": runs} if is_main() else {}
+
+
+def save_queries(queries: Sequence[tuple[QAExample, np.ndarray]], work_dir: Path, identity: dict[str, Any]) -> None:
+    """Every evaluated query's embedding (``queries/`` shards) and relevant pages (``qrels.json``), so the
+    storage-budget study (``python -m hkrag.index.budget``) can run on this evaluation's real embeddings."""
+    if not queries:
+        return
+    rows = [{"query_id": ex.query_id, "vector": vector} for ex, vector in queries]
+    with atomic_directory(work_dir / QUERIES_DIR) as out:  # replaced whole: the evaluated queries may change
+        encode_corpus(rows, lambda batch: np.stack([row["vector"] for row in batch]), out, shard_size=len(rows),
+                      manifest=identity, dtype="float32", id_key="query_id", progress=False)
+    write_json(work_dir / QRELS_FILE, qrels([ex for ex, _ in queries]))
 
 
 def retrieval_table(results: dict[str, dict[str, Any]], metric: str = "ndcg@5") -> str:

@@ -123,3 +123,28 @@ def test_run_dir_latest_is_the_newest_finished_training_run(tmp_path):
     (tmp_path / "2026-01-04_08-00-00" / "checkpoints" / "step-1").mkdir(parents=True)  # still training
     assert resolve_run_dir("latest", tmp_path) == tmp_path / "2026-01-03_09-00-00"
     assert resolve_run_dir(tmp_path / "x", tmp_path) == tmp_path / "x"
+
+
+def test_evaluation_saves_queries_and_qrels_for_the_storage_budget(tmp_path):
+    import json
+
+    from hkrag.evaluation import QRELS_FILE, QUERIES_DIR
+    from hkrag.index import budget
+    from hkrag.index.shards import load_shards
+
+    data = [f"paths.data_dir={tmp_path / 'data'}", *SMALL_DATA]
+    cfg = config("eval", [*data, f"paths.output_dir={tmp_path / 'eval'}", "model=tiny", "eval.doc_batch_size=16"])
+    results = run_evaluation(cfg, tmp_path / "eval")["results"]
+    query_ids, _ = load_shards(tmp_path / "eval" / QUERIES_DIR)
+    qa = [ex for ds in cfg.eval.datasets for ex in load_qa(cfg.data.qa_source, ds, "test")]
+    assert query_ids == [ex.query_id for ex in qa]
+    assert json.loads((tmp_path / "eval" / QRELS_FILE).read_text()) == {
+        ex.query_id: dict.fromkeys(ex.relevant_doc_ids, 1) for ex in qa}
+
+    run = tmp_path / "eval"
+    budget.main(["--shards", str(run / "embeddings-all"), "--queries", str(run / QUERIES_DIR),
+                 "--qrels", str(run / QRELS_FILE), "--specs", "flat", "--out", str(tmp_path / "b")])
+    (flat,) = json.loads((tmp_path / "b" / "budget.json").read_text())
+    by_dataset = [results[ds]["all"] for ds in cfg.eval.datasets]  # the all pool, query-weighted
+    expected = sum(r["all"]["ndcg@5"] * r["num_queries"] for r in by_dataset) / len(qa)
+    assert flat["ndcg@5"] == pytest.approx(expected, abs=1e-4)
