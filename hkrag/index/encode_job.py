@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from hkrag.data.opendocvqa import load_corpus
 from hkrag.evaluation import encode_shards, shard_identity
 from hkrag.index.shards import pending_shards
-from hkrag.tasks.common import build_retriever, eval_config, trained_model_config
+from hkrag.tasks.common import build_retriever, eval_config, evaluated_model
 from hkrag.validation import validate_config
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -64,10 +64,9 @@ def encode_part(cfg: DictConfig, corpus_config: str, out_dir: str | Path, part: 
     logger.info("task %d of %d: %d shard(s) of %s to encode into %s", part, parts, len(todo), corpus.name, out_dir)
     if not todo:
         return todo
-    model_cfg = trained_model_config(cfg.model, cfg.run_dir) if cfg.get("run_dir") else cfg.model
+    model_cfg, given = evaluated_model(cfg)
     retriever = build_retriever(model_cfg, trainable=False).eval()
     retriever.model.to("cuda" if torch.cuda.is_available() and not cfg.get("cpu") else "cpu")
-    given = {"model": str(model_cfg.get("base", "tiny")), "adapter": model_cfg.get("adapter")}  # as eval.py's
     identity = shard_identity(retriever, given)
     with torch.no_grad():
         encode_shards(retriever, corpus, Path(out_dir), settings, identity, part, parts)

@@ -132,6 +132,13 @@ def trained_model_config(model_cfg: DictConfig, run_dir: str | Path) -> DictConf
     return OmegaConf.merge(model_cfg, overrides)
 
 
+def evaluated_model(cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:
+    """The model an evaluation loads (a ``train.py`` run's when ``run_dir`` is set) and the identity its
+    embedding shards carry; one definition, so eval.py and the Slurm encoding array share shards."""
+    model_cfg = trained_model_config(cfg.model, cfg.run_dir) if cfg.get("run_dir") else cfg.model
+    return model_cfg, {"model": str(model_cfg.get("base", "tiny")), "adapter": model_cfg.get("adapter")}
+
+
 def flat_summary(report: dict[str, Any]) -> dict[str, float]:
     out = {}
     for when in ("before", "after"):

@@ -39,11 +39,11 @@ from hkrag.rag_report import flat_metrics, write_reports
 from hkrag.tasks.common import (
     build_retriever,
     eval_config,
+    evaluated_model,
     make_accelerator,
     prepare_data,
     resolve_run_dir,
     shared_output_dir,
-    trained_model_config,
 )
 from hkrag.trace import PARTS_DIR, TraceWriter, merge
 from hkrag.trace_html import write_html
@@ -130,12 +130,11 @@ def ranked(scores: dict[str, float], k: int) -> list[str]:
 
 def retrieve(cfg: DictConfig, accelerator, output_dir: Path) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
     """Rank every query's pages with the retriever (all ranks encode, rank 0 searches); broadcast the runs."""
-    model_cfg = trained_model_config(cfg.model, cfg.run_dir) if cfg.get("run_dir") else cfg.model
+    model_cfg, identity = evaluated_model(cfg)
     retriever = build_retriever(model_cfg, trainable=False)
     retriever.model.to(accelerator.device)
     retrieval_cfg = eval_config(cfg)
     retrieval_cfg.datasets, retrieval_cfg.pools = list(cfg.rag.datasets), list(cfg.rag.pools)
-    identity = {"model": str(model_cfg.get("base", "tiny")), "adapter": model_cfg.get("adapter")}
     result = evaluate_retrieval(retriever, retrieval_cfg, output_dir / "retrieval", identity)
     if accelerator.is_main_process:
         write_text(output_dir / "retrieval.md", result["table"] + "\n")

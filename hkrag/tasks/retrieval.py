@@ -16,11 +16,11 @@ from hkrag.io import write_json, write_text
 from hkrag.tasks.common import (
     build_retriever,
     eval_config,
+    evaluated_model,
     flat_summary,
     make_accelerator,
     prepare_data,
     shared_output_dir,
-    trained_model_config,
 )
 from hkrag.training.reporting import RunLogger
 from hkrag.validation import validate_config
@@ -31,13 +31,12 @@ def run_retrieval_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[st
     validate_config(cfg)
     accelerator = make_accelerator(cfg.get("cpu", False))
     output_dir = shared_output_dir(accelerator, output_dir)
-    model_cfg = trained_model_config(cfg.model, cfg.run_dir) if cfg.get("run_dir") else cfg.model
+    model_cfg, identity = evaluated_model(cfg)
     if accelerator.is_main_process:
         prepare_data(cfg.data)
     accelerator.wait_for_everyone()
     retriever = build_retriever(model_cfg, trainable=False)
     retriever.model.to(accelerator.device)
-    identity = {"model": str(model_cfg.get("base", "tiny")), "adapter": model_cfg.get("adapter")}
     result = evaluate_retrieval(retriever, eval_config(cfg), output_dir, identity)
     if accelerator.is_main_process:
         write_json(output_dir / "retrieval.json", result["results"])
