@@ -6,10 +6,17 @@ chunk into one float32 ``.npy`` under ``--workdir`` and read back chunk by chunk
 never sits in memory. Exact top-k of the held-out tuning and test queries is computed over those chunks.
 Each spec is trained on a sample, filled chunk by chunk, tuned (``hkrag.index.tuning``: the fastest
 parameters reaching ``--target`` recall@k on the tuning queries), then measured on the test queries:
-build time, serialized index size (and its fraction of flat), batched QPS, single-query p50/p99 and
+build time, index size in memory (and its fraction of flat), batched QPS, single-query p50/p99 and
 recall@k against exact search.
 
+``--mmap`` saves each index and reopens it with its stored vectors memory-mapped
+(``DocumentIndex.load(mmap=True)``): a ``Refine(Flat)`` stage then re-ranks from the file on disk, and the
+test queries are timed cold (the file is dropped from the page cache and the index reopened before the
+single and the batched queries), so every re-ranked vector is a read from disk unless an earlier query of
+the same run read it.
+
     nice -n 5 python bench/search.py --n 1000000 --specs "PCA384,IVF2048,PQ96x4fs,Refine(PCA384,SQ8)"
+    nice -n 5 python bench/search.py --n 1000000 --mmap --specs "PCA384,IVF2048,SQ8,Refine(Flat)"
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ import dataclasses
 import os
 import platform
 import resource
+import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import faiss
@@ -110,10 +119,25 @@ def build(spec: str, data, corpus: VectorFile, args: argparse.Namespace) -> tupl
     return index, {"train_s": trained - start, "add_s": done - trained, "rss_growth": rss_bytes() - before}
 
 
-def measure(index: DocumentIndex, queries: np.ndarray, exact: np.ndarray, args: argparse.Namespace) -> dict:
+def reopen(directory: Path) -> DocumentIndex:
+    """The saved index opened with its stored vectors mapped, none of them in the page cache (cold)."""
+    index = DocumentIndex.load(directory, use_gpu=False, mmap=True)
+    fd = os.open(directory / "index.faiss", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # pages no process maps are dropped
+    finally:
+        os.close(fd)
+    return index
+
+
+def measure(index: DocumentIndex, queries: np.ndarray, exact: np.ndarray, args, fresh: Callable | None = None) -> dict:
+    """Batched QPS, single-query latency and recall of the test queries; ``fresh()``, when given, gives the
+    index each phase is timed on (reopened cold)."""
+    index = fresh() if fresh else index
     start = time.perf_counter()
     _, rows = index.search_arrays(queries, args.k)
     batched_s = time.perf_counter() - start
+    index = fresh() if fresh else index
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(args.single_threads)
     latencies = []
@@ -138,8 +162,12 @@ def main() -> None:
     parser.add_argument("--data", choices=("embedding", "isotropic"), default="embedding")
     for field in dataclasses.fields(EmbeddingSettings):
         if field.name not in ("dim", "seed"):
-            parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default,
-                                help="embedding generator setting")
+            parser.add_argument(
+                f"--{field.name.replace('_', '-')}",
+                type=type(field.default),
+                default=field.default,
+                help="embedding generator setting",
+            )
     parser.add_argument("--clusters", type=int, default=1000, help="isotropic mixture components")
     parser.add_argument("--spread", type=float, default=1.0, help="isotropic within-cluster noise / centre norm")
     parser.add_argument("--tuning-queries", type=int, default=500, help="held-out queries the parameters are tuned on")
@@ -154,6 +182,11 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/hkrag-search", help="where the corpus .npy is written")
     parser.add_argument("--keep", action="store_true", help="keep the corpus file afterwards")
     parser.add_argument("--save", help="save each tuned index under this directory (index.json holds the params)")
+    parser.add_argument(
+        "--mmap",
+        action="store_true",
+        help="save each index, reopen it with its stored vectors mapped from disk, time it cold",
+    )
     parser.add_argument("--gpu", action="store_true", help="use FAISS GPU indexes when available")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -164,8 +197,11 @@ def main() -> None:
         print(f"data: embedding-like {dataclasses.asdict(data.settings)}")
     else:
         print(f"data: isotropic mixture dim={args.dim} clusters={args.clusters} spread={args.spread}")
-    print(f"n={args.n:,} tuning queries={args.tuning_queries} test queries={args.queries} "
-          f"single={args.single} k={args.k} target={args.target}\n", flush=True)
+    print(
+        f"n={args.n:,} tuning queries={args.tuning_queries} test queries={args.queries} "
+        f"single={args.single} k={args.k} target={args.target}\n",
+        flush=True,
+    )
     corpus = VectorFile(Path(args.workdir) / f"corpus-{args.data}-{args.n}x{args.dim}-{args.seed}.npy")
     try:
         start = time.perf_counter()
@@ -181,27 +217,38 @@ def main() -> None:
         tuning_exact, test_exact = exact[: len(tuning_q)], exact[len(tuning_q) :]
         flat_bytes = 4 * args.n * args.dim
         header = (
-            f"| index (tuned params) | train s | add s | index MB | / flat | batched QPS | single p50 ms "
+            f"| index (tuned params) | train s | add s | RAM MB | / flat | disk MB | batched QPS | single p50 ms "
             f"| single p99 ms | recall@{args.k} tuning | recall@{args.k} test |"
         )
         lines = [header, "|" + "---|" * (header.count("|") - 1)]
         for spec in args.specs:
             index, cost = build(spec, data, corpus, args)
+            directory = Path(args.save or args.workdir) / spec.replace(",", "_").replace("(", "").replace(")", "")
+            if args.mmap:
+                index.save(directory)
+                index = reopen(directory)
             record = tune(index, tuning_q, tuning_exact, target=args.target)
-            result = measure(index, test_q, test_exact, args)
-            size = index.nbytes()
+            if args.save or args.mmap:
+                index.save_meta(directory)
+            disk = index.mapped_bytes()
+            ram = index.nbytes() - disk
+            result = measure(index, test_q, test_exact, args, partial(reopen, directory) if args.mmap else None)
             lines.append(
-                f"| {index.spec} | {cost['train_s']:.0f} | {cost['add_s']:.0f} | {size / 1e6:,.0f} "
-                f"| 1/{flat_bytes / size:.1f} | {result['qps']:,.0f} | {result['p50_ms']:.2f} "
+                f"| {index.spec} | {cost['train_s']:.0f} | {cost['add_s']:.0f} | {ram / 1e6:,.0f} "
+                f"| 1/{flat_bytes / ram:.1f} | {disk / 1e6:,.0f} | {result['qps']:,.0f} | {result['p50_ms']:.2f} "
                 f"| {result['p99_ms']:.2f} | {record['recall']:.3f} | {result['recall']:.3f} |"
             )
             print(lines[-1], f"(RSS growth {cost['rss_growth'] / 2**20:,.0f} MiB)", flush=True)
-            if args.save:
-                index.save(Path(args.save) / spec.replace(",", "_").replace("(", "").replace(")", ""))
+            if args.save and not args.mmap:
+                index.save(directory)
             del index
+            if args.mmap and not args.save:
+                shutil.rmtree(directory)
         print("\n" + "\n".join(lines))
-        print(f"\npeak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB; "
-              f"load average at end {os.getloadavg()[0]:.1f}")
+        print(
+            f"\npeak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB; "
+            f"load average at end {os.getloadavg()[0]:.1f}"
+        )
     finally:
         if not args.keep:
             corpus.path.unlink(missing_ok=True)

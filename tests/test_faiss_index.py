@@ -141,3 +141,27 @@ def test_save_load_round_trip(docs, tmp_path, spec):
     a, b = index.search(x[:10], 5), loaded.search(x[:10], 5)
     assert a[1] == b[1]
     np.testing.assert_array_equal(np.stack(a[0]), np.stack(b[0]))
+
+
+def test_nbytes_counts_the_serialized_index(docs):
+    import faiss
+
+    index = DocumentIndex.build(*docs, "sq8")
+    assert index.nbytes() == faiss.serialize_index(index.cpu_index()).nbytes
+    assert index.mapped_bytes() == 0
+
+
+def test_mmap_load_reranks_exactly_from_the_mapped_file(docs, tmp_path):
+    ids, x = docs
+    index = DocumentIndex.build(ids, x, "faiss:PCA8,IVF4,SQ8,Refine(Flat);nprobe=4,k_factor_rf=8", use_gpu=False)
+    mapped = DocumentIndex.load(index.save(tmp_path), use_gpu=None, mmap=True)
+    assert mapped.mapped_bytes() == len(ids) * 16 * 4  # the Refine(Flat) store stays on disk
+    assert not mapped.on_gpu and DocumentIndex.load(tmp_path).mapped_bytes() == 0
+    queries = unit(20, seed=3)
+    a, b = index.search(queries, 5), mapped.search(queries, 5)
+    assert a[1] == b[1]
+    np.testing.assert_array_equal(np.stack(a[0]), np.stack(b[0]))
+    exact_scores = [[q @ x[ids.index(d)] for d in row] for q, row in zip(queries, b[1], strict=True)]
+    np.testing.assert_allclose(np.stack(b[0]), exact_scores, atol=1e-5)  # re-ranked by the exact vectors
+    with pytest.raises(RuntimeError, match="memory-mapped from disk"):
+        DocumentIndex.load(tmp_path, use_gpu=True, mmap=True)

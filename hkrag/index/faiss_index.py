@@ -5,9 +5,11 @@ on GPU(s) when FAISS was built with GPU support and a GPU is present, otherwise 
 choice is logged. Besides the named kinds, any ``faiss.index_factory`` description can be used
 (``faiss:PCA384,IVF2048,PQ96x4fs,Refine(PCA384,SQ8)``), with FAISS search parameters after a semicolon
 (``...;nprobe=32,k_factor_rf=4``, as :mod:`hkrag.index.tuning` writes them), or ``tuned:<dir>`` to
-take the spec and tuned parameters saved with another index. FAISS pads results with id -1 when
-fewer than k neighbours are found (k larger than the corpus, or too few IVF lists probed); those
-slots are dropped, never mapped to a document.
+take the spec and tuned parameters saved with another index. A saved index can be loaded with its
+stored vectors memory-mapped (``DocumentIndex.load(dir, mmap=True)``): with a ``Refine(Flat)`` stage the
+compressed base is searched in memory and only the candidates' exact vectors are read from disk.
+FAISS pads results with id -1 when fewer than k neighbours are found (k larger than the corpus, or too
+few IVF lists probed); those slots are dropped, never mapped to a document.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ import json
 import logging
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
 
-from hkrag.io import write_bytes, write_json
+from hkrag.io import atomic_write, write_json
 
 logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its INFO lines list every SIMD variant it tried
 import faiss  # noqa: E402
@@ -150,18 +152,23 @@ def read_meta(directory: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _has_gpu_part(index: faiss.Index) -> bool:
-    """Whether ``index`` or a sub-index it wraps (pre-transform, refine base, shards) lives on a GPU."""
+def _parts(index: faiss.Index) -> Iterator[faiss.Index]:
+    """``index`` and every sub-index it wraps (pre-transform, refine base and refine store, shards), downcast."""
     index = faiss.downcast_index(index)
-    if type(index).__name__.startswith("Gpu"):
-        return True
+    yield index
     if isinstance(index, faiss.IndexPreTransform):
-        return _has_gpu_part(index.index)
-    if isinstance(index, faiss.IndexRefine):
-        return _has_gpu_part(index.base_index) or _has_gpu_part(index.refine_index)
-    if isinstance(index, (faiss.IndexShards, faiss.IndexReplicas)):
-        return any(_has_gpu_part(index.at(i)) for i in range(index.count()))
-    return False
+        yield from _parts(index.index)
+    elif isinstance(index, faiss.IndexRefine):
+        yield from _parts(index.base_index)
+        yield from _parts(index.refine_index)
+    elif isinstance(index, (faiss.IndexShards, faiss.IndexReplicas)):
+        for i in range(index.count()):
+            yield from _parts(index.at(i))
+
+
+def _has_gpu_part(index: faiss.Index) -> bool:
+    """Whether ``index`` or a sub-index it wraps lives on a GPU."""
+    return any(type(part).__name__.startswith("Gpu") for part in _parts(index))
 
 
 def gpu_count() -> int:
@@ -192,6 +199,7 @@ class DocumentIndex:
         self.spec = IndexSpec.parse(spec)
         self.ids: list[str] = []
         self._use_gpu = use_gpu
+        self.mmap = False  # set by load(mmap=True)
         self._index: faiss.Index | None = None
         self.on_gpu = False  # set by _place
         self.tuning: dict | None = None  # how the search parameters were chosen (hkrag.index.tuning)
@@ -236,7 +244,9 @@ class DocumentIndex:
         """Why the index stays on CPU, or None to put it on the GPUs; raises if use_gpu=True can't be met."""
         if self._use_gpu is False:
             return "disabled by use_gpu=False"
-        if gpu_count() == 0:
+        if self.mmap:
+            reason = "its stored vectors are memory-mapped from disk (mmap=True)"
+        elif gpu_count() == 0:
             reason = "FAISS has no GPU support or sees no GPU"
         elif self.spec.kind not in GPU_KINDS:
             reason = f"FAISS has no GPU {self.spec.kind} index"
@@ -405,14 +415,35 @@ class DocumentIndex:
         return faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
 
     def nbytes(self) -> int:
-        """Size of the serialized FAISS index in bytes (vectors/codes, lists, codebooks; not the ids)."""
-        return int(faiss.serialize_index(self.cpu_index()).nbytes)
+        """Size of the serialized FAISS index in bytes (vectors/codes, lists, codebooks; not the ids).
+
+        Counted while FAISS streams the index out, so a 12 GB index is never copied in memory.
+        """
+        size = 0
+
+        def count(chunk: bytes) -> int:
+            nonlocal size
+            size += len(chunk)
+            return len(chunk)
+
+        faiss.write_index(self.cpu_index(), faiss.PyCallbackIOWriter(count))
+        return size
+
+    def mapped_bytes(self) -> int:
+        """Bytes of stored vectors/codes read from the index file on demand rather than held in memory
+        (the flat code stores of an index loaded with ``mmap=True``, e.g. a ``Refine(Flat)`` stage; 0 otherwise)."""
+        return sum(
+            part.codes.size()
+            for part in _parts(self.cpu_index())
+            if isinstance(part, faiss.IndexFlatCodes) and not part.codes.is_owned
+        )
 
     def save(self, directory: str | Path) -> Path:
         """Write ``index.faiss``, ``ids.json`` and ``index.json`` (spec with its search parameters, dim,
-        count, tuning record) into ``directory``."""
+        count, tuning record) into ``directory``; the index is streamed to its file, never copied in memory."""
         directory = Path(directory)
-        write_bytes(directory / _INDEX_FILE, faiss.serialize_index(self.cpu_index()).tobytes())
+        cpu = self.cpu_index()
+        atomic_write(directory / _INDEX_FILE, lambda f: faiss.write_index(cpu, faiss.PyCallbackIOWriter(f.write)), "wb")
         write_json(directory / _IDS_FILE, self.ids, indent=None)
         self.save_meta(directory)
         return directory
@@ -423,12 +454,18 @@ class DocumentIndex:
         return write_json(Path(directory) / _META_FILE, meta)
 
     @classmethod
-    def load(cls, directory: str | Path, *, use_gpu: bool | None = None) -> DocumentIndex:
-        """Load an index written by :meth:`save`, checking ids and vectors agree."""
+    def load(cls, directory: str | Path, *, use_gpu: bool | None = None, mmap: bool = False) -> DocumentIndex:
+        """Load an index written by :meth:`save`, checking ids and vectors agree.
+
+        ``mmap=True`` maps the flat code stores (``Flat``, ``SQ`` and ``PQ`` without lists, and refine stages
+        such as ``Refine(Flat)``) from ``index.faiss`` instead of reading them into memory: an IVF base searched
+        in memory with exact re-ranking from disk (:meth:`mapped_bytes` says how much stays on disk). Such an
+        index stays on CPU.
+        """
         directory = Path(directory)
         meta = read_meta(directory)
         ids = json.loads((directory / _IDS_FILE).read_text())
-        cpu = faiss.read_index(str(directory / _INDEX_FILE))
+        cpu = faiss.read_index(str(directory / _INDEX_FILE), faiss.IO_FLAG_MMAP_IFC if mmap else 0)
         if not (cpu.ntotal == len(ids) == meta["count"] and cpu.d == meta["dim"]):
             raise ValueError(
                 f"{directory}: index holds {cpu.ntotal} vectors of dim {cpu.d}, "
@@ -437,6 +474,7 @@ class DocumentIndex:
         index = cls.__new__(cls)
         index.dim, index.spec, index.ids, index._use_gpu = cpu.d, IndexSpec(**meta["spec"]), ids, use_gpu
         index.tuning = meta.get("tuning")
+        index.mmap = mmap
         index._index = index._place(cpu)
         index._apply_search_parameters()
         return index

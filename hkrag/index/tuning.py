@@ -12,7 +12,8 @@ target and store it with the index (``index.json``: spec parameters plus a ``tun
     python -m hkrag.index.tuning --index runs/index --shards runs/corpus --queries runs/tuning-queries \\
         --spec "faiss:PCA384,IVF2048,PQ96x4fs,Refine(PCA384,SQ8)" --target 0.95 --k 5
 
-Without ``--spec`` the index already saved in ``--index`` is tuned and only its ``index.json`` is rewritten.
+Without ``--spec`` the index already saved in ``--index`` is tuned and only its ``index.json`` is rewritten;
+``--mmap`` then opens it with its stored vectors mapped from disk (an index larger than memory, re-ranked from disk).
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--chunk", type=int, default=65536, help="documents per exact-search chunk")
     parser.add_argument("--cpu", action="store_true", help="never use a GPU")
+    parser.add_argument(
+        "--mmap", action="store_true", help="open the saved index with its stored vectors mapped from disk"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -129,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         index = DocumentIndex.build(doc_ids, docs, args.spec, use_gpu=use_gpu)
         log.info("built %s over %d documents in %.1f s", index.spec, len(index), time.perf_counter() - start)
     else:
-        index = DocumentIndex.load(args.index, use_gpu=use_gpu)
+        index = DocumentIndex.load(args.index, use_gpu=False if args.mmap else use_gpu, mmap=args.mmap)
         if index.ids != doc_ids:
             raise ValueError(f"{args.index} does not index the documents of {args.shards} (ids differ)")
     _, exact = exact_neighbours(queries, _chunks(docs, args.chunk), args.k)
