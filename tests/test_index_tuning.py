@@ -13,7 +13,7 @@ from hkrag.index.synthetic_embeddings import (
     IsotropicMixture,
     embedding_stats,
 )
-from hkrag.index.tuning import exact_neighbours, main, recall_at_k, tune
+from hkrag.index.tuning import exact_neighbours, main, recall_at_k, recall_lower_bound, tune
 
 K = 5
 SPEC = "faiss:PCA32,IVF16,PQ8x4fs,Refine(SQ8)"
@@ -143,3 +143,20 @@ def test_embedding_like_generator_has_the_measured_structure():
     assert stats["near_duplicates"] > no_copies["near_duplicates"] + 0.15 and isotropic["near_duplicates"] == 0
     with pytest.raises(ValueError, match="rank must be in"):
         EmbeddingLike(dim=8, rank=9)
+
+
+def test_recall_lower_bound_is_the_one_sided_normal_bound():
+    recalls = np.array([1.0, 0.8, 1.0, 0.6])  # mean 0.85, sample std 0.19149
+    assert recall_lower_bound(recalls, 0.5) == pytest.approx(0.85)
+    assert recall_lower_bound(recalls, 0.95) == pytest.approx(0.85 - 1.644854 * 0.191485 / 2, abs=1e-5)
+    assert recall_lower_bound(np.ones(3), 0.99) == 1.0
+    with pytest.raises(ValueError, match="confidence must be in"):
+        recall_lower_bound(recalls, 1.0)
+
+
+def test_tuning_asks_the_lower_bound_to_reach_the_target(tuned):
+    index, record = tuned
+    assert record["confidence"] == 0.95 and record["recall_lower"] >= record["target"]
+    cheaper = [m for m in record["measured"] if m["ms_per_query"] < record["ms_per_query"]]
+    assert all(m["recall_lower"] < record["target"] for m in cheaper)
+    assert all(m["recall_lower"] <= m["recall"] for m in record["measured"])

@@ -6,8 +6,9 @@ corpus, so a 1M x 3072 corpus never has to sit in memory next to its index. The 
 parameter space: ``ParameterSpace.initialize`` lists the index's parameters (``nprobe``, ``efSearch``,
 ``k_factor_rf`` of a refine stage, ...), every combination is timed on the tuning queries and collected as
 FAISS ``OperatingPoints`` (Pareto front of time and recall); we take the fastest one whose recall reaches the
-target and store it with the index (``index.json``: spec parameters plus a ``tuning`` record), so
-``DocumentIndex.load`` and ``eval.index=tuned:<dir>`` search with it.
+target with 95% confidence (``--confidence``: the tuning queries are a sample) and store it with the index
+(``index.json``: spec parameters plus a ``tuning`` record), so ``DocumentIndex.load`` and
+``eval.index=tuned:<dir>`` search with it.
 
     python -m hkrag.index.tuning --index runs/index --shards runs/corpus --queries runs/tuning-queries \\
         --spec "faiss:PCA384,IVF2048,PQ96x4fs,Refine(PCA384,SQ8)" --target 0.95 --k 5
@@ -23,6 +24,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from statistics import NormalDist
 
 import faiss
 import numpy as np
@@ -42,10 +44,28 @@ def exact_neighbours(queries: np.ndarray, chunks: Iterable[np.ndarray], k: int) 
     return knn_ground_truth(queries, chunks, k, metric_type=faiss.METRIC_INNER_PRODUCT)
 
 
-def recall_at_k(rows: np.ndarray, exact: np.ndarray) -> float:
-    """Mean fraction of each query's exact top-k found in its top-k (``-1`` slots never match)."""
+def query_recalls(rows: np.ndarray, exact: np.ndarray) -> np.ndarray:
+    """Per query, the fraction of its exact top-k found in its top-k (``-1`` slots never match)."""
     k = exact.shape[1]
-    return float(np.mean([len(set(r[:k][r[:k] >= 0].tolist()) & set(e.tolist())) / k for r, e in zip(rows, exact)]))
+    return np.array([len(set(r[:k][r[:k] >= 0].tolist()) & set(e.tolist())) / k for r, e in zip(rows, exact)])
+
+
+def recall_at_k(rows: np.ndarray, exact: np.ndarray) -> float:
+    """Mean over queries of :func:`query_recalls`."""
+    return float(query_recalls(rows, exact).mean())
+
+
+def recall_lower_bound(recalls: np.ndarray, confidence: float) -> float:
+    """One-sided lower confidence bound of the mean recall (normal approximation; the mean itself at 0.5).
+
+    The tuning queries are a sample: a point chosen because its sample recall just reaches the target
+    often misses it on other queries (at 100k pages, 0.968 on 300 tuning queries gave 0.932 on 500 test
+    queries), so tuning asks the lower bound to reach the target.
+    """
+    if not 0.5 <= confidence < 1:
+        raise ValueError(f"confidence must be in [0.5, 1), got {confidence}")
+    spread = recalls.std(ddof=1) / np.sqrt(len(recalls)) if len(recalls) > 1 else 0.0
+    return float(recalls.mean() - NormalDist().inv_cdf(confidence) * spread)
 
 
 def _timed_search(index: faiss.Index, queries: np.ndarray, k: int, repeats: int) -> tuple[float, np.ndarray]:
@@ -59,10 +79,17 @@ def _timed_search(index: faiss.Index, queries: np.ndarray, k: int, repeats: int)
 
 
 def tune(
-    index: DocumentIndex, queries: np.ndarray, exact: np.ndarray, *, target: float = 0.95, repeats: int = 3
+    index: DocumentIndex,
+    queries: np.ndarray,
+    exact: np.ndarray,
+    *,
+    target: float = 0.95,
+    confidence: float = 0.95,
+    repeats: int = 3,
 ) -> dict:
     """Set the fastest parameters of ``index`` whose recall@k (k = ``exact.shape[1]``) on ``queries`` reaches
-    ``target``; return the tuning record also stored in ``index.tuning``.
+    ``target`` with the given ``confidence`` (:func:`recall_lower_bound`); return the tuning record also stored
+    in ``index.tuning``.
 
     Every combination of the ranges ``faiss.ParameterSpace.initialize`` gives the index (powers of two for
     ``nprobe``, ``k_factor_rf``, ``efSearch``...) is measured: recall is not monotone in them with 4-bit PQ
@@ -84,22 +111,39 @@ def tune(
         key = space.combination_name(combination)
         space.set_index_parameters(index.faiss_index, key)
         seconds, rows = _timed_search(index.faiss_index, queries, k, repeats)
-        recall = recall_at_k(rows, exact)
-        points.add(recall, seconds, key)
-        measured.append({"params": key, "recall": recall, "ms_per_query": 1000 * seconds / len(queries)})
-    meeting = [m for m in measured if m["recall"] >= target]
+        recalls = query_recalls(rows, exact)
+        points.add(float(recalls.mean()), seconds, key)
+        measured.append(
+            {
+                "params": key,
+                "recall": float(recalls.mean()),
+                "recall_lower": recall_lower_bound(recalls, confidence),
+                "ms_per_query": 1000 * seconds / len(queries),
+            }
+        )
+    meeting = [m for m in measured if m["recall_lower"] >= target]
     best = min(meeting, key=lambda m: m["ms_per_query"]) if meeting else max(measured, key=lambda m: m["recall"])
     index.search_params = best["params"]
     optimal = {points.optimal_pts.at(i).key for i in range(points.optimal_pts.size())}
     index.tuning = {
         **best,
         "target": target,
+        "confidence": confidence,
         "k": k,
         "met": bool(meeting),
         "queries": len(queries),
         "measured": [m | {"pareto": m["params"] in optimal} for m in measured],
     }
-    log.info("%s: %s gives recall@%d %.4f (target %.2f)", index.spec.factory, best["params"], k, best["recall"], target)
+    log.info(
+        "%s: %s gives recall@%d %.4f (lower bound %.4f at confidence %.2f; target %.2f)",
+        index.spec.factory,
+        best["params"],
+        k,
+        best["recall"],
+        best["recall_lower"],
+        confidence,
+        target,
+    )
     if not meeting:
         log.warning("no parameters of %s reach recall@%d %.2f; using the most accurate", index.spec.factory, k, target)
     return index.tuning
@@ -116,6 +160,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--queries", required=True, help="shard directory of held-out tuning query embeddings")
     parser.add_argument("--spec", help="build this index over --shards first (e.g. faiss:...)")
     parser.add_argument("--target", type=float, default=0.95, help="recall@k against exact search to reach")
+    parser.add_argument(
+        "--confidence",
+        type=float,
+        default=0.95,
+        help="the target must hold for the recall's lower confidence bound at this level (0.5: the mean)",
+    )
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--chunk", type=int, default=65536, help="documents per exact-search chunk")
     parser.add_argument("--cpu", action="store_true", help="never use a GPU")
@@ -137,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if index.ids != doc_ids:
             raise ValueError(f"{args.index} does not index the documents of {args.shards} (ids differ)")
     _, exact = exact_neighbours(queries, _chunks(docs, args.chunk), args.k)
-    record = tune(index, queries, exact, target=args.target)
+    record = tune(index, queries, exact, target=args.target, confidence=args.confidence)
     if args.spec:
         index.save(args.index)
     else:
