@@ -14,10 +14,13 @@ few IVF lists probed); those slots are dropped, never mapped to a document.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import math
+import mmap
 import re
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -169,6 +172,31 @@ def _parts(index: faiss.Index) -> Iterator[faiss.Index]:
 def _has_gpu_part(index: faiss.Index) -> bool:
     """Whether ``index`` or a sub-index it wraps lives on a GPU."""
     return any(type(part).__name__.startswith("Gpu") for part in _parts(index))
+
+
+def _mapped_refine_store(index: faiss.Index) -> faiss.IndexFlatCodes | None:
+    """The memory-mapped flat store of an index's refine stage (``...,Refine(Flat)`` loaded with mmap), or None."""
+    index = faiss.downcast_index(index)
+    if not isinstance(index, faiss.IndexRefine):
+        return None
+    store = faiss.downcast_index(index.refine_index)
+    return store if isinstance(store, faiss.IndexFlatCodes) and not store.codes.is_owned else None
+
+
+def _prefetch_candidates(index: faiss.IndexRefine, store: faiss.IndexFlatCodes, queries: np.ndarray, k: int) -> None:
+    """Ask the kernel to read every re-ranking candidate's stored vector now, all at once (``MADV_WILLNEED``).
+
+    FAISS's refine stage then finds them in the page cache. Without this it reads them one page fault at a
+    time (the mapping is ``MADV_RANDOM``: a 12 KB vector is three or four faults), which made disk re-ranking
+    of 10 candidates cost ~5 ms cold at 1M pages. The base search is run twice; it is the cheap part.
+    """
+    _, rows = index.base_index.search(queries, int(k * index.k_factor))
+    start = faiss.rev_swig_ptr(store.codes.data(), 1).ctypes.data
+    libc = ctypes.CDLL(None, use_errno=True)
+    for row in np.unique(rows[rows >= 0]):
+        first = start + int(row) * store.code_size
+        aligned = first - first % mmap.PAGESIZE
+        libc.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(first + store.code_size - aligned), mmap.MADV_WILLNEED)
 
 
 def gpu_count() -> int:
@@ -376,7 +404,11 @@ class DocumentIndex:
             raise ValueError(f"k must be positive, got {k}")
         if not self.ids:
             raise ValueError("the index is empty: add documents before searching")
-        scores, rows = self._index.search(queries, min(k, len(self.ids)))
+        k = min(k, len(self.ids))
+        store = _mapped_refine_store(self._index) if self.mmap and sys.platform.startswith("linux") else None
+        if store is not None:
+            _prefetch_candidates(faiss.downcast_index(self._index), store, queries, k)
+        scores, rows = self._index.search(queries, k)
         if self._index.metric_type == faiss.METRIC_L2:
             scores = 1.0 - scores / 2.0  # unit vectors: |q - x|^2 = 2 - 2 q·x
         return scores, rows
