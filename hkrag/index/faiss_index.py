@@ -38,6 +38,7 @@ KINDS = ("flat", "ivfpq", "sq8", "fp16", "faiss")
 # FAISS clones only these to GPU; its cloner would silently keep a flat scalar quantiser on CPU.
 # A faiss: spec is tried too: whatever part of it FAISS can clone goes to GPU (checked after cloning).
 GPU_KINDS = ("flat", "ivfpq", "faiss")
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # madvise for prefetching
 _INDEX_FILE = "index.faiss"
 _IDS_FILE = "ids.json"
 _META_FILE = "index.json"
@@ -187,16 +188,16 @@ def _prefetch_candidates(index: faiss.IndexRefine, store: faiss.IndexFlatCodes, 
     """Ask the kernel to read every re-ranking candidate's stored vector now, all at once (``MADV_WILLNEED``).
 
     FAISS's refine stage then finds them in the page cache. Without this it reads them one page fault at a
-    time (the mapping is ``MADV_RANDOM``: a 12 KB vector is three or four faults), which made disk re-ranking
-    of 10 candidates cost ~5 ms cold at 1M pages. The base search is run twice; it is the cheap part.
+    time (the mapping is ``MADV_RANDOM``: a 12 KB vector is three or four faults). At 100k pages this took
+    the cold p50 from 2.9 to 1.9 ms with 10 candidates and from 7.6 to 2.4 ms with 40 (bench/RESULTS.md).
+    The base search runs twice, which costs about 0.5 ms warm at 1M pages.
     """
     _, rows = index.base_index.search(queries, int(k * index.k_factor))
     start = faiss.rev_swig_ptr(store.codes.data(), 1).ctypes.data
-    libc = ctypes.CDLL(None, use_errno=True)
     for row in np.unique(rows[rows >= 0]):
         first = start + int(row) * store.code_size
         aligned = first - first % mmap.PAGESIZE
-        libc.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(first + store.code_size - aligned), mmap.MADV_WILLNEED)
+        _LIBC.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(first + store.code_size - aligned), mmap.MADV_WILLNEED)
 
 
 def gpu_count() -> int:
@@ -405,7 +406,7 @@ class DocumentIndex:
         if not self.ids:
             raise ValueError("the index is empty: add documents before searching")
         k = min(k, len(self.ids))
-        store = _mapped_refine_store(self._index) if self.mmap and sys.platform.startswith("linux") else None
+        store = _mapped_refine_store(self._index) if self.mmap and _LIBC is not None else None
         if store is not None:
             _prefetch_candidates(faiss.downcast_index(self._index), store, queries, k)
         scores, rows = self._index.search(queries, k)
