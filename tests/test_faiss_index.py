@@ -4,6 +4,7 @@ import logging
 import sys
 from pathlib import Path
 
+import faiss
 import numpy as np
 import pytest
 
@@ -146,8 +147,6 @@ def test_save_load_round_trip(docs, tmp_path, spec):
 
 
 def test_nbytes_counts_the_serialized_index(docs):
-    import faiss
-
     index = DocumentIndex.build(*docs, "sq8")
     assert index.nbytes() == faiss.serialize_index(index.cpu_index()).nbytes
     assert index.mapped_bytes() == 0
@@ -160,6 +159,8 @@ def test_mmap_load_reranks_exactly_from_the_mapped_file(docs, tmp_path):
     assert mapped.mapped_bytes() == len(ids) * 16 * 4  # the Refine(Flat) store stays on disk
     assert not mapped.on_gpu and DocumentIndex.load(tmp_path).mapped_bytes() == 0
     assert _mapped_refine_store(mapped.faiss_index) is not None  # its candidates are prefetched
+    lists = faiss.downcast_InvertedLists(faiss.extract_index_ivf(mapped.faiss_index).invlists)
+    assert all(lists.codes.at(i).is_owned for i in range(lists.nlist))  # the IVF lists are read into memory
     assert _mapped_refine_store(index.faiss_index) is None
     queries = unit(20, seed=3)
     a, b = index.search(queries, 5), mapped.search(queries, 5)

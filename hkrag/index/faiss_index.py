@@ -200,6 +200,28 @@ def _prefetch_candidates(index: faiss.IndexRefine, store: faiss.IndexFlatCodes, 
         _LIBC.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(first + store.code_size - aligned), mmap.MADV_WILLNEED)
 
 
+def _own_inverted_lists(index: faiss.Index) -> None:
+    """Copy memory-mapped IVF lists into memory, so that only flat code stores stay on disk.
+
+    ``IO_FLAG_MMAP_IFC`` maps an IVF index's lists too; a cold probe then read its list one page fault at a
+    time, 4.3 ms of a 5.8 ms query at 1M pages, though the lists are the small part meant to be in memory.
+    """
+    for part in _parts(index):
+        if not isinstance(part, faiss.IndexIVF):
+            continue
+        lists = faiss.downcast_InvertedLists(part.invlists)
+        if not isinstance(lists, faiss.ArrayInvertedLists) or all(
+            lists.codes.at(i).is_owned for i in range(lists.nlist)
+        ):
+            continue
+        owned = faiss.ArrayInvertedLists(lists.nlist, lists.code_size)
+        for i in range(lists.nlist):
+            if lists.list_size(i):
+                owned.add_entries(i, lists.list_size(i), lists.get_ids(i), lists.get_codes(i))
+        part.replace_invlists(owned, True)
+        owned.this.disown()  # the index owns it now
+
+
 def gpu_count() -> int:
     """Number of GPUs FAISS can use (0 for a CPU-only FAISS build)."""
     return faiss.get_num_gpus() if hasattr(faiss, "StandardGpuResources") else 0
@@ -499,6 +521,8 @@ class DocumentIndex:
         meta = read_meta(directory)
         ids = json.loads((directory / _IDS_FILE).read_text())
         cpu = faiss.read_index(str(directory / _INDEX_FILE), faiss.IO_FLAG_MMAP_IFC if mmap else 0)
+        if mmap:
+            _own_inverted_lists(cpu)
         if not (cpu.ntotal == len(ids) == meta["count"] and cpu.d == meta["dim"]):
             raise ValueError(
                 f"{directory}: index holds {cpu.ntotal} vectors of dim {cpu.d}, "
