@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import os
 import platform
+import re
 import resource
 import shutil
 import time
@@ -44,7 +45,7 @@ from hkrag.index.synthetic_embeddings import (
     EmbeddingSettings,
     IsotropicMixture,
 )
-from hkrag.index.tuning import exact_neighbours, query_recalls, recall_at_k, recall_lower_bound, tune
+from hkrag.index.tuning import exact_neighbours, query_recalls, recall_at_k, recall_summary, tune
 from hkrag.io import atomic_write
 
 DEFAULT_SPECS = ("PCA384,IVF2048,PQ96x4fs,Refine(PCA384,SQ8)",)
@@ -235,24 +236,28 @@ def main() -> None:
         lines = [header, "|" + "---|" * (header.count("|") - 1)]
         for spec in args.specs:
             index, cost = build(spec, data, corpus, args)
-            slug = spec.partition(";")[0].replace(",", "_").replace("(", "").replace(")", "")
-            directory = Path(args.save or args.workdir) / slug
+            directory = Path(args.save or args.workdir) / re.sub(r"[^A-Za-z0-9]+", "_", spec).strip("_")
             if args.mmap:
                 index.save(directory)
                 index = reopen(directory)
             if index.spec.params:  # given after the spec's ';': measured on the tuning queries, not tuned
                 recalls = query_recalls(index.search_arrays(tuning_q, args.k)[1], tuning_exact)
-                record = {"recall": recalls.mean(), "recall_lower": recall_lower_bound(recalls, args.confidence)}
+                record = recall_summary(recalls, args.confidence)
             else:
                 record = tune(index, tuning_q, tuning_exact, target=args.target, confidence=args.confidence)
-            if args.save or args.mmap:
-                index.save_meta(directory)
             disk = index.mapped_bytes()
             ram = index.nbytes() - disk
             name = str(index.spec)
             if args.mmap:
-                del index  # its mapping holds the pages tuning read; measure reopens the index cold
-            result = measure(partial(reopen, directory) if args.mmap else kept(index), test_q, test_exact, args)
+                index.save_meta(directory)
+                open_index = partial(reopen, directory)  # the tuned index's mapping holds the pages tuning read
+            else:
+                if args.save:
+                    index.save(directory)
+                open_index = kept(index)
+            del index
+            result = measure(open_index, test_q, test_exact, args)
+            del open_index
             lines.append(
                 f"| {name} | {cost['train_s']:.0f} | {cost['add_s']:.0f} | {ram / 1e6:,.0f} "
                 f"| 1/{flat_bytes / ram:.1f} | {disk / 1e6:,.0f} | {result['qps']:,.0f} | {result['p50_ms']:.2f} "
@@ -262,9 +267,6 @@ def main() -> None:
             print(lines[-1], f"(RSS growth {cost['rss_growth'] / 2**20:,.0f} MiB)", flush=True)
             if args.mmap and not args.save:
                 shutil.rmtree(directory)
-            elif args.save and not args.mmap:
-                index.save(directory)
-            index = None
         print("\n" + "\n".join(lines))
         print(
             f"\npeak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB; "

@@ -175,13 +175,18 @@ def _has_gpu_part(index: faiss.Index) -> bool:
     return any(type(part).__name__.startswith("Gpu") for part in _parts(index))
 
 
+def _is_mapped_store(part: faiss.Index) -> bool:
+    """Whether ``part`` is a flat code store whose codes are mapped from the index file (loaded with mmap)."""
+    return isinstance(part, faiss.IndexFlatCodes) and not part.codes.is_owned
+
+
 def _mapped_refine_store(index: faiss.Index) -> faiss.IndexFlatCodes | None:
     """The memory-mapped flat store of an index's refine stage (``...,Refine(Flat)`` loaded with mmap), or None."""
     index = faiss.downcast_index(index)
     if not isinstance(index, faiss.IndexRefine):
         return None
     store = faiss.downcast_index(index.refine_index)
-    return store if isinstance(store, faiss.IndexFlatCodes) and not store.codes.is_owned else None
+    return store if _is_mapped_store(store) else None
 
 
 def _prefetch_candidates(index: faiss.IndexRefine, store: faiss.IndexFlatCodes, queries: np.ndarray, k: int) -> None:
@@ -251,6 +256,7 @@ class DocumentIndex:
         self.ids: list[str] = []
         self._use_gpu = use_gpu
         self.mmap = False  # set by load(mmap=True)
+        self._prefetch_store: faiss.IndexFlatCodes | None = None  # a mapped refine store, set by load(mmap=True)
         self._index: faiss.Index | None = None
         self.on_gpu = False  # set by _place
         self.tuning: dict | None = None  # how the search parameters were chosen (hkrag.index.tuning)
@@ -428,9 +434,8 @@ class DocumentIndex:
         if not self.ids:
             raise ValueError("the index is empty: add documents before searching")
         k = min(k, len(self.ids))
-        store = _mapped_refine_store(self._index) if self.mmap and _LIBC is not None else None
-        if store is not None:
-            _prefetch_candidates(faiss.downcast_index(self._index), store, queries, k)
+        if self._prefetch_store is not None:
+            _prefetch_candidates(faiss.downcast_index(self._index), self._prefetch_store, queries, k)
         scores, rows = self._index.search(queries, k)
         if self._index.metric_type == faiss.METRIC_L2:
             scores = 1.0 - scores / 2.0  # unit vectors: |q - x|^2 = 2 - 2 q·x
@@ -487,11 +492,7 @@ class DocumentIndex:
     def mapped_bytes(self) -> int:
         """Bytes of stored vectors/codes read from the index file on demand rather than held in memory
         (the flat code stores of an index loaded with ``mmap=True``, e.g. a ``Refine(Flat)`` stage; 0 otherwise)."""
-        return sum(
-            part.codes.size()
-            for part in _parts(self.cpu_index())
-            if isinstance(part, faiss.IndexFlatCodes) and not part.codes.is_owned
-        )
+        return sum(part.codes.size() for part in _parts(self.cpu_index()) if _is_mapped_store(part))
 
     def save(self, directory: str | Path) -> Path:
         """Write ``index.faiss``, ``ids.json`` and ``index.json`` (spec with its search parameters, dim,
@@ -532,6 +533,7 @@ class DocumentIndex:
         index.dim, index.spec, index.ids, index._use_gpu = cpu.d, IndexSpec(**meta["spec"]), ids, use_gpu
         index.tuning = meta.get("tuning")
         index.mmap = mmap
+        index._prefetch_store = _mapped_refine_store(cpu) if mmap and _LIBC is not None else None
         index._index = index._place(cpu)
         index._apply_search_parameters()
         return index

@@ -68,6 +68,11 @@ def recall_lower_bound(recalls: np.ndarray, confidence: float) -> float:
     return float(recalls.mean() - NormalDist().inv_cdf(confidence) * spread)
 
 
+def recall_summary(recalls: np.ndarray, confidence: float) -> dict[str, float]:
+    """Mean recall over the queries and its :func:`recall_lower_bound` at ``confidence``."""
+    return {"recall": float(recalls.mean()), "recall_lower": recall_lower_bound(recalls, confidence)}
+
+
 def _timed_search(index: faiss.Index, queries: np.ndarray, k: int, repeats: int) -> tuple[float, np.ndarray]:
     """Fastest of ``repeats`` batched searches (the least disturbed run on a shared machine) and its rows."""
     best = float("inf")
@@ -114,12 +119,7 @@ def tune(
         recalls = query_recalls(rows, exact)
         points.add(float(recalls.mean()), seconds, key)
         measured.append(
-            {
-                "params": key,
-                "recall": float(recalls.mean()),
-                "recall_lower": recall_lower_bound(recalls, confidence),
-                "ms_per_query": 1000 * seconds / len(queries),
-            }
+            {"params": key, **recall_summary(recalls, confidence), "ms_per_query": 1000 * seconds / len(queries)}
         )
     meeting = [m for m in measured if m["recall_lower"] >= target]
     best = min(meeting, key=lambda m: m["ms_per_query"]) if meeting else max(measured, key=lambda m: m["recall"])
