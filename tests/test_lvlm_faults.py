@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import email.utils
 import io
+import math
 import random
 import socket
 import time
@@ -17,7 +18,15 @@ from _lvlm_fake import Reply, ScriptedServer, completion
 from PIL import Image
 
 from hkrag.data.images import ImageError
-from hkrag.lvlm import GenerationSettings, LVLMHTTPError, LVLMRequest, LVLMResponseError, LVLMTimeoutError, PageImage
+from hkrag.lvlm import (
+    GenerationSettings,
+    LVLMHTTPError,
+    LVLMRequest,
+    LVLMResponseError,
+    LVLMTimeoutError,
+    PageImage,
+    uncertainty,
+)
 from hkrag.lvlm.openai_backend import OpenAIBackend, RetryPolicy, retry_after_seconds
 
 FAST = dict(api_key_env=None, timeout_s=5.0, max_retries=2, backoff_base_s=0.01, backoff_max_s=0.05)
@@ -110,22 +119,94 @@ def test_connection_refused_is_retried_then_raised():
     assert error.value.status is None and time.perf_counter() - start < 5
 
 
+DELETE = object()
+
+
+def patched(*path, value=DELETE, tokens=(("Ye", -0.2), ("s", -0.05))) -> dict:
+    """A valid completion (one alternative per token) with the field at ``path`` set to ``value`` or deleted."""
+    body = completion(tokens, top=1)
+    *parents, last = path
+    target = body
+    for key in parents:
+        target = target[key]
+    if value is DELETE:
+        del target[last]
+    else:
+        target[last] = value
+    return body
+
+
+CONTENT = ("choices", 0, "logprobs", "content")
+
+
 @pytest.mark.parametrize(
     "body,problem",
     [
         (b"{not json", "malformed JSON"),
-        (b"[1, 2]", "not a chat completion"),
+        (b"\xff\xfe\x00", "malformed JSON"),
+        (b"[1, 2]", "not a chat completion: \\[1, 2\\]"),
+        (b'"hello"', "not a chat completion: 'hello'"),
+        ({"id": "x", "object": "error"}, "not a chat completion"),
         (completion(choices=[]), "no choices"),
-        (completion(logprobs=False), "no logprobs"),
-        (completion(tokens=()) | {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
-                                                "logprobs": {"content": []}, "finish_reason": "stop"}]},
-         "empty logprobs"),
+        (completion(choices={"0": {}}), "malformed response: choices is an object, not an array"),
+        (completion(choices=["yes"]), "malformed response: choices\\[0\\] is a string, not an object"),
+        (patched("choices", 0, "message"), "choices\\[0\\].message is missing"),
+        (patched("choices", 0, "message", value="yes"), "choices\\[0\\].message is a string, not an object"),
+        (patched("choices", 0, "message", "content", value=None), "no message content"),
+        (patched("choices", 0, "message", "content", value=42), "message.content is an integer, not a string"),
+        (patched("choices", 0, "finish_reason", value=3), "choices\\[0\\].finish_reason is an integer, not a string"),
+        (completion(logprobs=False), "no logprobs although they were asked for"),
+        (patched("choices", 0, "logprobs", value=[]), "choices\\[0\\].logprobs is an array, not an object"),
+        (patched(*CONTENT, value="Yes"), "choices\\[0\\].logprobs.content is a string, not an array"),
+        (patched(*CONTENT, value=[]), "text but an empty logprobs list"),
+        (patched(*CONTENT, 1, value=7), "content\\[1\\] is an integer, not an object"),
+        (patched(*CONTENT, 1, "token"), "content\\[1\\].token is missing"),
+        (patched(*CONTENT, 1, "token", value=5), "content\\[1\\].token is an integer, not a string"),
+        (patched(*CONTENT, 1, "top_logprobs", value="s0"), "content\\[1\\].top_logprobs is a string, not an array"),
+        (patched(*CONTENT, 1, "top_logprobs", 0, value=None), "top_logprobs\\[0\\] is null, not an object"),
+        (patched(*CONTENT, 1, "top_logprobs", 0, "token"), "content\\[1\\].top_logprobs\\[0\\].token is missing"),
+        (patched("usage", value="lots"), "malformed response: usage is a string, not an object"),
+        (patched("usage", "prompt_tokens"), "usage.prompt_tokens is missing"),
+        (patched("usage", "prompt_tokens", value=-3), "usage.prompt_tokens is negative \\(-3\\)"),
+        (patched("usage", "prompt_tokens", value=1.5), "usage.prompt_tokens is a number, not an integer"),
+        (patched("usage", "completion_tokens", value="7"), "usage.completion_tokens is a string, not an integer"),
+        (patched("usage", "completion_tokens", value=True), "usage.completion_tokens is a boolean, not an integer"),
+        (patched("model", value=["m"]), "malformed response: model is an array, not a string"),
     ],
 )
-def test_malformed_responses_are_typed_errors_without_retry(body, problem):
-    with ScriptedServer([Reply(body=body)]) as server, pytest.raises(LVLMResponseError, match=problem):
+def test_malformed_responses_are_typed_errors_naming_the_field_without_retry(body, problem):
+    with ScriptedServer([Reply(body=body)]) as server, pytest.raises(LVLMResponseError, match=problem) as error:
         ask(backend(server))
+    assert len(server.received) == 1 and f"{server.base_url} (model 'scripted-model')" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "where,value,problem",
+    [
+        ((1, "logprob"), None, "content\\[1\\].logprob is null"),
+        ((1, "logprob"), DELETE, "content\\[1\\].logprob is missing"),
+        ((1, "logprob"), math.nan, "content\\[1\\].logprob is NaN"),
+        ((1, "logprob"), math.inf, "content\\[1\\].logprob is inf, above 0"),
+        ((1, "logprob"), 0.5, "content\\[1\\].logprob is 0.5, above 0 beyond the rounding tolerance 0.0001"),
+        ((1, "logprob"), "-0.1", "content\\[1\\].logprob is not a number \\(got str '-0.1'\\)"),
+        ((1, "logprob"), True, "content\\[1\\].logprob is not a number \\(got bool 'True'\\)"),
+        ((1, "logprob"), -(10**400), "content\\[1\\].logprob is out of the float range"),
+        ((0, "top_logprobs", 0, "logprob"), None, "content\\[0\\].top_logprobs\\[0\\].logprob is null"),
+        ((0, "top_logprobs", 0, "logprob"), math.nan, "content\\[0\\].top_logprobs\\[0\\].logprob is NaN"),
+    ],
+)
+def test_unusable_log_probabilities_are_response_errors_naming_the_entry(where, value, problem):
+    body = patched(*CONTENT, *where, value=value)
+    with ScriptedServer([Reply(body=body)]) as server, pytest.raises(LVLMResponseError, match=problem):
+        ask(backend(server), top_logprobs=1)
     assert len(server.received) == 1
+
+
+def test_zero_and_rounding_probabilities_are_accepted():
+    tokens = (("Ye", -math.inf), ("s", 3e-6))  # p = 0 (JSON -Infinity) and float32 rounding of p = 1
+    with ScriptedServer([Reply(body=completion(tokens))]) as server:
+        result = ask(backend(server))
+    assert result.logprobs == [-math.inf, 3e-6] and uncertainty(result).value == 0.0
 
 
 def test_undecodable_page_names_it_before_any_request():

@@ -19,7 +19,17 @@ from _lvlm_fake import FakeBackend, Reply, ScriptedServer, completion
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from hkrag.lvlm import GenerationSettings, LVLMError, LVLMHTTPError, LVLMRequest, Message, PageImage, build_backend
+from hkrag.lvlm import (
+    GenerationSettings,
+    LVLMBackend,
+    LVLMError,
+    LVLMHTTPError,
+    LVLMRequest,
+    Message,
+    PageImage,
+    build_backend,
+    uncertainty,
+)
 from hkrag.lvlm.images import decode_data_uri, encode_page
 from hkrag.lvlm.openai_backend import OpenAIBackend
 from hkrag.lvlm.serve import Batcher, create_app, load_backend
@@ -192,6 +202,61 @@ def test_generate_keeps_order_and_bounds_requests_in_flight(tmp_path):
             results = backend.generate(requests)
     assert [r.text for r in results] == [f"q{i}" for i in range(8)] + ["q0"] * 4
     assert 2 <= peak[0] <= 3
+
+
+def answered(tokens, finish_reason="stop", text="Yes", generated=None, **options):
+    """The result of the openai backend for a server answering ``text`` with ``tokens`` as its logprobs and
+    ``generated`` as ``usage.completion_tokens`` (default: one per token)."""
+    body = completion(tokens)
+    body["choices"][0].update(finish_reason=finish_reason, message={"role": "assistant", "content": text})
+    body["usage"]["completion_tokens"] = len(tokens) if generated is None else generated
+    with ScriptedServer([Reply(body=body)]) as server:
+        return OpenAIBackend("m", server.base_url, **FAST, **options)(LVLMRequest.user("Is it?"))
+
+
+ANSWER = (("Ye", -0.2), ("s", -0.7))
+
+
+@pytest.mark.parametrize(
+    "end,finish_reason,options,kept",
+    [
+        ("<|im_end|>", "stop", {}, 2),  # Qwen, as vLLM lists it
+        ("<|end|>", "stop", {}, 2),  # Phi-3
+        ("<|eot_id|>", "stop", {}, 2),  # Llama 3
+        ("", "stop", {}, 2),  # an end token detokenised with special tokens skipped
+        ("<END>", "stop", {"end_tokens": ["<END>"]}, 2),  # configured
+        ("<|im_end|>", "stop", {"end_tokens": []}, 3),  # not an end token then
+        ("", "stop", {"generated": 4}, 3),  # the server left the end token out: the empty token is the answer's
+        ("<|im_end|>", "length", {}, 3),  # generation did not end on it
+        ("!", "stop", {}, 3),  # a stop string, not an end token
+    ],
+)
+def test_a_trailing_end_token_is_not_part_of_the_answer(end, finish_reason, options, kept):
+    result = answered((*ANSWER, (end, -0.05)), finish_reason, **options)
+    assert [t.token for t in result.tokens] == [token for token, _ in ANSWER] + [end][: kept - 2]
+    assert result.completion_tokens == options.get("generated", 3)  # the server's: the end token is paid for
+    without_end = uncertainty(answered(ANSWER))
+    assert (uncertainty(result) == without_end) is (kept == 2)
+
+
+def test_without_logprobs_none_are_requested_or_required(tmp_path):
+    plain = Reply(body=completion(logprobs=False))
+    with ScriptedServer([plain]) as server:
+        backend = OpenAIBackend("judge", server.base_url, logprobs=False, cache_dir=tmp_path, **FAST)
+        result = backend(LVLMRequest.user("Grade it.", settings=GenerationSettings(top_logprobs=3)))
+        with_logprobs = OpenAIBackend("judge", server.base_url, cache_dir=tmp_path, **FAST)
+        with pytest.raises(LVLMError, match="no logprobs although they were asked for"):
+            with_logprobs(LVLMRequest.user("Grade it.", settings=GenerationSettings(top_logprobs=3)))  # no cache hit
+    assert (result.text, result.tokens, result.completion_tokens) == ("yes", [], 1)
+    assert "logprobs" not in server.received[0].body and "top_logprobs" not in server.received[0].body
+    assert server.received[1].body["logprobs"] is True and len(server.received) == 2
+
+
+def test_backends_declare_their_capabilities():
+    assert (LVLMBackend.vocab_size, LVLMBackend.exact_entropy) == (None, False)
+    http = OpenAIBackend("m", "http://127.0.0.1:9/v1", vocab_size=151_936, **FAST)
+    assert (http.vocab_size, http.exact_entropy) == (151_936, False)
+    assert (FakeBackend().vocab_size, FakeBackend.exact_entropy) == (1000, False)
 
 
 SECRET = "sk-hkrag-SECRET-4242"

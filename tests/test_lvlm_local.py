@@ -9,13 +9,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from _lvlm_fake import Reply, ScriptedServer, completion
 from omegaconf import OmegaConf
 from PIL import Image
 from transformers import DynamicCache
 
-from hkrag.lvlm import BACKENDS, GenerationSettings, LVLMRequest, Message, PageImage, build_backend, uncertainty
+from hkrag.lvlm import (
+    BACKENDS,
+    GenerationSettings,
+    LVLMRequest,
+    LVLMResponseError,
+    Message,
+    PageImage,
+    build_backend,
+    uncertainty,
+)
 from hkrag.lvlm.base import ImageError
 from hkrag.lvlm.local import FeatureCache, PrefixCache, PromptLayout, cut_at_stop, token_statistics
+from hkrag.lvlm.openai_backend import OpenAIBackend
 from hkrag.lvlm.phi3v import phi3_chat
 
 KINDS = ("phi3v", "qwen2_5_vl")
@@ -88,7 +99,7 @@ def test_logprobs_are_log_softmax_of_the_models_own_logits(kind, pages):
     for token in res.tokens:  # greedy: the chosen token is the best alternative; alternatives sorted
         assert token.top[0][1] == pytest.approx(token.logprob, abs=1e-6)
         assert [lp for _, lp in token.top] == sorted((lp for _, lp in token.top), reverse=True)
-    assert res.vocab_size == log_p.shape[-1]
+    assert res.vocab_size == log_p.shape[-1] == backend.vocab_size and backend.exact_entropy
     assert "".join(t.token for t in res.tokens) == res.text
     assert 0 < uncertainty(res, "entropy_exact").value <= 1
 
@@ -300,6 +311,44 @@ def test_end_token_ends_the_answer(kind):
     assert res.tokens[0].logprob == pytest.approx(-math.log(vocab))
 
 
+def step_logits(probs: list[float], vocab: int = 4) -> list[torch.Tensor]:
+    """One step per probability: token 0 has it, the other ``vocab - 1`` share the rest."""
+    return [torch.tensor([[math.log(p)] + [math.log((1 - p) / (vocab - 1))] * (vocab - 1)]) for p in probs]
+
+
+@pytest.mark.parametrize("end_text", ["vocabulary", ""])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_same_answer_gets_the_same_uncertainty_in_process_and_over_http(kind, end_text):
+    """The end-token rule: a vLLM-style response listing the end token (as its text, or empty) gives the
+    H′ of the local backend, which never counts it."""
+    backend = tiny(kind)
+    end = backend.end_ids[0]
+    ids = [backend.tokenizer.convert_tokens_to_ids(t) for t in backend.tokenizer.tokenize("red blue")]
+    probs = [0.9, 0.5, 0.3, 0.7, 0.2, 0.8][: len(ids)] + [0.6]  # the end token's p = 0.6 last
+    stats = token_statistics(step_logits(probs), torch.zeros(1, len(probs), dtype=torch.long), 0)
+    local = backend.result(0, [*ids, end], stats, GenerationSettings(max_new_tokens=8), 7, 0.5)
+    end_token = backend.tokenizer.convert_ids_to_tokens(end) if end_text else ""
+    served = [(t.token, t.logprob) for t in local.tokens] + [(end_token, float(stats.logprobs[0, -1]))]
+    body = completion(served)
+    body["choices"][0]["message"]["content"] = local.text
+    with ScriptedServer([Reply(body=body)]) as server:
+        remote = OpenAIBackend("m", server.base_url, api_key_env=None)(LVLMRequest.user("What colour?"))
+    assert (remote.text, remote.finish_reason, remote.logprobs) == (local.text, "stop", local.logprobs)
+    assert uncertainty(remote).value == uncertainty(local).value == pytest.approx(
+        math.e * sum(-p * math.log(p) for p in probs[:-1]) / len(ids), abs=1e-6)
+
+
+@pytest.mark.parametrize("poison,value", [(0, math.nan), (2, math.nan), (1, math.inf)])
+def test_nan_logits_are_a_response_error(poison, value):
+    """NaN at the chosen token, NaN elsewhere in the distribution, +inf (log_softmax then gives NaN)."""
+    backend = tiny("phi3v")
+    logits = step_logits([0.5, 0.5, 0.5])
+    logits[1][0, poison] = value
+    stats = token_statistics(logits, torch.zeros(1, 3, dtype=torch.long), 2)
+    with pytest.raises(LVLMResponseError, match="logits are NaN at generated token 1 .request 0 of the batch."):
+        backend.result(0, [5, 6, 7], stats, GenerationSettings(max_new_tokens=3), 7, 0.5)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_seeded_sampling_is_reproducible(kind, pages):
     backend = tiny(kind, prefix_cache_size=0)  # the second call would reuse the first's prefix: equal within 1e-5
@@ -314,6 +363,12 @@ def test_token_statistics_match_hand_computed_values():
     torch.testing.assert_close(stats.logprobs, torch.tensor([[math.log(0.25), -math.log(3)]]))
     torch.testing.assert_close(stats.entropies, torch.tensor([[1.5 * math.log(2), math.log(3)]]))
     assert stats.top_ids[0, 0].tolist() == [0, 1] and stats.vocab_size == 3
+
+
+def test_masked_logits_add_nothing_to_the_entropy():
+    logits = torch.tensor([[0.0, 0.0, -math.inf]])
+    stats = token_statistics([logits], torch.tensor([[2]]), top_k=0)
+    assert stats.entropies.item() == pytest.approx(math.log(2)) and stats.logprobs.item() == -math.inf
 
 
 def test_cut_at_stop_keeps_the_straddling_token():

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -21,6 +23,31 @@ from PIL import Image
 from hkrag.data.images import ImageError, open_image
 
 ROLES = ("system", "user", "assistant")
+
+LOGPROB_TOLERANCE = 1e-4
+"""The largest positive log-probability taken as rounding of 0 (p = 1): a float32 log-softmax of a peaked
+distribution can come out a few ulps above 0 (~1e-6 for logits of size ~30). Values in
+``(0, LOGPROB_TOLERANCE]`` count as 0; larger ones (p > 1) make a response malformed."""
+
+
+def logprob_problem(value: object) -> str | None:
+    """Why ``value`` is not a usable log-probability (``"is null"``, ``"is NaN"`` …), or ``None`` when it is.
+
+    Usable: a real number in ``[−inf, LOGPROB_TOLERANCE]``; −inf is p = 0 (a zero term in every estimator).
+    """
+    if value is None:
+        return "is null"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return f"is not a number (got {type(value).__name__} {str(value)[:40]!r})"
+    try:
+        number = float(value)
+    except OverflowError:
+        return f"is out of the float range ({str(value)[:40]}…)"
+    if math.isnan(number):
+        return "is NaN"
+    if number > LOGPROB_TOLERANCE:
+        return f"is {number:g}, above 0 beyond the rounding tolerance {LOGPROB_TOLERANCE:g} (a probability above 1)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -203,11 +230,22 @@ class LVLMBackend(ABC):
     Subclasses set ``name`` (the backend kind) and ``model`` (what produced the answers, written into
     every result and report) and implement :meth:`generate`. ``thread_safe`` backends (HTTP clients)
     may be called from several threads at once, so a run can answer several queries concurrently.
+
+    Capabilities, read before any call (e.g. to check that an uncertainty estimator can run):
+    ``vocab_size`` is the model's vocabulary size when known (``None`` otherwise; the entropy estimators
+    need it) and ``exact_entropy`` says whether every token carries its full-distribution entropy
+    (local backends), which the ``entropy_exact`` estimator needs.
+
+    The end-token rule: the token that ends generation (EOS / end-of-turn) is not part of the answer.
+    A backend never returns it in ``LVLMResult.tokens`` (it still counts in ``completion_tokens``), so it
+    never counts toward H′, whichever backend produced the answer.
     """
 
     name: str = "lvlm"
     model: str = ""
     thread_safe: bool = False
+    vocab_size: int | None = None
+    exact_entropy: bool = False
 
     @abstractmethod
     def generate(self, requests: Sequence[LVLMRequest]) -> list[LVLMResult]:
@@ -231,6 +269,7 @@ __all__ = [
     "Content",
     "GenerationSettings",
     "ImageError",
+    "LOGPROB_TOLERANCE",
     "LVLMBackend",
     "LVLMError",
     "LVLMHTTPError",
@@ -241,4 +280,5 @@ __all__ = [
     "Message",
     "PageImage",
     "TokenLogprob",
+    "logprob_problem",
 ]

@@ -10,7 +10,10 @@ rest the same way for both:
   log-softmax of the model's *own* logits at each step (before temperature / top-p), so greedy
   log-probabilities are the model's true distribution and the full-distribution entropy is exact;
 * the answer ends at the first end token (``finish_reason="stop"``), at the first stop string (text and
-  tokens cut together), or at ``max_new_tokens`` (``"length"``);
+  tokens cut together), or at ``max_new_tokens`` (``"length"``); the end token is not part of the answer
+  (the end-token rule of :class:`~hkrag.lvlm.base.LVLMBackend`);
+* NaN logits at any generated step (an overflow, a broken checkpoint) raise
+  :class:`~hkrag.lvlm.base.LVLMResponseError` instead of yielding a NaN or silently zero uncertainty;
 * page image features are computed one page at a time and kept in a bounded LRU cache keyed by the
   page's key, so the several questions the agents ask about the same pages run the vision tower once;
 * a one-request call whose prompt starts like an earlier one's (the same tokens and the same pages, up
@@ -32,7 +35,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria
 
-from .base import GenerationSettings, LVLMBackend, LVLMRequest, LVLMResult, PageImage, TokenLogprob
+from .base import GenerationSettings, LVLMBackend, LVLMRequest, LVLMResponseError, LVLMResult, PageImage, TokenLogprob
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -225,14 +228,16 @@ class TokenStatistics:
 def token_statistics(step_logits: Sequence[torch.Tensor], chosen: torch.Tensor, top_k: int) -> TokenStatistics:
     """Statistics of the ``(B, T)`` chosen tokens under the model's ``T`` steps of ``(B, V)`` raw logits.
 
-    ``log p = log_softmax(logits)`` in float32; entropy ``H = −Σ_v p_v log p_v`` over the whole vocabulary.
+    ``log p = log_softmax(logits)`` in float32; entropy ``H = −Σ_v p_v log p_v`` over the whole vocabulary,
+    a token with ``log p = −inf`` (a masked logit) adding 0. NaN logits give NaN statistics (never hidden).
     One step at a time, so memory stays ``O(B·V)`` whatever ``T`` is.
     """
     logprobs, entropies, top_ids, top_values = [], [], [], []
     for step, logits in enumerate(step_logits):
         log_p = torch.log_softmax(logits.float(), dim=-1)
         logprobs.append(log_p.gather(-1, chosen[:, step : step + 1]).squeeze(-1))
-        entropies.append(-(log_p.exp() * log_p).nan_to_num().sum(-1))
+        terms = torch.where(log_p == -torch.inf, 0.0, log_p.exp() * log_p)
+        entropies.append(-terms.sum(-1))
         values, ids = log_p.topk(top_k, dim=-1) if top_k else (log_p[:, :0], log_p[:, :0].long())
         top_values.append(values)
         top_ids.append(ids)
@@ -327,7 +332,12 @@ class LocalBackend(LVLMBackend):
         batch_size: requests per ``generate`` call.
         feature_cache_size: pages whose image features are kept (0 disables reuse).
         prefix_cache_size: prompt prefixes whose keys and values are kept (0 disables reuse).
+
+    Every token carries its full-distribution entropy (``exact_entropy``); ``vocab_size`` is the LM
+    head's output size (the ``|V|`` of the normalised entropy).
     """
+
+    exact_entropy = True
 
     def __init__(
         self,
@@ -348,6 +358,8 @@ class LocalBackend(LVLMBackend):
         self.features = FeatureCache(feature_cache_size)
         self.prefixes = PrefixCache(prefix_cache_size)
         self.end_ids = end_token_ids(tokenizer, end_tokens)
+        head = model.get_output_embeddings()
+        self.vocab_size = None if head is None else int(head.weight.shape[0])
 
     @property
     def device(self) -> torch.device:
@@ -435,6 +447,7 @@ class LocalBackend(LVLMBackend):
 
         ``tokens`` are the answer's tokens (no end token, nothing of the stop string past a straddling
         token); ``completion_tokens`` counts every token generated, the end token or stop string included.
+        NaN statistics at any of those steps raise :class:`LVLMResponseError`.
         """
         end = next((i for i, token in enumerate(ids) if token in self.end_ids), None)
         answer = ids if end is None else ids[:end]
@@ -446,6 +459,7 @@ class LocalBackend(LVLMBackend):
             finish, completion = "stop", end + 1
         else:
             finish, completion = "length", len(ids)
+        self.check_finite(stats, row, completion)
         tokens = [
             TokenLogprob(
                 token=texts[i],
@@ -470,6 +484,14 @@ class LocalBackend(LVLMBackend):
             model=self.model,
             vocab_size=stats.vocab_size,
         )
+
+    def check_finite(self, stats: TokenStatistics, row: int, steps: int) -> None:
+        """:class:`LVLMResponseError` when a row's first ``steps`` generated tokens have NaN statistics."""
+        bad = (stats.logprobs[row, :steps].isnan() | stats.entropies[row, :steps].isnan()).nonzero()
+        if len(bad):
+            step = int(bad[0, 0])
+            raise LVLMResponseError(f"{self.model}: the model's logits are NaN at generated token {step} (request "
+                                    f"{row} of the batch); its probabilities are unusable (check the dtype)")
 
     def layout(self, inputs: ModelInputs) -> PromptLayout:
         """The first row's prompt as the prefix cache compares it (a one-row batch: no padding)."""

@@ -2,7 +2,13 @@
 
 Pages go as ``data:`` URIs under a pixel budget (:mod:`hkrag.lvlm.images`); every call asks for
 ``logprobs`` (and ``top_logprobs`` when the settings want alternatives) because the Judger routes on
-them (paper §3.3, Definition 1). The SDK's own retries are off (``max_retries=0``): this module retries
+them (paper §3.3, Definition 1), unless the backend is built with ``logprobs=False`` (a judge model that
+only needs text). The response body is read as plain JSON and checked field by field: anything missing,
+null or of the wrong type — every token's ``token`` and ``logprob`` and each alternative's included — is
+an :class:`~hkrag.lvlm.base.LVLMResponseError` naming the field (``choices[0].logprobs.content[3].logprob
+is null``). A trailing end token (``<|im_end|>``, or an empty-text special token, when ``finish_reason``
+is ``stop``) is dropped from the tokens: the end-token rule of :class:`~hkrag.lvlm.base.LVLMBackend`, so
+H′ over HTTP equals H′ in-process. The SDK's own retries are off (``max_retries=0``): this module retries
 timeouts, connection errors, 408/429 and 5xx itself — exponential backoff with jitter, ``Retry-After``
 honoured up to a cap — so the policy is explicit, bounded and tested. What still fails becomes a typed
 :class:`~hkrag.lvlm.base.LVLMError`; a call never hangs past ``(max_retries + 1) * timeout_s`` plus the
@@ -13,18 +19,18 @@ kept out of reprs, logs, cache files and error messages.
 from __future__ import annotations
 
 import email.utils
+import json
 import logging
 import os
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import openai
-from openai.types.chat import ChatCompletion
 
 from .base import (
     LVLMBackend,
@@ -37,6 +43,7 @@ from .base import (
     Message,
     PageImage,
     TokenLogprob,
+    logprob_problem,
 )
 from .images import DEFAULT_MAX_PIXELS, FORMATS, encode_page
 from .response_cache import ResponseCache
@@ -45,6 +52,35 @@ log = logging.getLogger(__name__)
 
 NO_KEY = "EMPTY"
 """The key sent when ``api_key_env`` is null (local servers that check none)."""
+
+END_TOKENS = (
+    "<|end|>", "<|endoftext|>",  # Phi-3 (and Qwen's <|endoftext|>)
+    "<|im_end|>",  # Qwen (ChatML)
+    "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>",  # Llama 3
+    "</s>",  # Llama 2, Mistral
+    "<end_of_turn>", "<eos>",  # Gemma
+)
+"""Token texts that end generation. vLLM keeps the end token among the sampled tokens, so its logprobs can
+list it when ``finish_reason`` is ``stop``: as its text (``<|im_end|>``) or, detokenised with special
+tokens skipped, as ``""``."""
+
+
+def answer_tokens(
+    tokens: list[TokenLogprob], finish_reason: str, end_tokens: Collection[str], generated: int | None = None
+) -> list[TokenLogprob]:
+    """``tokens`` without the end token that stopped generation (the end-token rule).
+
+    When ``finish_reason`` is ``stop`` the last token is dropped if its text is in ``end_tokens``, or if it
+    is empty and the list holds every generated token (``generated``, the server's ``completion_tokens``,
+    is at most ``len(tokens)`` or unknown): a server that already left the end token out, like
+    :mod:`hkrag.lvlm.serve`, reports one token more than it lists, and its last token is the answer's.
+    """
+    if finish_reason != "stop" or not tokens:
+        return tokens
+    last = tokens[-1].token
+    if last in end_tokens or (not last and (generated is None or generated <= len(tokens))):
+        return tokens[:-1]
+    return tokens
 
 
 def retry_after_seconds(headers: Mapping[str, str], now: float | None = None) -> float | None:
@@ -108,8 +144,11 @@ class OpenAIBackend(LVLMBackend):
 
     ``generate`` runs up to ``max_concurrency`` requests at once (order preserved). With ``cache_dir``
     answers are kept on disk (:class:`~hkrag.lvlm.response_cache.ResponseCache`) keyed by the request, the
-    model, ``base_url`` and the image budget. ``vocab_size`` (servers do not report it) enables the
-    ``entropy_topk`` uncertainty estimator.
+    model, ``base_url``, the image budget, ``logprobs`` and ``end_tokens``. ``vocab_size`` (servers do not
+    report it) enables the ``entropy_topk`` uncertainty estimator. ``logprobs=False`` neither requests nor
+    requires log-probabilities (results have no tokens). ``end_tokens``: token texts that end generation
+    (default :data:`END_TOKENS`), dropped from the end of an answer's tokens when ``finish_reason`` is
+    ``stop``, as is an empty-text token there.
     """
 
     name = "openai"
@@ -133,6 +172,8 @@ class OpenAIBackend(LVLMBackend):
         cache_dir: str | os.PathLike | None = None,
         vocab_size: int | None = None,
         extra_body: Mapping[str, Any] | None = None,
+        logprobs: bool = True,
+        end_tokens: Sequence[str] = END_TOKENS,
     ) -> None:
         if not model:
             raise ValueError("OpenAIBackend needs a model name (the server's served model name)")
@@ -145,7 +186,10 @@ class OpenAIBackend(LVLMBackend):
         self.timeout_s, self.max_concurrency = timeout_s, max_concurrency
         self.retry = RetryPolicy(max_retries, backoff_base_s, backoff_max_s, retry_after_max_s)
         self.max_pixels, self.image_format, self.jpeg_quality = max_pixels, image_format, jpeg_quality
+        if isinstance(end_tokens, str):
+            raise ValueError(f"end_tokens must be a list of token texts, got the string {end_tokens!r}")
         self.vocab_size, self.extra_body = vocab_size, dict(extra_body or {})
+        self.logprobs, self.end_tokens = logprobs, tuple(end_tokens)
         self.cache = ResponseCache(cache_dir) if cache_dir is not None else None
         self._secret = _read_key(api_key_env)
         self._client = openai.OpenAI(api_key=self._secret, base_url=base_url, timeout=timeout_s, max_retries=0)
@@ -173,7 +217,9 @@ class OpenAIBackend(LVLMBackend):
         """The response-cache key: the request, model, server and everything that changes the pixels sent."""
         assert self.cache is not None
         images = {"max_pixels": self.max_pixels, "image_format": self.image_format, "jpeg_quality": self.jpeg_quality}
-        return self.cache.key(request, self.model, base_url=self.base_url, extra_body=self.extra_body, **images)
+        answer = {"logprobs": self.logprobs, "end_tokens": self.end_tokens}
+        return self.cache.key(request, self.model, base_url=self.base_url, extra_body=self.extra_body, **images,
+                              **answer)
 
     def _answer(self, request: LVLMRequest) -> LVLMResult:
         key = self.cache_key(request) if self.cache is not None else None
@@ -185,7 +231,7 @@ class OpenAIBackend(LVLMBackend):
         return result
 
     def payload(self, request: LVLMRequest) -> dict[str, Any]:
-        """The ``chat.completions.create`` arguments for ``request`` (pages as data URIs, logprobs on)."""
+        """The ``chat.completions.create`` arguments for ``request`` (pages as data URIs, logprobs unless off)."""
         s = request.settings
         payload: dict[str, Any] = {
             "model": self.model,
@@ -193,9 +239,10 @@ class OpenAIBackend(LVLMBackend):
             "max_tokens": s.max_new_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,
-            "logprobs": True,
         }
-        if s.top_logprobs:
+        if self.logprobs:
+            payload["logprobs"] = True
+        if self.logprobs and s.top_logprobs:
             payload["top_logprobs"] = s.top_logprobs
         if s.stop:
             payload["stop"] = list(s.stop)
@@ -233,12 +280,14 @@ class OpenAIBackend(LVLMBackend):
                 time.sleep(wait)
         raise AssertionError("unreachable")
 
-    def _attempt(self, payload: dict[str, Any]) -> ChatCompletion:
-        """One HTTP call; every failure becomes a :class:`_Failure` holding a redacted, typed error."""
+    def _attempt(self, payload: dict[str, Any]) -> Any:
+        """One HTTP call and its JSON body; every failure becomes a :class:`_Failure` holding a redacted,
+        typed error."""
         where = self._where
         try:
             with self._in_flight:
-                response = self._client.chat.completions.create(**payload)
+                raw = self._client.chat.completions.with_raw_response.create(**payload)
+                body = json.loads(raw.content)
         except openai.APITimeoutError:
             raise _Failure(LVLMTimeoutError(f"{where}: no answer within {self.timeout_s} s"), True) from None
         except openai.APIConnectionError as error:
@@ -247,44 +296,65 @@ class OpenAIBackend(LVLMBackend):
             status = error.status_code
             message = LVLMHTTPError(f"{where}: HTTP {status}: {self._redact(error.message)[:500]}", status)
             raise _Failure(message, _retryable_status(status), retry_after_seconds(error.response.headers)) from None
-        except ValueError as error:  # the SDK's JSONDecodeError on a body that is not JSON
-            malformed = LVLMResponseError(f"{where}: malformed JSON response ({self._redact(error)})")
+        except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, nested too deeply
+            malformed = LVLMResponseError(f"{where}: malformed JSON response ({self._redact(error)[:200]})")
             raise _Failure(malformed, False) from None
-        if not isinstance(response, ChatCompletion):
-            preview = self._redact(repr(response))[:200]
+        if not isinstance(body, dict) or "choices" not in body:
+            preview = self._redact(repr(body))[:200]
             raise _Failure(LVLMResponseError(f"{where}: response is not a chat completion: {preview}"), False)
-        return response
+        return body
 
-    def _result(self, response: ChatCompletion, top_logprobs: int, latency_s: float) -> LVLMResult:
-        """Map a chat completion into an :class:`LVLMResult`; missing choices, text or logprobs are errors."""
-        where = self._where
-        if not response.choices:
-            raise _Failure(LVLMResponseError(f"{where}: response has no choices"), False)
-        choice = response.choices[0]
-        if choice.message is None or choice.message.content is None:
-            raise _Failure(LVLMResponseError(f"{where}: response has no message content"), False)
-        if choice.logprobs is None or choice.logprobs.content is None:
-            raise _Failure(LVLMResponseError(f"{where}: response has no logprobs although they were asked for; "
-                                             "the server must support logprobs (vLLM, SGLang do)"), False)
-        tokens = [
-            TokenLogprob(t.token, float(t.logprob), top=[(a.token, float(a.logprob)) for a in t.top_logprobs or []][
-                :top_logprobs])
-            for t in choice.logprobs.content
-        ]
-        if choice.message.content and not tokens:
-            raise _Failure(LVLMResponseError(f"{where}: response has text but an empty logprobs list"), False)
-        usage = response.usage
+    def _result(self, body: dict[str, Any], top_logprobs: int, latency_s: float) -> LVLMResult:
+        """Map a chat-completion body into an :class:`LVLMResult`; anything malformed is a :class:`_Failure`
+        holding an :class:`LVLMResponseError` that names the field."""
+        try:
+            return self._parse(body, top_logprobs, latency_s)
+        except LVLMResponseError as error:
+            raise _Failure(LVLMResponseError(f"{self._where}: {self._redact(error)}"), False) from None
+
+    def _parse(self, body: dict[str, Any], top_logprobs: int, latency_s: float) -> LVLMResult:
+        choices = field(body, "choices", "", list)
+        if not choices:
+            raise LVLMResponseError("response has no choices")
+        choice = json_object(choices[0], "choices[0]")
+        message = field(choice, "message", "choices[0]", dict)
+        text = field(message, "content", "choices[0].message", str, nullable=True)
+        if text is None:
+            raise LVLMResponseError("response has no message content")
+        finish_reason = field(choice, "finish_reason", "choices[0]", str, nullable=True, optional=True) or "unknown"
+        usage = usage_counts(body)
+        tokens = self._tokens(choice, finish_reason, top_logprobs, None if usage is None else usage[1])
+        if text and self.logprobs and not tokens:
+            raise LVLMResponseError("response has text but an empty logprobs list (no answer tokens)")
+        prompt_tokens, completion_tokens = usage or (0, len(tokens))
         return LVLMResult(
-            text=choice.message.content,
+            text=text,
             tokens=tokens,
-            prompt_tokens=usage.prompt_tokens if usage else 0,
-            completion_tokens=usage.completion_tokens if usage else len(tokens),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
             latency_s=latency_s,
-            finish_reason=choice.finish_reason or "unknown",
+            finish_reason=finish_reason,
             backend=self.name,
-            model=response.model or self.model,
+            model=field(body, "model", "", str, nullable=True, optional=True) or self.model,
             vocab_size=self.vocab_size,
         )
+
+    def _tokens(
+        self, choice: dict[str, Any], finish_reason: str, top_logprobs: int, generated: int | None
+    ) -> list[TokenLogprob]:
+        """The answer's tokens from ``choice.logprobs.content`` (none when logprobs are off), end token dropped
+        (:func:`answer_tokens`; ``generated``: the server's ``completion_tokens``)."""
+        if not self.logprobs:
+            return []
+        logprobs = field(choice, "logprobs", "choices[0]", dict, nullable=True, optional=True)
+        content = None if logprobs is None else field(logprobs, "content", "choices[0].logprobs", list, nullable=True,
+                                                       optional=True)
+        if content is None:
+            raise LVLMResponseError("response has no logprobs although they were asked for; the server must "
+                                    "support logprobs (vLLM, SGLang do)")
+        path = "choices[0].logprobs.content"
+        tokens = [token_entry(entry, f"{path}[{i}]", top_logprobs) for i, entry in enumerate(content)]
+        return answer_tokens(tokens, finish_reason, self.end_tokens, generated)
 
     @property
     def _where(self) -> str:
@@ -305,3 +375,81 @@ def _read_key(api_key_env: str | None) -> str:
         raise LVLMError(f"environment variable {api_key_env} is not set; export it (EMPTY for a local server "
                         "that checks no key) or set api_key_env: null")
     return key
+
+
+JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "an integer", float: "a number",
+              bool: "a boolean", type(None): "null"}
+
+
+def json_type(value: Any) -> str:
+    return JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def json_object(value: Any, path: str) -> dict[str, Any]:
+    """``value`` when it is a JSON object; :class:`LVLMResponseError` naming ``path`` otherwise."""
+    if not isinstance(value, dict):
+        raise LVLMResponseError(f"malformed response: {path} is {json_type(value)}, not an object")
+    return value
+
+
+def field(
+    data: dict[str, Any],
+    key: str,
+    path: str,
+    kind: type | tuple[type, ...],
+    *,
+    nullable: bool = False,
+    optional: bool = False,
+) -> Any:
+    """``data[key]`` checked to be a ``kind`` (never a boolean unless asked for); a missing key is ``None`` when
+    ``optional``, null is allowed when ``nullable``; :class:`LVLMResponseError` naming ``path.key`` otherwise."""
+    name = f"{path}.{key}" if path else key
+    if key not in data:
+        if optional:
+            return None
+        raise LVLMResponseError(f"malformed response: {name} is missing")
+    value = data[key]
+    if value is None and nullable:
+        return None
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        expected = " or ".join(JSON_TYPES[k] for k in kinds)
+        raise LVLMResponseError(f"malformed response: {name} is {json_type(value)}, not {expected}")
+    return value
+
+
+def logprob_field(entry: dict[str, Any], path: str) -> float:
+    """``entry["logprob"]``: a number in ``[−inf, tolerance]`` (:func:`~hkrag.lvlm.base.logprob_problem`)."""
+    if "logprob" not in entry:
+        raise LVLMResponseError(f"malformed response: {path}.logprob is missing")
+    if problem := logprob_problem(entry["logprob"]):
+        raise LVLMResponseError(f"malformed response: {path}.logprob {problem}")
+    return float(entry["logprob"])
+
+
+def token_entry(entry: Any, path: str, top_logprobs: int) -> TokenLogprob:
+    """One ``logprobs.content`` entry, its ``token``, ``logprob`` and each ``top_logprobs`` alternative checked;
+    at most ``top_logprobs`` alternatives kept."""
+    entry = json_object(entry, path)
+    alternatives = field(entry, "top_logprobs", path, list, nullable=True, optional=True) or []
+    top = []
+    for index, alternative in enumerate(alternatives):
+        where = f"{path}.top_logprobs[{index}]"
+        alternative = json_object(alternative, where)
+        top.append((field(alternative, "token", where, str), logprob_field(alternative, where)))
+    return TokenLogprob(field(entry, "token", path, str), logprob_field(entry, path), top=top[:top_logprobs])
+
+
+def usage_counts(body: dict[str, Any]) -> tuple[int, int] | None:
+    """``(prompt_tokens, completion_tokens)`` from ``usage``, ``None`` when the server sent none; counts must
+    be non-negative integers."""
+    usage = field(body, "usage", "", dict, nullable=True, optional=True)
+    if usage is None:
+        return None
+    counts = []
+    for key in ("prompt_tokens", "completion_tokens"):
+        value = field(usage, key, "usage", int)
+        if value < 0:
+            raise LVLMResponseError(f"malformed response: usage.{key} is negative ({value})")
+        counts.append(value)
+    return counts[0], counts[1]

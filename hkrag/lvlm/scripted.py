@@ -99,6 +99,8 @@ class ScriptedBackend(LVLMBackend):
         delay_s: seconds each request takes (to exercise time caps).
         tokens_per_page: prompt tokens a page counts for (text counts one per word).
         vocab_size: reported vocabulary size (the entropy estimators need one).
+        exact_entropy: whether the scripted replies' per-token entropies stand for exact ones (the
+            ``entropy_exact`` estimator accepts only such a backend).
         model: the name written into results.
     """
 
@@ -113,6 +115,7 @@ class ScriptedBackend(LVLMBackend):
         delay_s: float = 0.0,
         tokens_per_page: int = 100,
         vocab_size: int | None = 32064,
+        exact_entropy: bool = False,
         model: str = "scripted",
     ) -> None:
         self.rules = rules if callable(rules) else [self._rule(rule) for rule in rules]
@@ -121,6 +124,7 @@ class ScriptedBackend(LVLMBackend):
         self.delay_s = delay_s
         self.tokens_per_page = tokens_per_page
         self.vocab_size = vocab_size
+        self.exact_entropy = exact_entropy
         self.model = model
         self.requests: list[LVLMRequest] = []
 
