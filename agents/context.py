@@ -23,6 +23,7 @@ from .records import CallRecord
 REPLY_KINDS = {
     "pruner": "yes_no",
     "answer": "answer",
+    "single_pass": "answer",
     "verify": "answer",
     "integrate": "answer",
     "salient": "notes",
@@ -50,6 +51,8 @@ class Caps:
         tokens = {"yes_no": 4, "answer": 64, "notes": 256, **(self.max_new_tokens or {})}
         if unknown := set(tokens) - set(REPLY_KINDS.values()):
             raise ValueError(f"generator caps.max_new_tokens has unknown kinds {sorted(unknown)}")
+        if bad := {kind: n for kind, n in tokens.items() if isinstance(n, bool) or not isinstance(n, int) or n < 1}:
+            raise ValueError(f"generator caps.max_new_tokens must be positive integers, got {bad}")
         object.__setattr__(self, "max_new_tokens", tokens)
 
     @classmethod

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hkrag.lvlm import PageImage, Uncertainty
+from hkrag.lvlm import LVLMBackend, LVLMError, PageImage, Uncertainty
 from hkrag.lvlm.uncertainty import ESTIMATORS, uncertainty
 
-from .context import QueryContext
+from .context import QueryContext, QueryFailure
 
 NEEDS_ALTERNATIVES = frozenset({"entropy_topk", "entropy"})
 """Estimators that read the ``top_logprobs`` alternatives (``entropy`` falls back to them over HTTP)."""
@@ -28,7 +28,8 @@ class Judgement:
 
 @dataclass(frozen=True)
 class Judger:
-    """Definitions 1–2 with threshold ``h`` and ``estimator``."""
+    """Definitions 1–2 with threshold ``h`` and ``estimator`` (the threshold's range is checked once, by
+    :class:`~agents.pipeline.GeneratorConfig`)."""
 
     threshold: float = 0.8
     estimator: str = "token_plogp"
@@ -37,13 +38,35 @@ class Judger:
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"generator estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
-        if not 0 <= self.threshold <= 1:
-            raise ValueError(f"generator threshold must be in [0, 1], got {self.threshold}")
+
+    def check_backend(self, backend: LVLMBackend) -> None:
+        """Raise before any query when ``backend`` cannot give what the estimator needs.
+
+        ``entropy_exact`` needs per-token entropies (``backend.exact_entropy``); ``entropy_topk``, and
+        ``entropy`` on a backend without exact entropies (it falls back to top-k), need the vocabulary size
+        (``backend.vocab_size``) and ``top_logprobs`` ≥ 1 alternatives.
+        """
+        exact = getattr(backend, "exact_entropy", False)
+        if self.estimator == "entropy_exact" and not exact:
+            raise ValueError(f"generator estimator 'entropy_exact' needs per-token entropies, which backend "
+                             f"{backend.name!r} does not report; use 'entropy_topk' or 'token_plogp'")
+        if self.estimator == "entropy_topk" or (self.estimator == "entropy" and not exact):
+            needs = (f"generator estimator {self.estimator!r} estimates the entropy from the top-k alternatives on "
+                     f"backend {backend.name!r} and needs")
+            if getattr(backend, "vocab_size", None) is None:
+                raise ValueError(f"{needs} the vocabulary size, which the backend does not report (set its vocab_size)")
+            if self.top_logprobs < 1:
+                raise ValueError(f"{needs} top_logprobs >= 1, got top_logprobs={self.top_logprobs}")
 
     def judge(self, ctx: QueryContext, pages: Sequence[PageImage]) -> Judgement:
-        """LQP when H′ < h, else HQP; the uncertainty is recorded on the call."""
+        """LQP when H′ < h, else HQP; the uncertainty is recorded on the call. An answer whose statistics
+        cannot be measured (NaN, missing alternatives) fails the query naming the Judger."""
         top = self.top_logprobs if self.estimator in NEEDS_ALTERNATIVES else 0
         result, record = ctx.ask("judger", "answer", pages, top_logprobs=top)
-        measured = uncertainty(result, self.estimator)
+        try:
+            measured = uncertainty(result, self.estimator)
+        except (ValueError, LVLMError) as error:
+            record.error = f"{type(error).__name__}: {error}"
+            raise QueryFailure("judger", record.error) from error
         record.uncertainty, record.estimator = measured.value, measured.estimator
         return Judgement("LQP" if measured.value < self.threshold else "HQP", measured)

@@ -19,6 +19,7 @@ NOTES = frozenset({"question", "salient", "fine_print"})
 PLACEHOLDERS: dict[str, frozenset[str]] = {
     "pruner": frozenset({"question", "n"}),
     "answer": frozenset({"question"}),
+    "single_pass": frozenset({"question"}),
     "verify": frozenset({"question"}),
     "salient": frozenset({"question"}),
     "fine_print": NOTES,
@@ -33,15 +34,17 @@ class Prompts:
     """The templates of every agent step and the Decoupler's stopping marker.
 
     ``pruner`` (Eq. 6, pages 1..n): do these pages suffice? yes/no. ``answer``: the Judger's initial answer
-    (Definition 1) and the single-pass baseline. ``verify``: the Summarizer's LQP verification, a fresh
-    answer from the pages and question (the initial answer is never model input). ``salient``: the
-    Decoupler's I_h. ``fine_print``: I_d(t) = Θ(I_h, I_d(t−1)) (Eq. 7). ``decouple``: I′_d(t) = Θ(I_h, I_d(t))
-    (Eq. 8), ending with ``answered_marker`` then yes or no. ``integrate``: the Summarizer's HQP answer.
-    ``no_notes``: what ``{fine_print}`` holds before the first iteration.
+    (Definition 1). ``single_pass``: the single-pass baseline, VDocGenerator's own prompt (DESIGN §11:
+    ``"{question}\\n Answer briefly."`` after the page images). ``verify``: the Summarizer's LQP
+    verification, a fresh answer from the pages and question (the initial answer is never model input).
+    ``salient``: the Decoupler's I_h. ``fine_print``: I_d(t) = Θ(I_h, I_d(t−1)) (Eq. 7). ``decouple``:
+    I′_d(t) = Θ(I_h, I_d(t)) (Eq. 8), ending with ``answered_marker`` then yes or no. ``integrate``: the
+    Summarizer's HQP answer. ``no_notes``: what ``{fine_print}`` holds before the first iteration.
     """
 
     pruner: str
     answer: str
+    single_pass: str
     verify: str
     salient: str
     fine_print: str

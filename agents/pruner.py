@@ -2,9 +2,10 @@
 
 For n = 1 … k−1 it asks the LVLM whether pages 1..n hold enough to answer the question and stops at the
 first yes; when none does, the buffer keeps the top k (capacity k, the paper's top-3). The yes/no is read
-from the first generated token's probabilities when the backend returns them (the mass of "yes"-like
-against "no"-like alternatives, case- and space-insensitive), else from the text; anything that is not a
-clear yes counts as no, which keeps more pages.
+from the first generated token's probabilities when the backend returns them and that token is itself a
+yes or a no (the summed mass of every "yes"-like against every "no"-like candidate, case- and
+space-insensitive), else from the text; anything that is not a clear yes counts as no, which keeps more
+pages.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hkrag.lvlm import LVLMResult, PageImage
+from hkrag.lvlm import LVLMResult, PageImage, TokenLogprob
 
 from .context import QueryContext
 
@@ -36,20 +37,37 @@ class YesNo:
     p_no: float | None = None
 
 
-def read_yes_no(result: LVLMResult) -> YesNo:
-    """Yes when the yes-like first tokens carry more probability than the no-like ones.
+def same_entry(first: TokenLogprob, alternative: tuple[str, float]) -> bool:
+    """Whether ``alternative`` is the chosen token itself, listed again among its alternatives.
 
-    The candidates are the first token and its ``top`` alternatives (each token counted once). When none of
-    them is yes- or no-like (or there are no tokens), the first word of the text decides.
+    Alternatives are ``(text, logprob)`` pairs without token ids, and backends list each token id once, so
+    only the chosen token can repeat; it is recognised by its exact text and log-probability. Two distinct
+    tokens that merely decode alike (SentencePiece's ``▁Yes`` and ``Yes`` both decode to "Yes") are not.
     """
-    if result.tokens:
-        first = result.tokens[0]
-        candidates = dict(first.top)
-        candidates.setdefault(first.token, first.logprob)
-        p_yes = sum(math.exp(lp) for token, lp in candidates.items() if normalise(token) in YES)
-        p_no = sum(math.exp(lp) for token, lp in candidates.items() if normalise(token) in NO)
-        if p_yes + p_no > 0:
-            return YesNo(p_yes > p_no, p_yes, p_no)
+    token, logprob = alternative
+    return token == first.token and math.isclose(logprob, first.logprob, rel_tol=0.0, abs_tol=1e-6)
+
+
+def candidates(first: TokenLogprob) -> list[tuple[str, float]]:
+    """The first token's distinct candidates: every listed alternative, plus the chosen token unless listed."""
+    listed = list(first.top)
+    if any(same_entry(first, alternative) for alternative in listed):
+        return listed
+    return [*listed, (first.token, first.logprob)]
+
+
+def read_yes_no(result: LVLMResult) -> YesNo:
+    """Yes when the yes-like first-token candidates carry more probability than the no-like ones.
+
+    Every distinct candidate's probability is summed into its class (never one overwriting another that
+    normalises alike). The probabilities decide only when the chosen first token is itself yes- or
+    no-like; otherwise ("The pages do not …") or without token statistics the first word of the text does.
+    """
+    if result.tokens and normalise(result.tokens[0].token) in YES | NO:
+        scored = candidates(result.tokens[0])
+        p_yes = sum(math.exp(lp) for token, lp in scored if normalise(token) in YES)
+        p_no = sum(math.exp(lp) for token, lp in scored if normalise(token) in NO)
+        return YesNo(p_yes > p_no, p_yes, p_no)
     words = result.text.split()
     return YesNo(bool(words) and normalise(words[0]) in YES)
 

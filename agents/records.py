@@ -12,9 +12,10 @@ from typing import Any
 
 from hkrag.lvlm.base import LVLMResult, PageImage
 
-ROUTES = ("LQP", "HQP", "single_pass", "failed")
-"""Low-uncertainty pair (Judger → Summarizer verifies), high-uncertainty pair (→ Decoupler), a baseline
-without the Judger, or a query that failed before it was routed."""
+ROUTES = ("LQP", "HQP", "single_pass", "verify_only", "failed")
+"""Low-uncertainty pair (Judger → Summarizer verifies), high-uncertainty pair (→ Decoupler), the single-pass
+baseline, the no-decoupler ablation (Pruner → Summarizer verifies, no Judger: without the Decoupler both of
+its routes end in the same verification), or a query that failed before it was routed."""
 
 
 @dataclass
@@ -33,10 +34,10 @@ class Query:
 class CallRecord:
     """One LVLM call: which agent asked what about which pages, and what came back at what cost.
 
-    ``step`` names the prompt (``pruner``, ``answer``, ``salient``, ``fine_print``, ``decouple``, ``verify``,
-    ``integrate``); ``iteration`` is the Decoupler's t (Eqs. 7–8) or the Pruner's n (Eq. 6). A yes/no call
-    (Pruner, Decoupler's "answers the question") records its ``decision`` and, when log-probabilities
-    allowed it, the probability mass of the yes-like and no-like first tokens.
+    ``step`` names the prompt (``pruner``, ``answer``, ``single_pass``, ``salient``, ``fine_print``,
+    ``decouple``, ``verify``, ``integrate``); ``iteration`` is the Decoupler's t (Eqs. 7–8) or the Pruner's
+    n (Eq. 6). A yes/no call (Pruner, Decoupler's "answers the question") records its ``decision`` and,
+    when log-probabilities decided it, the probability mass of the yes-like and no-like first tokens.
     """
 
     agent: str
@@ -90,9 +91,10 @@ class QueryOutcome:
     ``failed`` queries (an LVLM error, a page that fails to load, a cap on calls/tokens/seconds reached)
     keep ``answer == ""``, name the agent and the reason in ``failure`` (``"judger: LVLMTimeoutError: …"``)
     and count as wrong in every metric: they are never dropped from a denominator. ``route`` is where the
-    query got to (``"failed"`` when it failed before the Judger routed it). ``capped`` names a cap that
-    ended a loop without failing the query: ``"max_iters"`` when the Decoupler reached its iteration cap
-    without fine print that answers the question (the paper then summarises what it has, Eq. 8).
+    query got to (one of :data:`ROUTES`; ``"failed"`` when it failed before it was routed). ``capped``
+    names a cap that ended a loop without failing the query: ``"max_iters"`` when the Decoupler reached its
+    iteration cap without fine print that answers the question (the paper then summarises what it has,
+    Eq. 8).
     """
 
     query_id: str

@@ -3,7 +3,8 @@
 LQP: a final verification. The paper forbids feeding the initial answer back ("neither used as model input
 nor reflected upon"), so verification cannot show the model a candidate: it re-answers from the pages and
 the question with the ``verify`` prompt (check the evidence on the pages, then answer). HQP: the
-``integrate`` prompt combines the salient content I_h and the decoupled fine print I′_d into a short answer.
+``integrate`` prompt combines the salient content I_h and the decoupled fine print I′_d (when the
+Decoupler was capped, the notes it accumulated over every iteration) into a short answer.
 """
 
 from __future__ import annotations

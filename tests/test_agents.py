@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,12 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from agents import AgenticGenerator, SinglePassGenerator, build_generator
+from agents.context import Caps, QueryContext, QueryFailure
 from agents.decoupler import read_answered
+from agents.prompts import Prompts
 from agents.pruner import read_yes_no
-from agents.records import Query, QueryOutcome
-from hkrag.lvlm import LVLMResult, LVLMTimeoutError, PageImage, TokenLogprob, build_backend
+from agents.records import ROUTES, Query, QueryOutcome
+from hkrag.lvlm import GenerationSettings, LVLMResult, LVLMTimeoutError, PageImage, TokenLogprob, build_backend
 from hkrag.lvlm.scripted import Reply, ScriptedBackend, request_text
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -25,6 +28,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 # Substrings that identify each prompt of conf/generator/hkrag.yaml.
 PRUNER = "Reply with yes or no only"
 ANSWER = "Answer the question from the pages above"
+SINGLE_PASS = "Answer briefly."
 VERIFY = "Final answer:"
 SALIENT = "Describe the salient content"
 FINE_PRINT = "List the details"
@@ -69,6 +73,7 @@ def backend(*rules, **kwargs) -> ScriptedBackend:
     defaults = [
         (PRUNER, yes_no(0.1, 0.9, "no")),
         (ANSWER, CONFIDENT),
+        (SINGLE_PASS, CONFIDENT),
         (VERIFY, "verified 42"),
         (SALIENT, "SALIENT-TITLE"),
         (FINE_PRINT, "NOTE"),
@@ -127,6 +132,79 @@ def test_read_yes_no_hand_computed():
     assert not read_yes_no(unrelated).yes and read_yes_no(unrelated).p_yes is None
 
 
+@pytest.mark.parametrize(
+    ("text", "first", "top", "expected", "masses"),
+    [
+        # The chosen first token is no yes/no: tiny yes-like alternatives must not turn a sentence into a yes.
+        ("The pages do not say.", "The", [("The", -0.05), ("Yes", -4.0)], False, None),
+        ("**Yes**, page one.", "**", [("**", -0.2), ("No", -1.9)], True, None),
+        # The chosen token also listed among its alternatives counts once; distinct alternatives all count.
+        ("yes", "yes", [("yes", math.log(0.4)), ("Yes", math.log(0.15)), ("no", math.log(0.45))], True, (0.55, 0.45)),
+        ("no", "no", [("no", math.log(0.5)), ("yes", math.log(0.3)), ("YES", math.log(0.1))], False, (0.4, 0.5)),
+    ],
+    ids=["sentence-with-yes-alternative", "markup-then-yes", "yes-mass-summed", "no-mass-wins"],
+)
+def test_read_yes_no_reads_the_chosen_token_and_sums_every_alternative(text, first, top, expected, masses):
+    logprob = next(lp for token, lp in top if token == first)
+    reading = read_yes_no(LVLMResult(text, [TokenLogprob(first, logprob, top=top)], 1, 1, 0.0, "stop", "t", "t"))
+    assert reading.yes is expected
+    assert (reading.p_yes, reading.p_no) == (pytest.approx(masses) if masses else (None, None))
+
+
+@pytest.fixture(scope="module")
+def phi3_tokenizer(reference_phi3v):
+    """The real Phi-3-vision tokenizer (SentencePiece pieces, chat template), as the Phi3V backend loads it."""
+    from hkrag.models.phi3v import load_processor
+
+    return load_processor(str(reference_phi3v), num_crops=4).tokenizer
+
+
+def test_greedy_yes_reads_yes_with_the_phi3_tokenizer(phi3_tokenizer):
+    """Phi-3's ``▁Yes`` and ``Yes`` are distinct tokens that decode alike; the Phi3V backend lists both as
+    "Yes". The greedy ``▁Yes`` (p = 0.50) with ``Yes`` (0.08) against ``▁No`` (0.42) is a yes: 0.58 > 0.42."""
+    import torch
+
+    from hkrag.lvlm.local import end_token_ids, token_statistics
+    from hkrag.lvlm.phi3v import END_TOKENS, Phi3VBackend
+
+    tok = phi3_tokenizer
+    [spaced] = tok.encode("Yes", add_special_tokens=False)
+    bare = tok.encode("\nYes", add_special_tokens=False)[-1]
+    [no] = tok.encode("No", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens([spaced, bare, no]) == ["▁Yes", "Yes", "▁No"]
+    assert tok.decode([spaced]) == tok.decode([bare]) == "Yes"
+    end = tok.convert_tokens_to_ids("<|end|>")
+    first, second = torch.full((1, 32064), -40.0), torch.full((1, 32064), -40.0)
+    first[0, [spaced, bare, no]] = torch.tensor([0.50, 0.08, 0.42]).log()
+    second[0, end] = 0.0
+    chosen = torch.tensor([[spaced, end]])
+    phi3 = Phi3VBackend.__new__(Phi3VBackend)  # its answer-building path only, without weights
+    phi3.tokenizer, phi3.model, phi3.end_ids = tok, "reference", end_token_ids(tok, END_TOKENS)
+    stats = token_statistics([first, second], chosen, top_k=3)
+    result = phi3.result(0, chosen[0].tolist(), stats, GenerationSettings(max_new_tokens=4, top_logprobs=3), 1, 0.0)
+    assert result.text == "Yes" and [alt for alt, _ in result.tokens[0].top] == ["Yes", "No", "Yes"]
+    reading = read_yes_no(result)
+    assert reading.yes and reading.p_yes == pytest.approx(0.58, abs=1e-6) and reading.p_no == pytest.approx(0.42)
+
+
+def test_single_pass_prompt_is_vdocgenerators(phi3_tokenizer):
+    """DESIGN §11: the Phi-3 chat template over "<|image_1|>\\n<|image_2|>\\n<|image_3|>\\n{question}\\n Answer
+    briefly." with the question stripped of "Query: "; our rendering of the single-pass request is that string."""
+    from hkrag.data.opendocvqa import QUERY_PREFIX, QAExample
+    from hkrag.lvlm.phi3v import phi3_chat
+    from hkrag.tasks.rag import question_text
+
+    question = "What was the revenue in 2019?"
+    stripped = question_text(QAExample("q", QUERY_PREFIX + question, ("7",), ("d1",)))
+    script = backend()
+    build_generator(generator_config("single_pass"), script).answer(Query("q", stripped, make_pages(4)))
+    content = f"<|image_1|>\n<|image_2|>\n<|image_3|>\n{question}\n Answer briefly."
+    expected = phi3_tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                  add_generation_prompt=True)
+    assert phi3_chat(script.requests[0].messages) == expected
+    assert expected == f"<|user|>\n{content}<|end|>\n<|assistant|>\n"
+
+
 def test_confident_answer_is_verified_by_the_summarizer(hkrag_config):
     outcome = build_generator(hkrag_config, backend()).answer(make_query(3))
     assert outcome.route == "LQP" and not outcome.failed
@@ -137,6 +215,8 @@ def test_confident_answer_is_verified_by_the_summarizer(hkrag_config):
 
 
 def test_uncertain_answer_mines_fine_print_until_max_iters(hkrag_config):
+    """Eq. 7 accumulates: iteration t's prompts hold the notes of iterations 1..t, and the capped loop hands
+    the Summarizer the notes of every iteration (not only the last restatement)."""
     count = {"fine_print": 0}
 
     def notes(_request):
@@ -151,11 +231,13 @@ def test_uncertain_answer_mines_fine_print_until_max_iters(hkrag_config):
         "summarizer.integrate"
     ]
     prompts = {(c.step, c.iteration): c.prompt for c in outcome.calls}
-    assert "(none yet)" in prompts["fine_print", 1]
-    assert "NOTE-1" in prompts["fine_print", 2] and "NOTE-2" in prompts["fine_print", 3]  # Eq. 7
-    assert "NOTE-3" in prompts["decouple", 3] and "SALIENT-TITLE" in prompts["decouple", 3]  # Eq. 8
+    assert "Fine-print notes so far:\n(none yet)\n" in prompts["fine_print", 1]
+    assert "Fine-print notes so far:\nNOTE-1\nNOTE-2\nLook again" in prompts["fine_print", 3]  # Eq. 7
+    assert "Fine-print details:\nNOTE-1\nNOTE-2\nNOTE-3\nSeparate" in prompts["decouple", 3]  # Eq. 8
+    assert "Salient content:\nSALIENT-TITLE\n" in prompts["decouple", 3]
     integrate = outcome.calls[-1].prompt
-    assert "SALIENT-TITLE" in integrate and "DETAIL" in integrate and "Answers the question" not in integrate
+    assert "Salient content:\nSALIENT-TITLE\nFine-print knowledge:\nNOTE-1\nNOTE-2\nNOTE-3\nCombine" in integrate
+    assert "Answers the question" not in integrate
     assert outcome.answer == "integrated 42"
 
 
@@ -170,7 +252,9 @@ def test_decoupler_stops_when_the_fine_print_answers(hkrag_config):
     outcome = build_generator(hkrag_config, script).answer(make_query(3))
     assert outcome.iterations == 2 and outcome.capped is None
     assert [c.decision for c in outcome.calls if c.step == "decouple"] == ["no", "yes"]
-    assert "DETAIL-2" in outcome.calls[-1].prompt and outcome.calls[-1].step == "integrate"
+    assert "Fine-print details:\nNOTE\nNOTE\nSeparate" in outcome.calls[-2].prompt  # I_d(2): both iterations
+    assert outcome.calls[-1].step == "integrate"
+    assert "Fine-print knowledge:\nDETAIL-2\nCombine" in outcome.calls[-1].prompt  # the answering I'_d(2)
 
 
 def test_read_answered_takes_the_last_marker():
@@ -192,11 +276,10 @@ def test_initial_answer_is_never_fed_back(hkrag_config, answer):
 @pytest.mark.parametrize(
     ("caps", "kwargs", "agent", "reason", "num_calls"),
     [
-        ({"max_calls": 3}, {}, "decoupler", "max_calls=3", 3),  # pruner x2, judger, then no salient call
         ({"max_total_tokens": 250}, {}, "pruner", "max_total_tokens=250", 2),  # ~110 tokens per call
         ({"max_seconds": 0.01}, {"delay_s": 0.02}, "pruner", "max_seconds=0.01", 1),
     ],
-    ids=["calls", "tokens", "seconds"],
+    ids=["tokens", "seconds"],
 )
 def test_caps_fail_the_query_and_keep_its_calls(caps, kwargs, agent, reason, num_calls):
     config = generator_config(caps=caps)
@@ -206,6 +289,77 @@ def test_caps_fail_the_query_and_keep_its_calls(caps, kwargs, agent, reason, num
     assert outcome.num_calls == num_calls
     restored = QueryOutcome.from_dict(json.loads(json.dumps(outcome.to_dict())))
     assert restored.failure == outcome.failure and restored.num_calls == num_calls
+
+
+def test_the_context_refuses_a_call_past_max_calls(hkrag_config):
+    """The runtime guard behind the build-time check: a call past ``max_calls`` stops the query."""
+    ctx = QueryContext(backend(), Prompts.from_config(hkrag_config["prompts"]), Caps(max_calls=1), "What?")
+    ctx.ask("judger", "answer", make_pages(1))
+    with pytest.raises(QueryFailure, match=r"^summarizer: call cap reached \(max_calls=1\)$"):
+        ctx.ask("summarizer", "verify", make_pages(1))
+    assert len(ctx.calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "path"),
+    [
+        ("hkrag", {}, "pruner 2 + judger 1 + decoupler 7 + summarizer 1"),
+        ("hkrag", {"top_k": 5, "caps": {"max_iters": 1}}, "pruner 4 + judger 1 + decoupler 3 + summarizer 1"),
+        ("no_pruner", {}, "judger 1 + decoupler 7 + summarizer 1"),
+        ("no_decoupler", {}, "pruner 2 + summarizer 1"),
+        ("no_decoupler", {"pruner": False}, "summarizer 1"),
+    ],
+    ids=["hkrag", "hkrag-k5-t1", "no_pruner", "no_decoupler", "no_pruner_no_decoupler"],
+)
+def test_max_calls_below_the_longest_path_is_a_build_error(name, overrides, path):
+    """(k−1) + 2 + 2·max_iters + 1 with Pruner and Decoupler; shorter without them. At the minimum the
+    longest path (every query HQP, the Decoupler capped, all k pages) runs to its end."""
+    minimum = sum(int(part.split()[-1]) for part in path.split(" + "))
+    caps = {**overrides.get("caps", {}), "max_calls": minimum - 1}
+    if minimum > 1:
+        with pytest.raises(ValueError, match=re.escape(
+                f"generator caps.max_calls={minimum - 1} is below the {minimum} calls of the longest path ({path}); "
+                f"set caps.max_calls >= {minimum}")):
+            build_generator(generator_config(name, **{**overrides, "caps": caps}), backend())
+    config = generator_config(name, **{**overrides, "caps": {**caps, "max_calls": minimum}})
+    outcome = build_generator(config, backend((ANSWER, UNCERTAIN))).answer(make_query(6))
+    assert not outcome.failed and outcome.num_calls == minimum
+
+
+@pytest.mark.parametrize(
+    ("name", "estimator", "capabilities", "top_logprobs", "message"),
+    [
+        ("hkrag", "entropy_exact", {}, 5, "needs per-token entropies, which backend 'scripted' does not report"),
+        ("hkrag", "entropy_topk", {"vocab_size": None}, 5, "needs the vocabulary size"),
+        ("hkrag", "entropy", {"vocab_size": None}, 5, "needs the vocabulary size"),
+        ("hkrag", "entropy_topk", {}, 0, "needs top_logprobs >= 1, got top_logprobs=0"),
+        ("hkrag", "entropy", {"exact_entropy": True, "vocab_size": None}, 0, None),
+        ("hkrag", "entropy_exact", {"exact_entropy": True}, 5, None),
+        ("hkrag", "entropy_topk", {}, 5, None),
+        ("no_decoupler", "entropy_exact", {}, 5, None),  # no Judger call, nothing to estimate
+    ],
+    ids=["exact-unsupported", "topk-no-vocab", "entropy-falls-back-no-vocab", "topk-no-alternatives",
+         "entropy-exact-backend", "exact-supported", "topk-supported", "no-judger"],
+)
+def test_estimator_the_backend_cannot_serve_is_a_build_error(name, estimator, capabilities, top_logprobs, message):
+    script = backend()
+    for attribute, value in capabilities.items():
+        setattr(script, attribute, value)
+    config = generator_config(name, estimator=estimator, top_logprobs=top_logprobs)
+    if message is None:
+        build_generator(config, script)
+        return
+    with pytest.raises(ValueError, match=f"^generator estimator '{estimator}' .*{re.escape(message)}"):
+        build_generator(config, script)
+    assert script.requests == []
+
+
+def test_an_answer_the_estimator_cannot_measure_fails_the_query_naming_the_judger():
+    """A server that returned no alternatives for entropy_topk: a failed outcome, not an exception."""
+    outcome = build_generator(generator_config(estimator="entropy_topk"), backend()).answer(make_query(1))
+    assert outcome.failed and outcome.route == "failed"
+    assert outcome.failure.startswith("judger: ValueError: entropy_topk needs top_logprobs alternatives")
+    assert outcome.calls[-1].agent == "judger" and outcome.calls[-1].error == outcome.failure.removeprefix("judger: ")
 
 
 def test_backend_timeout_fails_the_query_naming_the_judger(hkrag_config):
@@ -238,9 +392,9 @@ def test_single_pass_is_one_call_with_the_top_k_pages():
     generator = build_generator(generator_config("single_pass"), backend())
     assert isinstance(generator, SinglePassGenerator)
     outcome = generator.answer(make_query(5))
-    assert steps(outcome) == ["single_pass.answer"] and outcome.route == "single_pass"
+    assert steps(outcome) == ["single_pass.single_pass"] and outcome.route == "single_pass"
     assert outcome.kept == ["p1", "p2", "p3"]
-    assert outcome.calls[0].prompt.startswith("<page:p1>\n<page:p2>\n<page:p3>\n")
+    assert outcome.calls[0].prompt == "<page:p1>\n<page:p2>\n<page:p3>\nWhat is the total?\n Answer briefly."
 
 
 def test_no_pruner_judges_the_fixed_top_k():
@@ -250,10 +404,13 @@ def test_no_pruner_judges_the_fixed_top_k():
     assert steps(outcome) == ["judger.answer", "summarizer.verify"] and outcome.kept == ["p1", "p2", "p3"]
 
 
-def test_no_decoupler_sends_hqp_to_the_summarizer():
-    outcome = build_generator(generator_config("no_decoupler"), backend((ANSWER, UNCERTAIN))).answer(make_query(2))
-    assert outcome.route == "HQP" and outcome.iterations == 0
-    assert steps(outcome) == ["pruner.pruner", "judger.answer", "summarizer.verify"]
+def test_no_decoupler_verifies_without_a_judger_call():
+    """Without the Decoupler both routes end in the same verification: no Judger call, route verify_only."""
+    script = backend((ANSWER, UNCERTAIN))
+    outcome = build_generator(generator_config("no_decoupler"), script).answer(make_query(2))
+    assert outcome.route == "verify_only" and "verify_only" in ROUTES
+    assert steps(outcome) == ["pruner.pruner", "summarizer.verify"] and outcome.num_calls == len(script.requests) == 2
+    assert outcome.uncertainty is None and outcome.iterations == 0 and outcome.answer == "verified 42"
 
 
 def test_every_call_shares_the_page_prefix(hkrag_config):
@@ -284,6 +441,11 @@ def test_answer_many_keeps_failures_in_order(hkrag_config):
         ({"kind": "loop"}, "kind must be one of"),
         ({"estimator": "vibes"}, "estimator must be one of"),
         ({"caps": {"max_iters": 0}}, "caps.max_iters"),
+        ({"caps": {"max_iters": 7}}, "caps.max_calls=16 is below the 19 calls of the longest path"),
+        ({"threshold": 1.5}, "generator.threshold=1.5: must be in [0, 1]"),
+        ({"threshold": -0.1}, "generator.threshold=-0.1: must be in [0, 1]"),
+        ({"top_logprobs": 21}, "top_logprobs must be in [0, 20], got 21"),
+        ({"caps": {"max_new_tokens": {"notes": 0}}}, "caps.max_new_tokens must be positive integers, got {'notes': 0}"),
         ({"prompts": {"answer": "Answer {query}"}}, "prompt 'answer' uses unknown placeholders ['query']"),
     ],
 )
