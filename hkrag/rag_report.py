@@ -3,12 +3,19 @@
 Everything is computed from :class:`~agents.records.QueryOutcome` records alone (a trace reproduces every
 number). Per data set and pool, and overall:
 
-* judged accuracy (share of queries the LLM judge scored ≥ 4) with its Wilson 95 % interval, or
-  "disabled" when no judge ran; judge failures (backend errors, unparseable replies) count as wrong;
-* the rule metrics of :mod:`hkrag.answer_metrics` (means; a bootstrap 95 % interval for ANLS and a
-  Wilson interval for relaxed accuracy);
-* the share of queries per route (``LQP`` / ``HQP`` / ``single_pass`` / ``failed``);
-* cost per query: LVLM calls and input/output tokens (means), wall time (p50 / p95), as in Fig. 4.
+* judged accuracy (share of queries the LLM judge scored ≥ 4) with its 95 % interval, or "disabled" when
+  no judge ran; judge failures (backend errors, unparseable replies) count as wrong;
+* the rule metrics of :mod:`hkrag.answer_metrics` (means with 95 % intervals), the lenient
+  ``relaxed_accuracy`` and the strict ``relaxed_correctness`` side by side;
+* the share of queries per route (every route name in ``agents.records.ROUTES`` and any other the data holds);
+* the histogram of the Judger's uncertainty H′ (:data:`UNCERTAINTY_BINS` bins on [0, 1]);
+* generator cost per query: LVLM calls and input/output tokens (means), wall time (p50 / p95), as in Fig. 4;
+  and the judge's cost (calls, tokens, latency) apart from it.
+
+**Intervals count each question once.** A group where every question appears once (one pool of one data
+set) gets Wilson intervals for 0/1 metrics and a percentile bootstrap for means. A group holding the same
+question more than once (``overall`` pools single and all: two evaluations of the same questions, not two
+samples) resamples whole questions, clustered by (data set, query id): :func:`hkrag.stats.cluster_bootstrap_interval`.
 
 **Failed queries are in every denominator** and score 0 on every metric, whatever their recorded
 answer or verdict; their ids and reasons are listed.
@@ -28,12 +35,20 @@ from agents.records import ROUTES, QueryOutcome
 from hkrag.answer_metrics import METRICS
 from hkrag.io import write_bytes, write_json, write_text
 from hkrag.metrics import format_table
-from hkrag.stats import bootstrap_interval, wilson_interval
+from hkrag.stats import bootstrap_interval, cluster_bootstrap_interval, wilson_interval
 from hkrag.trace import MERGED_FILE, load_trace, outcome_key
 
 JUDGE_DISABLED = "disabled (no endpoint)"
 PAPER_THRESHOLD = 0.8
-TABLE_METRICS = {"accuracy": "Judged accuracy", "relaxed_accuracy": "Relaxed accuracy", "anls": "ANLS"}
+TABLE_METRICS = {"accuracy": "Judged accuracy", "relaxed_accuracy": "Relaxed accuracy (lenient)",
+                 "relaxed_correctness": "Relaxed correctness (strict, pix2struct)", "anls": "ANLS"}
+METRIC_HEADERS = {"anls": "ANLS", "relaxed_accuracy": "Relaxed acc. (lenient)",
+                  "relaxed_correctness": "Relaxed corr. (strict)", "exact_match": "EM", "f1": "F1"}
+BINARY_METRICS = ("relaxed_accuracy", "relaxed_correctness", "exact_match")
+"""Rule metrics that are 0 or 1 per query (Wilson intervals); the others are means (bootstrap)."""
+UNCERTAINTY_BINS = 10
+JUDGE_COST_KEYS = ("calls", "prompt_tokens", "completion_tokens", "latency_s")
+CLUSTERED = "cluster bootstrap over questions (data set, query id)"
 
 
 def is_correct(outcome: QueryOutcome) -> bool:
@@ -42,8 +57,13 @@ def is_correct(outcome: QueryOutcome) -> bool:
 
 
 def metric_value(outcome: QueryOutcome, name: str) -> float:
-    """A rule metric of one query; 0 for a failed query or one without metrics."""
-    return 0.0 if outcome.failed or not outcome.metrics else float(outcome.metrics.get(name, 0.0))
+    """A rule metric of one query; 0 for a failed query. A metric the record lacks (a trace written before
+    the metric existed) is computed from the record's answer and gold answers."""
+    if outcome.failed:
+        return 0.0
+    if outcome.metrics and name in outcome.metrics:
+        return float(outcome.metrics[name])
+    return METRICS[name](outcome.answer, outcome.gold)
 
 
 def judge_failed(outcome: QueryOutcome) -> bool:
@@ -55,27 +75,84 @@ def _interval(low: float, high: float) -> list[float]:
     return [round(low, 6), round(high, 6)]
 
 
+def question_key(outcome: QueryOutcome) -> tuple[str, str]:
+    """The question an outcome answers: one cluster of the intervals, whatever pool it was asked in."""
+    return outcome.dataset, outcome.query_id
+
+
+def interval_method(outcomes: Sequence[QueryOutcome]) -> str:
+    """``"per query"`` when every question appears once in the group, else :data:`CLUSTERED`."""
+    return "per query" if len({question_key(o) for o in outcomes}) == len(outcomes) else CLUSTERED
+
+
+def interval95(values: Sequence[float], outcomes: Sequence[QueryOutcome], binary: bool) -> list[float]:
+    """95 % interval of the mean of per-query ``values`` that counts each question once (module docstring)."""
+    if interval_method(outcomes) == CLUSTERED:
+        return _interval(*cluster_bootstrap_interval(values, [question_key(o) for o in outcomes]))
+    if binary:
+        return _interval(*wilson_interval(int(round(sum(values))), len(values)))
+    return _interval(*bootstrap_interval(values))
+
+
+def route_names(outcomes: Sequence[QueryOutcome]) -> list[str]:
+    """``agents.records.ROUTES`` in order, then any other route the outcomes took (read from the data)."""
+    return list(dict.fromkeys([*ROUTES, *(o.route for o in outcomes)]))
+
+
+def uncertainty_histogram(outcomes: Sequence[QueryOutcome], bins: int = UNCERTAINTY_BINS) -> dict[str, Any]:
+    """Counts of the Judger's H′ in ``bins`` equal bins on [0, 1]: bin k holds k/bins ≤ H′ < (k+1)/bins, the
+    last also H′ = 1 (so with h = 0.8 the bins from 0.8 up are the queries routed to HQP). Queries without
+    H′ (failed before the Judger, single-pass baselines) are ``missing``; values outside [0, 1] (or NaN) are
+    ``out_of_range``, never clipped into a bin."""
+    counts, missing, out_of_range = [0] * bins, 0, 0
+    for outcome in outcomes:
+        value = outcome.uncertainty
+        if value is None:
+            missing += 1
+        elif not 0 <= value <= 1:
+            out_of_range += 1
+        else:
+            counts[min(int(round(value * bins, 9)), bins - 1)] += 1
+    return {"edges": [round(k / bins, 6) for k in range(bins + 1)], "counts": counts, "missing": missing,
+            "out_of_range": out_of_range}
+
+
+def judge_cost(outcomes: Sequence[QueryOutcome]) -> dict[str, Any]:
+    """The judge's calls, prompt / completion tokens and latency (``verdict["cost"]``): totals and per-query means.
+
+    ``unrecorded`` counts verdicts without a cost (traces written before costs were recorded; they add 0).
+    """
+    costs = [(o.judge or {}).get("cost") or {} for o in outcomes]
+    total = {key: float(sum(cost.get(key, 0) for cost in costs)) for key in JUDGE_COST_KEYS}
+    return {"per_query": {key: value / len(outcomes) for key, value in total.items()}, "total": total,
+            "unrecorded": sum(not cost for cost in costs)}
+
+
 def summarize_group(outcomes: Sequence[QueryOutcome]) -> dict[str, Any]:
-    """Accuracy, rule metrics, routes and cost of one (data set, pool) group of queries."""
+    """Accuracy, rule metrics, routes, H′ histogram and costs of a group of queries (see the module docstring)."""
     if not outcomes:
         raise ValueError("cannot summarise an empty group of queries")
     n = len(outcomes)
     judged = any(o.judge is not None for o in outcomes)
-    summary: dict[str, Any] = {"n": n, "accuracy": None}
+    summary: dict[str, Any] = {"n": n, "questions": len({question_key(o) for o in outcomes}),
+                               "ci_method": interval_method(outcomes), "accuracy": None, "judge_cost": None}
     if judged:
-        correct = sum(map(is_correct, outcomes))
+        verdicts = [float(is_correct(o)) for o in outcomes]
         unjudged = [o.query_id for o in outcomes if judge_failed(o)]
-        summary["accuracy"] = {"value": correct / n, "ci95": _interval(*wilson_interval(correct, n)),
-                               "correct": correct, "judge_failed": len(unjudged), "judge_failed_ids": unjudged}
+        summary["accuracy"] = {"value": sum(verdicts) / n, "ci95": interval95(verdicts, outcomes, binary=True),
+                               "correct": int(sum(verdicts)), "judge_failed": len(unjudged),
+                               "judge_failed_ids": unjudged}
+        summary["judge_cost"] = judge_cost(outcomes)
     values = {name: [metric_value(o, name) for o in outcomes] for name in METRICS}
     summary["metrics"] = {name: float(np.mean(v)) for name, v in values.items()}
-    relaxed_correct = int(sum(v >= 1.0 for v in values["relaxed_accuracy"]))
-    summary["ci95"] = {"relaxed_accuracy": _interval(*wilson_interval(relaxed_correct, n)),
-                       "anls": _interval(*bootstrap_interval(values["anls"]))}
+    summary["ci95"] = {name: interval95(v, outcomes, binary=name in BINARY_METRICS) for name, v in values.items()}
     failed = [o for o in outcomes if o.failed]
     summary["failed"] = len(failed)
     summary["failed_queries"] = [{"query_id": o.query_id, "reason": o.failure or "unknown"} for o in failed]
-    summary["routes"] = {route: sum(o.route == route for o in outcomes) / n for route in ROUTES}
+    counts = {route: sum(o.route == route for o in outcomes) for route in route_names(outcomes)}
+    summary["route_counts"] = counts
+    summary["routes"] = {route: count / n for route, count in counts.items()}
+    summary["uncertainty_histogram"] = uncertainty_histogram(outcomes)
     walls = [o.wall_s for o in outcomes]
     summary["cost"] = {
         "lvlm_calls": float(np.mean([o.num_calls for o in outcomes])),
@@ -123,12 +200,13 @@ def _pct(value: float) -> str:
     return f"{100 * value:.1f}"
 
 
+def _ci_cell(value: float, ci95: Sequence[float]) -> str:
+    return f"{_pct(value)} [{_pct(ci95[0])}, {_pct(ci95[1])}]"
+
+
 def _accuracy_cell(group: Mapping[str, Any]) -> str:
     accuracy = group["accuracy"]
-    if accuracy is None:
-        return "disabled"
-    low, high = accuracy["ci95"]
-    return f"{_pct(accuracy['value'])} [{_pct(low)}, {_pct(high)}]"
+    return "disabled" if accuracy is None else _ci_cell(accuracy["value"], accuracy["ci95"])
 
 
 def _group_rows(summary: Mapping[str, Any]) -> list[tuple[str, str, Mapping[str, Any]]]:
@@ -141,39 +219,87 @@ def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str
     return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)])
 
 
+def table_routes(groups: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The route columns of several groups: every route any of them holds, in first-seen order."""
+    return list(dict.fromkeys(route for group in groups for route in group["routes"]))
+
+
+def bin_labels(edges: Sequence[float]) -> list[str]:
+    """``[0.0, 0.1)`` … ``[0.9, 1.0]``: the last bin is closed."""
+    labels = [f"[{low:.1f}, {high:.1f})" for low, high in zip(edges[:-1], edges[1:])]
+    return [*labels[:-1], labels[-1][:-1] + "]"]
+
+
+def judge_line(judge: Any) -> str:
+    if judge == JUDGE_DISABLED:
+        return f"judge: {JUDGE_DISABLED}"
+    return (f"judge: {judge.get('backend')} `{judge.get('model')}`, rubric {judge.get('rubric')} "
+            f"({judge.get('rubric_version', 'version not recorded')}), correct ⇔ score ≥ 4")
+
+
+def _metric_sections(report: Mapping[str, Any], rows: Sequence[tuple[str, str, Mapping[str, Any]]]) -> list[str]:
+    """The Table-3 layouts, the per-group metrics and their intervals."""
+    parts = [f"## {TABLE_METRICS[metric]} (×100; rows = configurations, as in Tables 3, 4 and 6)\n\n"
+             + comparison_table({report["config"]: report}, metric)
+             for metric in TABLE_METRICS if metric != "accuracy" or report["judged"]]
+    parts.append("## Per data set and pool\n\n" + _markdown_table(
+        ["Data set", "Pool", "n", "Judged acc. [95% CI]", *METRIC_HEADERS.values(), "Failed", "Judge failed"],
+        [[ds, pool, str(g["n"]), _accuracy_cell(g), *(_pct(g["metrics"][m]) for m in METRIC_HEADERS),
+          str(g["failed"]), str(g["accuracy"]["judge_failed"]) if g["accuracy"] else "–"] for ds, pool, g in rows]))
+    parts.append("## 95% intervals\n\nEach question counts once: a group holding a question twice (overall: "
+                 "the single and all pools) resamples questions.\n\n" + _markdown_table(
+                     ["Data set", "Pool", "Questions", "Interval", *METRIC_HEADERS.values()],
+                     [[ds, pool, str(g["questions"]), g["ci_method"],
+                       *(_ci_cell(g["metrics"][m], g["ci95"][m]) for m in METRIC_HEADERS)] for ds, pool, g in rows]))
+    return parts
+
+
+def _calibration_sections(rows: Sequence[tuple[str, str, Mapping[str, Any]]]) -> list[str]:
+    """Route shares and the Judger's H′ histogram per group."""
+    routes = table_routes([g for _, _, g in rows])
+    labels = bin_labels(rows[-1][2]["uncertainty_histogram"]["edges"])
+    return [
+        "## Routes (share of queries, %)\n\n" + _markdown_table(
+            ["Data set", "Pool", *routes], [[ds, pool, *(_pct(g["routes"].get(r, 0.0)) for r in routes)]
+                                            for ds, pool, g in rows]),
+        "## Judger uncertainty H′ (queries per bin)\n\n" + _markdown_table(
+            ["Data set", "Pool", *labels, "none", "outside [0, 1]"],
+            [[ds, pool, *map(str, h["counts"]), str(h["missing"]), str(h["out_of_range"])]
+             for ds, pool, g in rows for h in [g["uncertainty_histogram"]]]),
+    ]
+
+
+def _cost_sections(report: Mapping[str, Any], rows: Sequence[tuple[str, str, Mapping[str, Any]]]) -> list[str]:
+    """Generator cost per query, and the judge's apart from it."""
+    parts = ["## Cost per query (generator)\n\n" + _markdown_table(
+        ["Data set", "Pool", "LVLM calls", "Input tokens", "Output tokens", "Wall p50 (s)", "Wall p95 (s)"],
+        [[ds, pool, f"{c['lvlm_calls']:.2f}", f"{c['input_tokens']:.0f}", f"{c['output_tokens']:.0f}",
+          f"{c['wall_s_p50']:.2f}", f"{c['wall_s_p95']:.2f}"] for ds, pool, g in rows for c in [g["cost"]]])]
+    if report["judged"]:
+        parts.append("## Judge cost (apart from the generator's)\n\n" + _markdown_table(
+            ["Data set", "Pool", "Judge calls / query", "Judge input tok. / query", "Judge output tok. / query",
+             "Judge latency / query (s)", "Judge calls (total)", "Judge latency (total, s)"],
+            [[ds, pool, f"{q['calls']:.2f}", f"{q['prompt_tokens']:.0f}", f"{q['completion_tokens']:.0f}",
+              f"{q['latency_s']:.2f}", f"{t['calls']:.0f}", f"{t['latency_s']:.1f}"]
+             for ds, pool, g in rows for q, t in [(g["judge_cost"]["per_query"], g["judge_cost"]["total"])]]))
+    return parts
+
+
 def render_markdown(report: Mapping[str, Any]) -> str:
-    """``rag.md``: the run, its judge, Table-3 layouts, per-group metrics, routes, cost and failures."""
+    """``rag.md``: the run, its judge, Table-3 layouts, metrics with intervals, routes, H′, costs and failures."""
     meta = report["meta"]
-    judge = report["judge"]
-    judge_line = (f"judge: {JUDGE_DISABLED}" if judge == JUDGE_DISABLED else
-                  f"judge: {judge.get('backend')} `{judge.get('model')}`, rubric {judge.get('rubric')}, "
-                  "correct ⇔ score ≥ 4")
     lvlm = meta.get("lvlm") or {}
+    rows = _group_rows(report)
     parts = [
         f"# RAG evaluation: {report['config']}",
         "\n".join([f"- task: {meta.get('task', '?')}, retrieval: {meta.get('retrieval', '?')}, "
                    f"generator: {meta.get('generator', '?')}",
                    f"- LVLM: {lvlm.get('backend', '?')} `{lvlm.get('model', '?')}`",
-                   f"- {judge_line}",
+                   f"- {judge_line(report['judge'])}",
                    f"- queries: {report['overall']['n']}, failed: {report['overall']['failed']} "
                    "(failed queries count as wrong in every metric)"]),
+        *_metric_sections(report, rows), *_calibration_sections(rows), *_cost_sections(report, rows),
     ]
-    metrics = [m for m in TABLE_METRICS if m != "accuracy" or report["judged"]]
-    for metric in metrics:
-        parts.append(f"## {TABLE_METRICS[metric]} (×100; rows = configurations, as in Tables 3, 4 and 6)\n\n"
-                     + comparison_table({report["config"]: report}, metric))
-    rows = _group_rows(report)
-    parts.append("## Per data set and pool\n\n" + _markdown_table(
-        ["Data set", "Pool", "n", "Judged acc. [95% CI]", "ANLS", "Relaxed acc.", "EM", "F1", "Failed",
-         "Judge failed"],
-        [[ds, pool, str(g["n"]), _accuracy_cell(g), *(_pct(g["metrics"][m]) for m in METRICS), str(g["failed"]),
-          str(g["accuracy"]["judge_failed"]) if g["accuracy"] else "–"] for ds, pool, g in rows]))
-    parts.append("## Routes (share of queries, %)\n\n" + _markdown_table(
-        ["Data set", "Pool", *ROUTES], [[ds, pool, *(_pct(g["routes"][r]) for r in ROUTES)] for ds, pool, g in rows]))
-    parts.append("## Cost per query\n\n" + _markdown_table(
-        ["Data set", "Pool", "LVLM calls", "Input tokens", "Output tokens", "Wall p50 (s)", "Wall p95 (s)"],
-        [[ds, pool, f"{c['lvlm_calls']:.2f}", f"{c['input_tokens']:.0f}", f"{c['output_tokens']:.0f}",
-          f"{c['wall_s_p50']:.2f}", f"{c['wall_s_p95']:.2f}"] for ds, pool, g in rows for c in [g["cost"]]]))
     failures = [f"- {ds}/{pool}: `{f['query_id']}` — {f['reason']}" for ds, pool, g in rows[:-1]
                 for f in g["failed_queries"]]
     unjudged = [f"- {ds}/{pool}: " + ", ".join(f"`{q}`" for q in g["accuracy"]["judge_failed_ids"])
@@ -211,9 +337,12 @@ def flat_metrics(report: Mapping[str, Any], prefix: str = "rag") -> dict[str, fl
         if group["accuracy"]:
             flat[f"{key}/accuracy"] = group["accuracy"]["value"]
             flat[f"{key}/judge_failed"] = float(group["accuracy"]["judge_failed"])
+            flat.update({f"{key}/judge_{name}": value for name, value in group["judge_cost"]["per_query"].items()})
         flat.update({f"{key}/{name}": value for name, value in group["metrics"].items()})
         flat.update({f"{key}/route_{route}": share for route, share in group["routes"].items()})
         flat.update({f"{key}/{name}": value for name, value in group["cost"].items()})
+        histogram = group["uncertainty_histogram"]
+        flat.update({f"{key}/uncertainty_bin{k}": float(count) for k, count in enumerate(histogram["counts"])})
         flat[f"{key}/n"], flat[f"{key}/failed"] = float(group["n"]), float(group["failed"])
     return flat
 
@@ -249,13 +378,14 @@ def load_sweep(folder: str | Path, threshold_key: str = "generator.threshold") -
 
 
 def sweep_row(threshold: float, outcomes: Sequence[QueryOutcome]) -> dict[str, Any]:
-    """One threshold's accuracy (judged, else relaxed), route shares and cost."""
+    """One threshold's accuracy (judged, else relaxed), route shares, H′ histogram and cost."""
     group = summarize_group(outcomes)
     judged = group["accuracy"] is not None
     value = group["accuracy"]["value"] if judged else group["metrics"]["relaxed_accuracy"]
     ci95 = group["accuracy"]["ci95"] if judged else group["ci95"]["relaxed_accuracy"]
     return {"threshold": threshold, "n": group["n"], "metric": "accuracy" if judged else "relaxed_accuracy",
-            "value": value, "ci95": ci95, "routes": group["routes"], "cost": group["cost"], "failed": group["failed"]}
+            "value": value, "ci95": ci95, "routes": group["routes"], "cost": group["cost"], "failed": group["failed"],
+            "uncertainty_histogram": group["uncertainty_histogram"]}
 
 
 def sweep_plot(rows: Sequence[Mapping[str, Any]]) -> bytes:
@@ -270,7 +400,7 @@ def sweep_plot(rows: Sequence[Mapping[str, Any]]) -> bytes:
     figure = Figure(figsize=(10, 4), dpi=100, layout="constrained")
     left, right = figure.subplots(1, 2)
     left.errorbar(thresholds, values, yerr=errors, marker="o", capsize=3, label=label)
-    left.plot(thresholds, [100 * r["routes"]["HQP"] for r in rows], marker="s", linestyle="--",
+    left.plot(thresholds, [100 * r["routes"].get("HQP", 0.0) for r in rows], marker="s", linestyle="--",
               label="routed to Decoupler, HQP (%)")
     if thresholds.min() <= PAPER_THRESHOLD <= thresholds.max():
         left.axvline(PAPER_THRESHOLD, color="grey", linestyle=":", label=f"paper: h = {PAPER_THRESHOLD}")
@@ -286,11 +416,12 @@ def sweep_plot(rows: Sequence[Mapping[str, Any]]) -> bytes:
 
 
 def sweep_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    header = ["h", "n", rows[0]["metric"] + " [95% CI]", *ROUTES, "LVLM calls", "Input tok.", "Output tok.",
+    routes = table_routes(rows)
+    header = ["h", "n", rows[0]["metric"] + " [95% CI]", *routes, "LVLM calls", "Input tok.", "Output tok.",
               "Wall p50 (s)"]
     return _markdown_table(header, [
-        [f"{r['threshold']:g}", str(r["n"]), f"{_pct(r['value'])} [{_pct(r['ci95'][0])}, {_pct(r['ci95'][1])}]",
-         *(_pct(r["routes"][route]) for route in ROUTES), f"{r['cost']['lvlm_calls']:.2f}",
+        [f"{r['threshold']:g}", str(r["n"]), _ci_cell(r["value"], r["ci95"]),
+         *(_pct(r["routes"].get(route, 0.0)) for route in routes), f"{r['cost']['lvlm_calls']:.2f}",
          f"{r['cost']['input_tokens']:.0f}", f"{r['cost']['output_tokens']:.0f}", f"{r['cost']['wall_s_p50']:.2f}"]
         for r in rows])
 

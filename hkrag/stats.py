@@ -8,7 +8,7 @@ two-sided at ``confidence`` (default 95 %); the bootstraps are seeded, so a repo
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from statistics import NormalDist
 
 import numpy as np
@@ -67,6 +67,35 @@ def bootstrap_interval(
     means = _resampled_means(_as_array(values, "values"), n_resamples, seed)
     alpha = (1 - confidence) / 2
     low, high = np.quantile(means, [alpha, 1 - alpha])
+    return float(low), float(high)
+
+
+def cluster_bootstrap_interval(
+    values: Sequence[float], clusters: Sequence[Hashable], confidence: float = 0.95, n_resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``values`` that resamples whole clusters, not rows.
+
+    For rows that are not independent samples: the same question evaluated in two pools (single and all)
+    is one cluster, so it is drawn (or not) as a whole. Each resample draws as many clusters as there are,
+    with replacement; its statistic is the mean over all rows of the drawn clusters. With every cluster of
+    one row this is :func:`bootstrap_interval` (the same draws for the same seed).
+    """
+    _z(confidence)
+    array = _as_array(values, "values")
+    if len(clusters) != len(array):
+        raise ValueError(f"need one cluster per value: {len(clusters)} clusters for {len(array)} values")
+    index = {key: i for i, key in enumerate(dict.fromkeys(clusters))}
+    members = np.array([index[key] for key in clusters])
+    sums = np.bincount(members, weights=array, minlength=len(index))
+    counts = np.bincount(members, minlength=len(index)).astype(float)
+    rng = np.random.default_rng(seed)
+    means = []
+    for start in range(0, n_resamples, CHUNK):
+        drawn = rng.integers(0, len(index), size=(min(CHUNK, n_resamples - start), len(index)))
+        means.append(sums[drawn].sum(axis=1) / counts[drawn].sum(axis=1))
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(np.concatenate(means), [alpha, 1 - alpha])
     return float(low), float(high)
 
 

@@ -4,8 +4,10 @@ One file, no server and no external asset: the CSS is inline and each page appea
 thumbnail in a ``data:`` URI (encoded once per page however many queries retrieved it). Per query: the
 question and gold answers, the retrieved pages (those the Pruner kept in colour, the others greyed), every
 LVLM call (agent, output, latency, tokens, uncertainty), the Judger's uncertainty and route, the final
-answer against gold, the rule metrics and the LLM judge's verdict with its raw output. Failed queries are
-highlighted with their reason. Every model output and data string is HTML-escaped.
+answer against gold, the rule metrics and the LLM judge's verdict (rubric, cost) with its raw output. The
+header summarises the run and, per data set and pool, the route shares and the histogram of the Judger's
+uncertainty H′ (:func:`hkrag.rag_report.uncertainty_histogram`). Failed queries are highlighted with their
+reason. Every model output and data string is HTML-escaped.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from PIL import Image
 
 from agents.records import CallRecord, QueryOutcome
 from hkrag.io import write_text
-from hkrag.rag_report import summarize_group
+from hkrag.rag_report import bin_labels, summarize, table_routes
 
 THUMBNAIL_WIDTH = 160
 JPEG_QUALITY = 70
@@ -49,6 +51,8 @@ td,th{border:1px solid #e0e0e0;padding:3px 6px;text-align:left;vertical-align:to
 pre{white-space:pre-wrap;word-break:break-word;margin:0;font-size:12px}
 .answer{display:grid;grid-template-columns:120px 1fr;gap:2px 8px;font-size:14px}.answer pre{font-size:14px}
 details{font-size:12px;margin-top:4px}
+.calibration td,.calibration th{text-align:right}.calibration{width:auto}
+.bar{background:#90caf9;height:6px;margin-top:2px}
 """
 
 
@@ -115,9 +119,13 @@ def render_verdict(judge: dict[str, Any] | None) -> str:
         return "judge: disabled"
     verdict = '<span class="ok">correct</span>' if judge.get("correct") else '<span class="bad">wrong</span>'
     error = f' — <span class="bad">{escape(str(judge["error"]))}</span>' if judge.get("error") else ""
-    raw = "".join(f"<pre>{escape(r)}</pre><hr>" for r in judge.get("raw", []))
+    raw = "".join(f"<pre>{escape(str(r))}</pre><hr>" for r in judge.get("raw", []))
+    cost = judge.get("cost") or {}
+    spent = (f"; judge cost {cost.get('calls', 0)} call(s), {cost.get('prompt_tokens', 0)} / "
+             f"{cost.get('completion_tokens', 0)} tokens, {float(cost.get('latency_s', 0)):.2f} s" if cost else "")
+    rubric = f"; rubric {judge['rubric']}" if judge.get("rubric") else ""
     return (f"{verdict}, score {escape(str(judge.get('score')))} ({escape(str(judge.get('status', '')))}, "
-            f"{escape(str(judge.get('attempts', 0)))} attempt(s)){error}"
+            f"{escape(str(judge.get('attempts', 0)))} attempt(s)){escape(rubric + spent)}{error}"
             + (f"<details><summary>raw judge output</summary>{raw}</details>" if raw else ""))
 
 
@@ -145,23 +153,50 @@ def render_query(outcome: QueryOutcome, thumbnails: Thumbnails) -> str:
     )
 
 
+def render_calibration(summary: dict[str, Any]) -> str:
+    """Per data set and pool (and overall): the share of queries per route and the H′ histogram (counts)."""
+    groups = [(f"{ds}/{pool}", group) for ds, by_pool in summary["results"].items() for pool, group in by_pool.items()]
+    groups.append(("overall", summary["overall"]))
+    routes = table_routes([group for _, group in groups])
+    labels = bin_labels(summary["overall"]["uncertainty_histogram"]["edges"])
+    names = ["group", *(f"{r} %" for r in routes), *(f"H′ {label}" for label in labels), "no H′", "H′ ∉ [0, 1]"]
+    header = "".join(f"<th>{escape(name)}</th>" for name in names)
+    rows = []
+    for name, group in groups:
+        histogram = group["uncertainty_histogram"]
+        peak = max(histogram["counts"]) or 1
+        shares = "".join(f"<td>{100 * group['routes'].get(r, 0.0):.1f}</td>" for r in routes)
+        bins = "".join(f'<td>{count}<div class="bar" style="width:{100 * count / peak:.0f}%"></div></td>'
+                       for count in histogram["counts"])
+        rows.append(f"<tr><th>{escape(name)}</th>{shares}{bins}<td>{histogram['missing']}</td>"
+                    f"<td>{histogram['out_of_range']}</td></tr>")
+    return (f'<h2>Routes and Judger uncertainty H′</h2><table class="calibration"><tr>{header}</tr>'
+            f"{''.join(rows)}</table>")
+
+
 def render_summary(outcomes: Sequence[QueryOutcome]) -> str:
-    group = summarize_group(outcomes)
-    accuracy = group["accuracy"]
+    summary = summarize(outcomes)
+    group = summary["overall"]
+    accuracy, judge_cost = group["accuracy"], group["judge_cost"]
     stats = {
         "queries": str(group["n"]),
         "failed": str(group["failed"]),
         "judged accuracy": f"{100 * accuracy['value']:.1f}%" if accuracy else "disabled",
-        "relaxed accuracy": f"{100 * group['metrics']['relaxed_accuracy']:.1f}%",
+        "relaxed accuracy (lenient)": f"{100 * group['metrics']['relaxed_accuracy']:.1f}%",
+        "relaxed correctness (strict)": f"{100 * group['metrics']['relaxed_correctness']:.1f}%",
         "ANLS": f"{100 * group['metrics']['anls']:.1f}",
-        **{f"route {route}": f"{100 * share:.0f}%" for route, share in group["routes"].items() if share},
         "LVLM calls / query": f"{group['cost']['lvlm_calls']:.2f}",
         "wall p50 / p95 (s)": f"{group['cost']['wall_s_p50']:.2f} / {group['cost']['wall_s_p95']:.2f}",
+        **({"judge calls / query": f"{judge_cost['per_query']['calls']:.2f}",
+            "judge tokens in / out per query": f"{judge_cost['per_query']['prompt_tokens']:.0f} / "
+                                               f"{judge_cost['per_query']['completion_tokens']:.0f}"}
+           if judge_cost else {}),
     }
     cells = "".join(f'<div class="stat">{escape(name)}<b>{escape(value)}</b></div>' for name, value in stats.items())
     failed = "".join(f'<li><a href="#{escape(o.query_id)}">{escape(o.query_id)}</a>: {escape(o.failure or "")}</li>'
                      for o in outcomes if o.failed)
-    return f'<div class="summary">{cells}</div>' + (f"<p>Failed queries:</p><ul>{failed}</ul>" if failed else "")
+    return (f'<div class="summary">{cells}</div>' + render_calibration(summary)
+            + (f"<p>Failed queries:</p><ul>{failed}</ul>" if failed else ""))
 
 
 def render_html(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from agents.records import CallRecord, QueryOutcome
+from agents.records import ROUTES, CallRecord, QueryOutcome
 from hkrag.trace_html import render_html, write_html
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -58,7 +58,8 @@ def outcomes():
         dataset="ChartQA", pool="single", retrieved=["doc-a", "doc-b", "doc-c"], kept=["doc-a", "doc-b"],
         route="HQP", uncertainty=0.91, estimator="mean_neg_plogp", iterations=2, answer="12721", calls=calls,
         wall_s=2.5, judge={"score": 5, "correct": True, "raw": [f"Score: 5 {INJECTION}"], "attempts": 1,
-                           "error": None, "status": "ok"},
+                           "error": None, "status": "ok", "rubric": "llamaindex",
+                           "cost": {"calls": 1, "prompt_tokens": 300, "completion_tokens": 5, "latency_s": 0.4}},
         metrics={"anls": 1.0, "relaxed_accuracy": 1.0, "exact_match": 1.0, "f1": 1.0},
     )
     failed = QueryOutcome(
@@ -89,6 +90,18 @@ def test_page_is_self_contained_and_escaped():
     assert html.count('class="dropped"') == 3  # doc-c (first query), doc-c and doc-missing (failed query)
     assert 'class="query failed"' in html and "FAILED: LVLMTimeoutError: call exceeded 60 s" in html
     assert "no image" in html
+
+
+def test_header_shows_route_shares_and_the_uncertainty_histogram():
+    html = re.sub(r'<div class="bar"[^>]*></div>', "", render_html(outcomes(), PAGES.get))
+    assert "<th>H′ [0.0, 0.1)</th>" in html and "<th>H′ [0.9, 1.0]</th>" in html
+    share = {"HQP": "50.0", "failed": "50.0"}
+    shares = "".join(f"<td>{share.get(route, '0.0')}</td>" for route in ROUTES)
+    bins = "<td>0</td>" * 9 + "<td>1</td>"  # the answered query's H' = 0.91; the failed one has none
+    assert f"<tr><th>ChartQA/single</th>{shares}{bins}<td>1</td><td>0</td></tr>" in html
+    assert f"<tr><th>overall</th>{shares}{bins}<td>1</td><td>0</td></tr>" in html
+    assert "relaxed correctness (strict)" in html and "judge calls / query<b>0.50</b>" in html
+    assert "rubric llamaindex; judge cost 1 call(s), 300 / 5 tokens, 0.40 s" in html
 
 
 def run_chromium(chromium, tmp_path, *args):
