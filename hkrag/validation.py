@@ -4,16 +4,20 @@ Hydra checks key names; this checks values. ``train.py`` and ``eval.py`` call :f
 before building anything, so ``trainer.global_batch_size=abc`` or ``loss.tau=0`` fails in a second
 with every problem listed (key, value, allowed range) instead of a traceback minutes later or, worse,
 a run that "succeeds" after 0 steps. Keys absent from the composed config are skipped (each task
-composes only the groups it needs).
+composes only the groups it needs). For ``eval.py task=rag|generation`` the settings that depend on each
+other are checked too (:func:`rag_problems`): names of data sets and pools, flags, and ``rag.top_k``
+against the Pruner's buffer ``generator.top_k``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from hkrag.lvlm import BACKENDS
 from hkrag.lvlm.uncertainty import ESTIMATORS
 
 
@@ -84,12 +88,15 @@ RULES: dict[str, Rule] = {
     "rag.max_queries": OPTIONAL_POSITIVE,
     "rag.concurrency": POSITIVE,
     "generator.top_k": POSITIVE,
-    "generator.threshold": Rule(float, low=0),
+    "generator.threshold": FRACTION,
     "generator.top_logprobs": Rule(int, low=0, high=20),
     "generator.caps.max_iters": POSITIVE,
     "generator.caps.max_calls": POSITIVE,
     "generator.caps.max_total_tokens": POSITIVE,
     "generator.caps.max_seconds": Rule(float, low=0, low_open=True),
+    "generator.caps.max_new_tokens.yes_no": POSITIVE,
+    "generator.caps.max_new_tokens.answer": POSITIVE,
+    "generator.caps.max_new_tokens.notes": POSITIVE,
 }
 """Config key -> allowed values. Add a row here when a group gains a numeric setting."""
 
@@ -97,11 +104,19 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "eval.dtype": ("float16", "float32"),
     "model.kind": ("tiny", "phi3v"),
     "generator.estimator": ESTIMATORS,
+    "lvlm.kind": tuple(BACKENDS),
 }
 
+FLAGS = ("rag.resume", "generator.pruner", "generator.decoupler", "generator.allow_no_pages")
+"""Keys that take ``true`` or ``false`` only (a string such as ``yes`` is truthy and would be misread)."""
 
-def validate_config(cfg: DictConfig) -> None:
-    """Check every key of :data:`RULES` / :data:`CHOICES` present in ``cfg``; raise one :class:`ConfigError`."""
+RAG_TASKS = ("rag", "generation")
+POOLS = ("single", "all")
+
+
+def validate_config(cfg: DictConfig, extra: Sequence[str] = ()) -> None:
+    """Check every key of :data:`RULES` / :data:`CHOICES` / :data:`FLAGS` present in ``cfg`` and, for the
+    RAG tasks, :func:`rag_problems`; raise one :class:`ConfigError` listing those and the ``extra`` problems."""
     problems = []
     for key, rule in RULES.items():
         present, value = _lookup(cfg, key)
@@ -112,8 +127,50 @@ def validate_config(cfg: DictConfig) -> None:
         present, value = _lookup(cfg, key)
         if present and value not in allowed:
             problems.append(f"{key}={value!r}: expected one of {list(allowed)}")
+    for key in FLAGS:
+        present, value = _lookup(cfg, key)
+        if present and not isinstance(value, bool):
+            problems.append(f"{key}={value!r}: expected true or false")
+    problems += rag_problems(cfg) + list(extra)
     if problems:
         raise ConfigError("invalid config value(s):\n  " + "\n  ".join(problems))
+
+
+def rag_problems(cfg: DictConfig) -> list[str]:
+    """The settings of ``eval.py task=rag|generation`` that a range cannot check (none for other tasks).
+
+    ``rag.datasets`` and ``rag.pools`` must be non-empty lists of distinct names (pools: ``single``,
+    ``all``), ``rag.split`` a name, and ``rag.top_k`` at least ``generator.top_k``: the Pruner fills a
+    buffer of ``generator.top_k`` pages from the ``rag.top_k`` it is handed, so fewer could never fill it.
+    """
+    if cfg.get("task") not in RAG_TASKS:
+        return []
+    problems = [_names_problem(cfg, "rag.datasets"), _names_problem(cfg, "rag.pools", POOLS)]
+    present, split = _lookup(cfg, "rag.split")
+    if present and not (isinstance(split, str) and split.strip()):
+        problems.append(f"rag.split={split!r}: expected the name of a split, e.g. test")
+    _, rag_k = _lookup(cfg, "rag.top_k")
+    _, generator_k = _lookup(cfg, "generator.top_k")
+    numbers = all(isinstance(k, int) and not isinstance(k, bool) for k in (rag_k, generator_k))
+    if numbers and cfg.get("retrieval") != "none" and rag_k < generator_k:
+        problems.append(f"rag.top_k={rag_k} < generator.top_k={generator_k}: the generator is handed {rag_k} "
+                        f"page(s) but keeps up to {generator_k} (the Pruner's buffer could never fill); set "
+                        f"rag.top_k >= {generator_k} or generator.top_k <= {rag_k}")
+    return [problem for problem in problems if problem]
+
+
+def _names_problem(cfg: DictConfig, key: str, allowed: tuple[str, ...] | None = None) -> str | None:
+    """Why the list of names at ``key`` is unusable, or ``None``."""
+    present, value = _lookup(cfg, key)
+    if not present:
+        return None
+    names = OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n.strip() for n in names):
+        return f"{key}={names!r}: expected a non-empty list of names"
+    if len(set(names)) != len(names):
+        return f"{key}={names!r}: a name is listed twice"
+    unknown = [n for n in names if allowed is not None and n not in allowed]
+    return f"{key}={names!r}: {unknown} not among {list(allowed)}" if unknown else None
 
 
 def _lookup(cfg: DictConfig, key: str) -> tuple[bool, object]:

@@ -7,20 +7,26 @@ retriever and generator through the whole path.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
+from hkrag import trace as trace_module
 from hkrag.data.opendocvqa import load_qa
+from hkrag.io import WriteError
 from hkrag.lvlm import LVLMTimeoutError
 from hkrag.lvlm.scripted import Reply, ScriptedBackend, request_text
 from hkrag.rag_report import main
 from hkrag.tasks import rag as rag_task
 from hkrag.tasks import run_eval_task
-from hkrag.trace import PARTS_DIR, TraceWriter, load_trace, merge
+from hkrag.trace import PARTS_DIR, TraceError, TraceWriter, load_trace, merge
+from hkrag.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_DATA = [
@@ -55,15 +61,18 @@ def gold_answers(cfg) -> dict[str, str]:
 
 class GoldBackend(ScriptedBackend):
     """Says "yes" to the Pruner and answers every question with its gold answer, with certainty (LQP); the
-    question in ``fail`` raises a timeout instead."""
+    question in ``fail`` times out instead, or raises ``error`` at once when one is given."""
 
-    def __init__(self, answers: dict[str, str], fail: str | None = None) -> None:
-        self.answers, self.fail = answers, fail
-        super().__init__(self.reply)
+    def __init__(self, answers: dict[str, str], fail: str | None = None, error: BaseException | None = None,
+                 delay_s: float = 0.0) -> None:
+        self.answers, self.fail, self.error = answers, fail, error
+        super().__init__(self.reply, delay_s=delay_s)
 
     def reply(self, request) -> Reply:
         text = request_text(request)
         question = re.search(r"Question: (.*)", text).group(1).strip()
+        if question == self.fail and self.error is not None:
+            raise self.error
         if question == self.fail:
             return Reply(error=LVLMTimeoutError(FAILING))
         return Reply("yes") if "yes or no" in text else Reply(self.answers[question])
@@ -222,3 +231,203 @@ def test_concurrent_queries_fill_the_trace_once_each_and_local_backends_refuse(t
 
     with pytest.raises(ValueError, match="rag.concurrency=2 needs thread-safe backends.*the phi3v backend"):
         run(config(data, "rag.concurrency=2"), tmp_path / "local", lambda: LocalModel(answers), backends)
+
+
+@pytest.mark.parametrize("error", [ValueError("generator estimator needs a vocabulary"), KeyError("page"),
+                                   RuntimeError("kernel launch failed"), ZeroDivisionError("division by zero")])
+def test_an_unexpected_error_fails_only_its_query_with_its_type_and_message(tmp_path, data, backends, error):
+    cfg = config(data, "rag.concurrency=2")
+    answers = gold_answers(cfg)
+    failing = list(answers)[1]
+    report = run(cfg, tmp_path / "run", lambda: GoldBackend(answers, fail=failing, error=error), backends)
+
+    assert report["overall"]["n"] == 6 and report["overall"]["failed"] == 1
+    assert report["overall"]["metrics"]["exact_match"] == pytest.approx(5 / 6)
+    [failed] = [o for o in load_trace(tmp_path / "run" / "trace.jsonl") if o.failed]
+    assert (failed.question, failed.route, failed.answer) == (failing, "failed", "")
+    assert failed.failure == f"unexpected {type(error).__name__}: {error}"
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), MemoryError(),
+                                   torch.cuda.OutOfMemoryError("CUDA out of memory"), ConfigError("bad setting"),
+                                   KeyboardInterrupt()], ids=lambda e: type(e).__name__)
+def test_a_run_level_error_stops_the_run_at_once_keeping_every_finished_query(tmp_path, data, backends, error):
+    cfg = config(data, "rag.concurrency=2")
+    answers = gold_answers(cfg)
+    questions = list(answers)  # the plan's order
+    with pytest.raises(type(error)):
+        run(cfg, tmp_path / "run", lambda: GoldBackend(answers, fail=questions[0], error=error, delay_s=0.2), backends)
+
+    asked = {re.search(r"Question: (.*)", t).group(1).strip() for t in backends[-1].prompts}
+    assert questions[0] in asked <= set(questions[:2])  # a window of two: nothing started after the error
+    part = tmp_path / "run" / PARTS_DIR / "rank-0.jsonl"
+    kept = [o.question for o in load_trace(part)] if part.exists() else []
+    in_flight = [q for q in questions[1:2] if q in asked and not isinstance(error, OSError)]
+    assert kept == in_flight  # the query in flight (if it had started) is recorded, unless the disk failed
+
+    report = run(cfg, tmp_path / "run", lambda: GoldBackend(answers), backends)
+    again = {re.search(r"Question: (.*)", t).group(1).strip() for t in backends[-1].prompts}
+    assert again == set(questions) - set(kept) and report["overall"]["failed"] == 0
+
+
+class FailingOs:
+    """``os`` for :mod:`hkrag.trace` whose ``call`` fails with ``errno`` on its third use (two records fit),
+    after writing half of what it was given when ``call`` is ``write``."""
+
+    def __init__(self, call: str, errno: int) -> None:
+        self.call, self.errno, self.uses = call, errno, 0
+
+    def __getattr__(self, name: str):
+        real = getattr(os, name)
+        if name != self.call:
+            return real
+
+        def failing(*args):
+            self.uses += 1
+            if self.uses < 3:
+                return real(*args)
+            if name == "write":
+                real(args[0], args[1][: len(args[1]) // 2])
+            raise OSError(self.errno, os.strerror(self.errno))
+
+        return failing
+
+
+@pytest.mark.parametrize("call,errno", [("write", 28), ("fsync", 5), ("open", 30)])
+def test_a_trace_that_cannot_be_written_stops_the_run_naming_the_file_and_loses_nothing(
+    tmp_path, data, backends, monkeypatch, call, errno
+):
+    cfg = config(data)
+    answers = gold_answers(cfg)
+    monkeypatch.setattr(trace_module, "os", FailingOs(call, errno))
+    part = tmp_path / "run" / PARTS_DIR / "rank-0.jsonl"
+    with pytest.raises(WriteError, match=f"could not write {re.escape(str(part))}: {os.strerror(errno)}"):
+        run(cfg, tmp_path / "run", lambda: GoldBackend(answers), backends)
+    assert len(backends[-1].prompts) == 3 * 2  # stopped at once: three queries asked, answer + verify each
+    assert part.read_bytes().endswith(b"\n") and len(load_trace(part)) == 2  # no fragment of the third
+
+    monkeypatch.setattr(trace_module, "os", os)
+    report = run(cfg, tmp_path / "run", lambda: GoldBackend(answers), backends)
+    assert len(backends[-1].prompts) == 4 * 2 and report["overall"]["metrics"]["exact_match"] == 1.0
+
+
+def damage(part: Path, how: str) -> None:
+    """Damage a finished run's trace part as a crash, an edit or a copy could."""
+    lines = part.read_bytes().splitlines(keepends=True)
+    record = json.loads(lines[-1])
+    if how == "torn mid-character":  # killed while writing the last answer, inside a multi-byte character
+        torn = json.dumps({**record, "answer": "€€"}, ensure_ascii=False).encode()
+        part.write_bytes(b"".join(lines[:-1]) + torn[: torn.index("€".encode()) + 1])
+    elif how == "garbage line":
+        part.write_bytes(b"".join(lines[:2]) + b"{not json\n" + b"".join(lines[2:]))
+    elif how == "non-UTF-8 line":
+        part.write_bytes(b"".join(lines[:2]) + b'{"query_id": "\xff\xfe"}\n' + b"".join(lines[2:]))
+    elif how == "record of another type":
+        part.write_bytes(b"".join(lines[:2]) + b"[1, 2]\n" + b"".join(lines[2:]))
+    elif how == "same line twice":
+        part.write_bytes(b"".join(lines) + lines[0])
+    elif how == "same query, other answer":
+        part.write_bytes(b"".join(lines) + (json.dumps({**json.loads(lines[0]), "answer": "other"}) + "\n").encode())
+    elif how == "foreign record":
+        part.write_bytes(b"".join(lines) + (json.dumps({**record, "query_id": "elsewhere-q9"}) + "\n").encode())
+
+
+@pytest.mark.parametrize("how,refusal", [
+    ("torn mid-character", None),
+    ("same line twice", None),
+    ("garbage line", r"rank-0.jsonl, line 3: not a trace record \(JSONDecodeError"),
+    ("non-UTF-8 line", r"rank-0.jsonl, line 3: not a trace record \(UnicodeDecodeError"),
+    ("record of another type", r"rank-0.jsonl, line 3: not a trace record \(TypeError: a JSON list"),
+    ("same query, other answer", r"query synchart/gold/\S+ is recorded twice with different content \(.*rank-0"
+                                 r".jsonl, line 1 and .*rank-0.jsonl, line 7\)"),
+    ("foreign record", r"holds 1 record\(s\) of queries that are not in this run \(e.g. \['syninfo/gold/elsewhere"
+                       r"-q9'\]\).*rag.resume=false"),
+])
+def test_a_damaged_trace_is_resumed_or_refused_by_file_line_or_query(tmp_path, data, backends, how, refusal):
+    cfg = config(data)
+    answers = gold_answers(cfg)
+    out = tmp_path / "run"
+    run(cfg, out, lambda: GoldBackend(answers), backends)
+    first = [(o.query_id, o.answer) for o in load_trace(out / "trace.jsonl")]
+    damage(out / PARTS_DIR / "rank-0.jsonl", how)
+    if refusal is not None:
+        with pytest.raises(TraceError, match=refusal):
+            run(cfg, out, lambda: GoldBackend(answers), backends)
+        assert not backends[-1].requests
+        return
+    run(cfg, out, lambda: GoldBackend(answers), backends)
+    assert len(backends[-1].requests) == (2 if how.startswith("torn") else 0)  # only the torn query again
+    assert [(o.query_id, o.answer) for o in load_trace(out / "trace.jsonl")] == first
+
+
+HUGE = " ".join(["word"] * 300_000)
+
+
+@pytest.mark.parametrize("question,reply,recorded", [
+    (HUGE, None, "failed: judger: token cap exceeded (3001"),
+    ("What is \udcff\udcfe the code?", None, "question: What is \ufffd\ufffd the code?"),
+    (None, "", "answer: "),
+    (None, " \n\t ", "answer: "),
+    (None, "M\udc802", "answer: M\ufffd2"),
+    (None, 'a\x00b\u2028c"}{', 'answer: a\x00b\u2028c"}{'),
+    (None, "x" * 200_000, "answer: " + "x" * 200_000),
+], ids=["huge question", "undecodable question", "empty answer", "blank answer", "undecodable answer",
+        "control characters", "huge answer"])
+def test_odd_questions_and_answers_are_recorded_and_never_crash_the_run(
+    tmp_path, data, backends, monkeypatch, question, reply, recorded
+):
+    """The first query's question is ``question``, or the backend's answer to it is ``reply``."""
+    def first_one_odd(source, name, split):
+        examples = load_qa(source, name, split)
+        if name == "synchart" and question is not None:
+            examples[0] = dataclasses.replace(examples[0], query=question)
+        return examples
+
+    monkeypatch.setattr(rag_task, "load_qa", first_one_odd)
+    cfg = config(data)
+    answers = gold_answers(cfg)
+    first = next(iter(answers))
+    answers[first if question is None else rag_task.valid_text(question)] = answers[first] if reply is None else reply
+    report = run(cfg, tmp_path / "run", lambda: GoldBackend(answers), backends)
+
+    trace = load_trace(tmp_path / "run" / "trace.jsonl")
+    assert len(trace) == report["overall"]["n"] == 6 and (tmp_path / "run" / "rag.html").is_file()
+    odd = trace[0]
+    what, _, value = recorded.partition(": ")
+    if what == "failed":
+        assert odd.failure.startswith(value)
+    else:
+        assert {"question": odd.question, "answer": odd.answer}[what] == value
+    assert report["overall"]["failed"] == (what == "failed")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rag.top_k=2", "rag.top_k=2 < generator.top_k=3: the generator is handed 2 page(s) but keeps up to 3"),
+    ("rag.top_k=0", "rag.top_k=0: expected an integer >= 1"),
+    ("rag.max_queries=-1", "rag.max_queries=-1: expected an integer >= 1 or null"),
+    ("rag.concurrency=0", "rag.concurrency=0: expected an integer >= 1"),
+    ("rag.datasets=[]", "rag.datasets=[]: expected a non-empty list of names"),
+    ("rag.datasets=[synchart,synchart]", "rag.datasets=['synchart', 'synchart']: a name is listed twice"),
+    ("rag.pools=[single,al]", "rag.pools=['single', 'al']: ['al'] not among ['single', 'all']"),
+    ("rag.split=''", "rag.split='': expected the name of a split, e.g. test"),
+    ("rag.resume=maybe", "rag.resume='maybe': expected true or false"),
+    ("generator.threshold=1.5", "generator.threshold=1.5: expected a number >= 0 and <= 1"),
+    ("generator.caps.max_calls=0", "generator.caps.max_calls=0: expected an integer >= 1"),
+    ("generator.caps.max_new_tokens.answer=0", "generator.caps.max_new_tokens.answer=0: expected an integer >= 1"),
+    ("+generator.bogus=1", "generator config has unknown keys ['bogus']"),
+    ("lvlm.kind=gpt", "lvlm.kind='gpt': expected one of ['phi3v', 'qwen2_5_vl', 'openai', 'scripted']"),
+    ("run_dir=/no/such/run", "run_dir='/no/such/run': no such directory"),
+    ("run_dir={half}", "/train has no checkpoints/final/adapter: is it a finished train.py run directory?"),
+    ("rag.datasets=[synchart,synbogus]", "qa[synbogus/test] could not be loaded: ValueError: BuilderConfig "
+                                         "'synbogus' not found"),
+    ("rag.split=dev", "qa[synchart/dev] could not be loaded"),
+])
+def test_bad_rag_settings_are_refused_by_name_before_the_run_directory_is_touched(
+    tmp_path, data, backends, override, message
+):
+    half = tmp_path / "train"  # a train.py run that stopped after its first checkpoint
+    (half / "checkpoints" / "step-10").mkdir(parents=True)
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run(config(data, override.format(half=half)), out, lambda: pytest.fail("no backend may be built"), backends)
+    assert not out.exists()

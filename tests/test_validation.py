@@ -1,5 +1,6 @@
 """Config validation: wrong types and ranges fail up front, all at once, naming key, value and range."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,21 @@ def config(name: str, overrides: list[str] = ()):
 @pytest.mark.parametrize("name", ["train", "eval"])
 def test_shipped_configs_are_valid(name):
     validate_config(config(name))
+
+
+@pytest.mark.parametrize("task", ["rag", "generation"])
+@pytest.mark.parametrize("group", [f"{group}={path.stem}" for group in ("generator", "lvlm")
+                                   for path in sorted((ROOT / "conf" / group).glob("*.yaml"))])
+def test_shipped_rag_configs_are_valid(task, group):
+    validate_config(config("eval", [f"task={task}", group]))
+
+
+def test_rag_settings_that_depend_on_each_other_are_checked_for_the_rag_tasks_only():
+    problem = "rag.top_k=1 < generator.top_k=3: the generator is handed 1 page(s) but keeps up to 3"
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        validate_config(config("eval", ["task=rag", "rag.top_k=1"]))
+    validate_config(config("eval", ["task=generation", "retrieval=none", "rag.top_k=1"]))  # no pages at all
+    validate_config(config("eval", ["task=retrieval", "rag.top_k=1", "rag.pools=[nowhere]"]))  # not read
 
 
 @pytest.mark.parametrize("experiment", ["hkrag_retriever", "ablation_infonce", "demo"])

@@ -8,52 +8,74 @@ runs on an LVLM backend (``lvlm`` group); each answer gets the rule metrics and,
 is configured, the LLM judge's verdict, and is appended to the run's trace at once (:mod:`hkrag.trace`),
 so a killed run continues where it stopped. Under ``accelerate launch`` the queries are split across
 processes; rank 0 merges the trace and writes ``rag.json``, ``rag.md`` and ``rag.html``.
+
+Every setting is checked before any query is asked and before the run directory is touched
+(:func:`hkrag.validation.validate_config`, the ``generator`` group, ``run_dir``, the data set names).
+While answering, an error is either the query's or the run's (:func:`is_run_level`): a query's becomes
+a failed outcome in the trace (counted wrong, its type and message in ``failure``); a run's stops the
+run at once, with every finished query already in the trace (docs/errors.md, "Generator runs").
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate.utils import broadcast_object_list
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 from tqdm.auto import tqdm
 
 from agents import build_generator
+from agents.pipeline import GeneratorConfig
 from agents.records import Query, QueryOutcome
 from hkrag.answer_metrics import rule_metrics
 from hkrag.data.opendocvqa import QUERY_PREFIX, Corpus, QAExample, load_corpus, load_qa, pools
 from hkrag.evaluation import evaluate_retrieval
 from hkrag.index.shards import config_hash
-from hkrag.io import write_json, write_text
+from hkrag.io import WriteError, write_json, write_text
 from hkrag.judge import build_judge
 from hkrag.lvlm import LVLMBackend, PageImage, build_backend
 from hkrag.rag_report import flat_metrics, write_reports
 from hkrag.tasks.common import (
     build_retriever,
+    check_pools,
     eval_config,
     evaluated_model,
     make_accelerator,
     prepare_data,
     resolve_run_dir,
     shared_output_dir,
+    trained_model_config,
 )
 from hkrag.trace import PARTS_DIR, TraceWriter, merge
 from hkrag.trace_html import write_html
 from hkrag.training.reporting import RunLogger
-from hkrag.validation import validate_config
+from hkrag.validation import ConfigError, validate_config
 
 logger = logging.getLogger(__name__)
 
 RETRIEVAL_MODES = {"rag": ("retriever",), "generation": ("gold", "none")}
 RUN_CONFIG_FILE = "rag_config.json"
+RUN_LEVEL_ERRORS: tuple[type[BaseException], ...] = (OSError, MemoryError, torch.cuda.OutOfMemoryError, ConfigError)
+"""Errors that stop the whole run rather than fail one query (with ``KeyboardInterrupt`` and every other
+non-``Exception``): the disk or the trace (``OSError``, ``WriteError``), memory (a CUDA out-of-memory query is
+followed by more: lower the batch size or ``rag.concurrency``, then resume) and configuration. Each would
+recur on every following query, and recording those as failed answers would report the machine, not the
+generator."""
+SURROGATE = re.compile("[\ud800-\udfff]")
+"""A UTF-16 surrogate: never part of valid text in a Python string, and unencodable as UTF-8."""
+FAILURE_CHARS = 500
+"""An unexpected error's message is cut to this many characters in ``failure``."""
 
 
 @dataclass
@@ -92,8 +114,23 @@ class PageStore:
 
 
 def question_text(example: QAExample) -> str:
-    """The question without OpenDocVQA's retrieval instruction."""
-    return example.query.removeprefix(QUERY_PREFIX).strip()
+    """The question without OpenDocVQA's retrieval instruction, as valid UTF-8 text."""
+    return valid_text(example.query.removeprefix(QUERY_PREFIX).strip())
+
+
+def valid_text(value: Any) -> Any:
+    """``value`` with every string in it made encodable (a lone surrogate becomes U+FFFD), recursively.
+
+    A query or a backend's reply may carry lone surrogates (undecodable bytes, a broken ``\\udXXX`` escape);
+    they would make every UTF-8 write of the trace and the reports fail.
+    """
+    if isinstance(value, str):
+        return SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [valid_text(item) for item in value]
+    if isinstance(value, dict):
+        return {key: valid_text(item) for key, item in value.items()}
+    return value
 
 
 def resolve_retrieval_mode(cfg: DictConfig) -> None:
@@ -105,10 +142,18 @@ def resolve_retrieval_mode(cfg: DictConfig) -> None:
         raise ValueError(f"task={cfg.task} takes retrieval={'|'.join(modes)}, got retrieval={cfg.retrieval!r}")
 
 
-def plan_queries(cfg: DictConfig, accelerator, output_dir: Path) -> tuple[list[PlannedQuery], PageStore]:
+def load_questions(cfg: DictConfig) -> dict[str, list[QAExample]]:
+    """The first ``rag.max_queries`` questions of each data set (a ``DataError`` names an unknown one)."""
+    rag = cfg.rag
+    return {ds: load_qa(cfg.data.qa_source, ds, rag.split)[: rag.max_queries or None] for ds in rag.datasets}
+
+
+def plan_queries(
+    cfg: DictConfig, accelerator, output_dir: Path, qa: dict[str, list[QAExample]] | None = None
+) -> tuple[list[PlannedQuery], PageStore]:
     """The run's queries in a fixed order with the page ids each gets, and the corpora they come from."""
     rag = cfg.rag
-    qa = {ds: load_qa(cfg.data.qa_source, ds, rag.split)[: rag.max_queries or None] for ds in rag.datasets}
+    qa = load_questions(cfg) if qa is None else qa
     configs = sorted({pools(ds)[p] for ds in rag.datasets for p in rag.pools} | set(rag.datasets))
     store = PageStore([load_corpus(cfg.data.corpus_source, c, rag.split) for c in configs])
     if cfg.retrieval == "retriever":
@@ -135,6 +180,7 @@ def retrieve(cfg: DictConfig, accelerator, output_dir: Path) -> dict[str, dict[s
     retriever.model.to(accelerator.device)
     retrieval_cfg = eval_config(cfg)
     retrieval_cfg.datasets, retrieval_cfg.pools = list(cfg.rag.datasets), list(cfg.rag.pools)
+    check_pools(retrieval_cfg)
     result = evaluate_retrieval(retriever, retrieval_cfg, output_dir / "retrieval", identity)
     if accelerator.is_main_process:
         write_text(output_dir / "retrieval.md", result["table"] + "\n")
@@ -171,6 +217,20 @@ def prepare_run_dir(cfg: DictConfig, output_dir: Path) -> None:
     write_json(marker, {"hash": config_hash(identity), "identity": identity})
 
 
+def run_dir_problems(cfg: DictConfig) -> list[str]:
+    """Why ``run_dir`` (when set) names no finished ``train.py`` run: missing, or half-written (no final
+    adapter, no base model) as :func:`~hkrag.tasks.common.trained_model_config` checks."""
+    if not cfg.get("run_dir"):
+        return []
+    try:
+        if not resolve_run_dir(cfg.run_dir).is_dir():
+            return [f"run_dir={cfg.run_dir!r}: no such directory"]
+        trained_model_config(cfg.model, cfg.run_dir)
+    except FileNotFoundError as error:
+        return [f"run_dir={cfg.run_dir!r}: {error}"]
+    return []
+
+
 def to_query(item: PlannedQuery, store: PageStore) -> Query:
     return Query(
         query_id=item.example.query_id, question=question_text(item.example),
@@ -179,35 +239,120 @@ def to_query(item: PlannedQuery, store: PageStore) -> Query:
     )
 
 
+def is_run_level(error: BaseException) -> bool:
+    """Whether ``error`` stops the run (:data:`RUN_LEVEL_ERRORS`, or not an ``Exception`` at all, e.g. a
+    ``KeyboardInterrupt``) rather than failing only the query that raised it."""
+    return not isinstance(error, Exception) or isinstance(error, RUN_LEVEL_ERRORS)
+
+
+def describe_error(error: BaseException) -> str:
+    """``"unexpected ValueError: message"``, the message cut to :data:`FAILURE_CHARS`."""
+    return valid_text(f"unexpected {type(error).__name__}: {str(error)[:FAILURE_CHARS]}")
+
+
+def failed_outcome(item: PlannedQuery, error: Exception) -> QueryOutcome:
+    """The record of a query whose answer raised an unexpected per-query error: failed, counted wrong."""
+    example = item.example
+    return QueryOutcome(example.query_id, question_text(example), valid_text(list(example.answers)),
+                        dataset=item.dataset, pool=item.pool, retrieved=list(item.page_ids), failed=True,
+                        failure=describe_error(error))
+
+
+def judged(judge, outcome: QueryOutcome) -> dict[str, Any]:
+    """The judge's verdict; an unexpected per-query error is a verdict without a score (counted wrong)."""
+    try:
+        return judge.judge(outcome.question, outcome.gold, "" if outcome.failed else outcome.answer)
+    except Exception as error:
+        if is_run_level(error):
+            raise
+        logger.warning("judging %s failed: %s", outcome.query_id, describe_error(error))
+        return judge.failed_verdict(describe_error(error))
+
+
+def answer_one(item: PlannedQuery, store: PageStore, generate: Callable[[Query], QueryOutcome], judge) -> QueryOutcome:
+    """One planned query answered, scored and judged; only a run-level error (:func:`is_run_level`) raises."""
+    try:
+        outcome = QueryOutcome.from_dict(valid_text(generate(to_query(item, store)).to_dict()))
+        outcome.dataset, outcome.pool, outcome.retrieved = item.dataset, item.pool, list(item.page_ids)
+        outcome.metrics = rule_metrics("" if outcome.failed else outcome.answer, outcome.gold)
+    except Exception as error:
+        if is_run_level(error):
+            raise
+        logger.warning("query %s failed: %s", item.key, describe_error(error))
+        outcome = failed_outcome(item, error)
+    if judge is not None:
+        outcome.judge = judged(judge, outcome)
+    return outcome
+
+
 def answer_queries(
     plan: list[PlannedQuery], store: PageStore, generate: Callable[[Query], QueryOutcome], judge, writer: TraceWriter,
     rank: int, world: int, progress: bool, concurrency: int = 1,
 ) -> int:
     """Answer this rank's share of ``plan`` that the trace does not hold yet; returns how many were answered.
 
-    With ``concurrency > 1`` that many queries are in flight at once (for an HTTP endpoint serving many
-    clients); each outcome is appended to the trace as soon as it is finished, in whatever order.
+    At most ``concurrency`` queries are in flight at once (for an HTTP endpoint serving many clients);
+    each outcome is appended to the trace as soon as it is finished, in whatever order. A run-level error
+    stops the run (see :func:`record_in_window`).
     """
-    done = writer.done()
+    done = writer.done([item.key for item in plan])
     mine = [item for i, item in enumerate(plan) if i % world == rank and item.key not in done]
     if done:
         logger.info("resuming: %d queries already in the trace, %d left for this process", len(done), len(mine))
-
-    def answer(item: PlannedQuery) -> QueryOutcome:
-        outcome = generate(to_query(item, store))
-        outcome.dataset, outcome.pool, outcome.retrieved = item.dataset, item.pool, list(item.page_ids)
-        outcome.metrics = rule_metrics("" if outcome.failed else outcome.answer, outcome.gold)
-        if judge is not None:
-            outcome.judge = judge.judge(outcome.question, outcome.gold, "" if outcome.failed else outcome.answer)
-        return outcome
-
     bar = tqdm(total=len(mine), desc="rag", disable=not progress, dynamic_ncols=True)
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        for finished in as_completed([pool.submit(answer, item) for item in mine]):
-            writer.append(finished.result())
-            bar.update()
-    bar.close()
+    try:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            record_in_window(
+                pool, mine, lambda item: answer_one(item, store, generate, judge), writer, concurrency, bar.update
+            )
+    finally:
+        bar.close()
     return len(mine)
+
+
+def record_in_window(
+    pool: ThreadPoolExecutor, items: Iterable[PlannedQuery], work: Callable[[PlannedQuery], QueryOutcome],
+    writer: TraceWriter, concurrency: int, on_recorded: Callable[[], Any],
+) -> None:
+    """Run ``work`` on ``items`` with at most ``concurrency`` in flight, appending each outcome as it finishes.
+
+    A query starts only when one before it is recorded, so a run-level error (raised by ``work`` or by
+    the trace) leaves nothing queued: no further query starts, the ones in flight finish and are recorded
+    unless the error was an ``OSError`` (the disk may be what failed), and the error is re-raised.
+    """
+    todo, window = iter(items), set()
+    try:
+        while True:
+            window |= {pool.submit(work, item) for item in islice(todo, concurrency - len(window))}
+            if not window:
+                return
+            finished, _ = wait(window, return_when=FIRST_COMPLETED)
+            for future in finished:
+                window.discard(future)
+                writer.append(future.result())
+                on_recorded()
+    except BaseException as error:
+        record_in_flight(window, writer if not isinstance(error, OSError) else None)
+        raise
+
+
+def record_in_flight(window: set[Future], writer: TraceWriter | None) -> None:
+    """After a run-level error: wait for the queries in flight and append those that succeeded (to
+    ``writer``, when the trace can still be written); their own errors are logged, not raised."""
+    for future in window:
+        future.cancel()
+    for future in window:
+        if future.cancelled():
+            continue
+        error = future.exception()
+        if error is not None:
+            logger.warning("a query in flight when the run stopped failed too: %s", describe_error(error))
+        elif writer is not None:
+            try:
+                writer.append(future.result())
+            except WriteError as write_error:
+                logger.error("%s", write_error)
+                return
 
 
 def check_concurrency(concurrency: int, *backends: LVLMBackend) -> None:
@@ -220,27 +365,37 @@ def check_concurrency(concurrency: int, *backends: LVLMBackend) -> None:
 
 
 def run_rag_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
-    """``eval.py task=rag|generation``: answer every planned query, then report (rank 0)."""
+    """``eval.py task=rag|generation``: answer every planned query, then report (rank 0).
+
+    Settings, the generator config and the data set names are checked before the run directory is touched;
+    the backends and the generator are built (and checked) before any query.
+    """
     resolve_retrieval_mode(cfg)
-    validate_config(cfg)
+    validate_config(cfg, extra=run_dir_problems(cfg))
+    generator_cfg = OmegaConf.to_container(cfg.generator, resolve=True)
+    if cfg.retrieval == "none":
+        generator_cfg["allow_no_pages"] = True
+    GeneratorConfig.from_config(generator_cfg)
     accelerator = make_accelerator(cfg.get("cpu", False))
     output_dir = shared_output_dir(accelerator, output_dir)
     if accelerator.is_main_process:
         prepare_data(cfg.data)
+    accelerator.wait_for_everyone()
+    qa = load_questions(cfg)
+    if accelerator.is_main_process:
         prepare_run_dir(cfg, output_dir)
     accelerator.wait_for_everyone()
-    plan, store = plan_queries(cfg, accelerator, output_dir)
-    generator_cfg = OmegaConf.to_container(cfg.generator, resolve=True)
-    if cfg.retrieval == "none":
-        generator_cfg["allow_no_pages"] = True
+    plan, store = plan_queries(cfg, accelerator, output_dir, qa)
     backend = build_backend(**OmegaConf.to_container(cfg.lvlm, resolve=True))
-    judge = build_judge(OmegaConf.to_container(cfg.judge, resolve=True))
-    check_concurrency(cfg.rag.concurrency, backend, *([judge.backend] if judge is not None else []))
-    generator = build_generator(generator_cfg, backend)
-    writer = TraceWriter(output_dir, accelerator.process_index)
-    answer_queries(plan, store, generator.answer, judge, writer, accelerator.process_index,
-                   accelerator.num_processes, accelerator.is_main_process, cfg.rag.concurrency)
-    backend.close()
+    try:
+        judge = build_judge(OmegaConf.to_container(cfg.judge, resolve=True))
+        check_concurrency(cfg.rag.concurrency, backend, *([judge.backend] if judge is not None else []))
+        generator = build_generator(generator_cfg, backend)
+        writer = TraceWriter(output_dir, accelerator.process_index)
+        answer_queries(plan, store, generator.answer, judge, writer, accelerator.process_index,
+                       accelerator.num_processes, accelerator.is_main_process, cfg.rag.concurrency)
+    finally:
+        backend.close()
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return {}
