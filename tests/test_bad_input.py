@@ -1,14 +1,17 @@
 """Bad input from the wild, one test per failure family: each is handled correctly or fails naming the input.
 
 Families: images (ImageError), data sets (DataError), PDFs (PdfError), writes (WriteError),
-embedding shards (ShardError), model checkpoints (CheckpointNotFoundError), over-long queries.
+embedding shards (ShardError), model checkpoints and run folders (CheckpointNotFoundError,
+FileNotFoundError), over-long queries.
 """
 
 import errno
 import io
 import logging
 import os
+import re
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import datasets
@@ -26,6 +29,7 @@ from hkrag.data.opendocvqa import (
     Corpus,
     DataError,
     QAExample,
+    TrainingPair,
     load_corpus,
     load_qa,
     save_split,
@@ -33,9 +37,12 @@ from hkrag.data.opendocvqa import (
 from hkrag.data.pdf import PdfError, ingest, render_pdf, render_scale
 from hkrag.evaluation import EmbeddingCache, RetrievalEvalConfig, embed_corpus, evaluate_retrieval, pool_embeddings
 from hkrag.index.shards import ShardError, config_hash, encode_corpus, load_shards
-from hkrag.io import WriteError
+from hkrag.io import WriteError, write_json
 from hkrag.models.phi3v import CheckpointNotFoundError, tiny_phi3v
 from hkrag.retriever import LoraSettings, Phi3VRetriever, weights_fingerprint
+from hkrag.tasks.common import FINAL_ADAPTER, check_pools, trained_model_config
+from hkrag.training.checkpoint import TrainState
+from hkrag.training.trainer import PairDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_pdf import ONE_PAGE, minimal_pdf  # noqa: E402
@@ -72,9 +79,12 @@ def test_images_exif_frames_and_paths(tmp_path, caplog):
     frames = [Image.new("L", (16, 16), v) for v in (0, 128, 255)]
     tiff = io.BytesIO()
     frames[0].save(tiff, format="TIFF", save_all=True, append_images=frames[1:])
-    with caplog.at_level(logging.WARNING, logger="hkrag.data.images"):
+    with caplog.at_level(logging.WARNING, logger="hkrag.data.images"):  # caplog listens on the root logger
         assert open_image(tiff.getvalue(), "fax.tif").getpixel((0, 0)) == 0
-    assert "document 'fax.tif': image has 3 frames" in caplog.text
+        save_split([{"doc_id": "scan.tif", "image": Image.open(tiff)}], tmp_path / "scans", "default", "train",
+                   CORPUS_FEATURES)  # an in-memory image: encoding keeps its first frame
+    assert "document 'fax.tif': image has 3 frames (multi-page or animated); only the first is used" in caplog.text
+    assert "document 'scan.tif': image has 3 frames (multi-page or animated); only the first is stored" in caplog.text
 
     (tmp_path / "page.png").mkdir()
     os.symlink(tmp_path / "loop", tmp_path / "loop")
@@ -88,8 +98,11 @@ def test_page_the_model_cannot_encode_is_named(tmp_path):
     corpus = corpus_of({"p0": Image.new("RGB", (60, 40), "white"), "p1": Image.new("RGB", (500, 2), "white")})
     retriever = Phi3VRetriever.tiny(num_crops=1)
     cfg = RetrievalEvalConfig("qa", "corpus", ["x"], doc_batch_size=2)
-    with pytest.raises(ImageError, match=r"document 'p1': cannot be encoded: image aspect ratio 250:1 \(500x2\)"):
+    refused = r"document 'p1': cannot be encoded: image aspect ratio 250:1 \(500x2\)"
+    with pytest.raises(ImageError, match=refused):
         embed_corpus(retriever, corpus, tmp_path, cfg, {"model": "tiny", "config_hash": "x"})
+    with pytest.raises(ImageError, match=refused):  # training: the page a batch draws
+        PairDataset([TrainingPair("q1", "a query", ("p1",))], corpus)[0]
 
 
 # --- data sets ------------------------------------------------------------------------------------
@@ -111,15 +124,46 @@ def test_data_sets_strings_nulls_empty_splits_and_cards(tmp_path):
     with pytest.raises(DataError, match=r"pages\[default/train\]: row 0 has a null or empty doc_id"):
         load_corpus(tmp_path / "pages")
 
-    save_split([], tmp_path / "empty", "chartqa", "test", QA_FEATURES)
-    with pytest.raises(DataError, match=r"empty\[chartqa/test\] .*no rows"):
-        load_qa(tmp_path / "empty", "chartqa", "test")
+    # empty splits: as save_split writes them, a zero-row table written by pyarrow, a 0-byte file
+    for config, empty in (("chartqa", None), ("slidevqa", QA_FEATURES.arrow_schema.empty_table()), ("dude", b"")):
+        path = save_split([], tmp_path / "empty", config, "test", QA_FEATURES)
+        if isinstance(empty, bytes):
+            path.write_bytes(empty)
+        elif empty is not None:
+            pq.write_table(empty, path)
+        with pytest.raises(DataError, match=rf"empty\[{config}/test\] is empty: split 'test' of config '{config}' has "
+                                            "no rows"):
+            load_qa(tmp_path / "empty", config, "test")
+    path = save_split([], tmp_path / "pages", "all", "test", CORPUS_FEATURES)
+    pq.write_table(CORPUS_FEATURES.arrow_schema.empty_table(), path)
+    with pytest.raises(DataError, match=r"pages\[all/test\] is empty: split 'test' of config 'all' has no rows"):
+        load_corpus(tmp_path / "pages", "all", "test")
 
     (tmp_path / "str" / "README.md").write_text("---\nconfigs: [\n---\n")
     with pytest.raises(DataError, match=r"str\[default/train\] could not be loaded: README.md has malformed YAML"):
         load_qa(tmp_path / "str")
     with pytest.raises(DataError, match=f"{tmp_path / 'str' / 'README.md'}: malformed YAML front matter"):
         save_split([qa_row("q1")], tmp_path / "str", "default", "train", QA_FEATURES)
+
+
+def test_a_doc_id_naming_other_pages_in_a_pool_and_in_all_is_refused(tmp_path):
+    red, blue, green = (Image.new("RGB", (8, 8), c) for c in ("red", "blue", "lime"))
+    assert png(red) != png(red, compress_level=0)  # the same page, other bytes
+
+    def pool(config: str, pages: dict[str, bytes]) -> None:
+        rows = [{"doc_id": doc_id, "image": {"bytes": data, "path": None}} for doc_id, data in pages.items()]
+        save_split(rows, tmp_path / "corpus", config, "test", CORPUS_FEATURES)
+
+    pool("slidevqa", {"a": png(red), "c": png(blue)})
+    pool("chartqa", {"a": png(red), "b": png(blue)})
+    pool("all", {"a": png(red, compress_level=0), "b": png(green), "c": png(blue)})
+    cfg = RetrievalEvalConfig("qa", str(tmp_path / "corpus"), ["slidevqa", "chartqa"])
+    check_pools(replace(cfg, datasets=["slidevqa"]))  # 'a' is the same page in both, stored differently
+    check_pools(replace(cfg, pools=["single"]))  # nothing is compared when `all` is not evaluated
+    corpus = re.escape(str(tmp_path / "corpus"))
+    with pytest.raises(DataError, match=rf"doc_id 'b' holds different pages in {corpus}\[chartqa/test\] and "
+                                        rf"{corpus}\[all/test\]; a doc_id must name one page"):
+        check_pools(cfg)
 
 
 def test_loading_writes_nothing_into_the_data_folder(tmp_path):
@@ -257,6 +301,23 @@ def test_unloadable_checkpoints_name_the_file_or_id(tmp_path):
                             "dtype": "float32", "gradient_checkpointing": False})
     with pytest.raises(CheckpointNotFoundError, match=f"'{tmp_path / 'no-model'}'(.|\n)*model.base=/local/path"):
         build_retriever(cfg, trainable=False)
+
+
+def test_a_run_folder_without_its_base_is_refused_naming_what_is_missing(tmp_path):
+    from omegaconf import OmegaConf
+
+    run, hub = tmp_path / "run", "microsoft/Phi-3-vision-128k-instruct"
+    (run / FINAL_ADAPTER).mkdir(parents=True)
+    state = run / FINAL_ADAPTER.parent / "state.json"
+    model = OmegaConf.create({"kind": "phi3v", "base": hub, "adapter": None})
+    incomplete = rf"run folder {re.escape(str(run))} is incomplete: "
+    with pytest.raises(FileNotFoundError, match=incomplete + r"it has no base/ and its .*state.json cannot tell"):
+        trained_model_config(model, run)
+    write_json(state, asdict(TrainState(config={"model.kind": "tiny", "model.seed": 0})))
+    with pytest.raises(FileNotFoundError, match=incomplete + re.escape(f"{run / 'base' / 'config.json'} is missing")):
+        trained_model_config(model, run)
+    write_json(state, asdict(TrainState(config={"model.kind": "phi3v", "model.base": hub})))  # a hub base: complete
+    assert trained_model_config(model, run).adapter == str(run / FINAL_ADAPTER)
 
 
 def test_over_long_query_is_truncated_to_the_context_with_one_warning(caplog):

@@ -1,23 +1,28 @@
 """Trainer: deterministic batches, exact resume, NaN safety, checkpoint errors (DESIGN §9)."""
 
+import errno
 import json
 import math
 import re
 from pathlib import Path
 
+import peft.peft_model
 import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from hydra import compose, initialize_config_dir
+from safetensors import SafetensorError
 
+import hkrag.io
 from hkrag.data.opendocvqa import TrainingPair, load_corpus, load_qa, training_pairs
 from hkrag.data.synthetic import SyntheticConfig, generate
+from hkrag.io import WriteError
 from hkrag.losses import HybridMaskLoss, LossOutput
 from hkrag.models.phi3v.loading import load_phi3v
 from hkrag.retriever import LoraSettings, Phi3VRetriever
 from hkrag.tasks.training import run_settings
-from hkrag.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, resolve_resume
+from hkrag.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_state, resolve_resume
 from hkrag.training.reporting import RunLogger
 from hkrag.training.sampler import GlobalBatchSampler
 from hkrag.training.trainer import NonFiniteLossError, RetrieverTrainer, TrainerConfig, document_groups
@@ -266,7 +271,28 @@ def test_truncated_or_unknown_checkpoint_files_are_named(train_data, tmp_path, n
         make_trainer(train_data, tmp_path, max_steps=1).resume(checkpoint)
 
 
-def test_interrupted_checkpoint_write_leaves_the_previous_one_intact(train_data, tmp_path, monkeypatch):
+def full_disk_at(name: str, monkeypatch) -> None:
+    """Make writing checkpoint file ``name`` hit a full disk, as each writer reports it."""
+    if name == "adapter":  # peft writes through safetensors' Rust code, which only says it in words
+        def save_file(*args, **kwargs):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+        monkeypatch.setattr(peft.peft_model, "safe_save_file", save_file)
+        return
+    real = hkrag.io.atomic_write
+
+    def atomic_write(path, write, mode="w"):
+        def full(file):
+            file.write(b"x" if "b" in mode else "x")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        return real(path, full if Path(path).name == name else write, mode)
+
+    monkeypatch.setattr(hkrag.io, "atomic_write", atomic_write)
+
+
+@pytest.mark.parametrize("name", ["adapter", "trainable.safetensors", "optimizer.pt", "rng-0.pt", "state.json"])
+def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(train_data, tmp_path, monkeypatch, name):
     trainer = make_trainer(train_data, tmp_path, max_steps=6)
     trainer.total_steps = 1
     trainer.fit()
@@ -274,14 +300,12 @@ def test_interrupted_checkpoint_write_leaves_the_previous_one_intact(train_data,
     saved = {n: p.detach().clone() for n, p in trainer.retriever.named_parameters() if p.requires_grad}
     trainer.total_steps = 2
     trainer.fit()
-
-    def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(torch, "save", disk_full)
-    for name in (None, "step-1"):  # a new step, and overwriting the previous one in place
-        with pytest.raises(OSError, match="No space left on device"):
-            trainer.save(name)
+    full_disk_at(name, monkeypatch)
+    for step in ("step-2", "step-1"):  # a new step, and overwriting the previous one in place
+        target = tmp_path / "checkpoints" / step / name
+        with pytest.raises(WriteError, match=rf"could not write {re.escape(str(target))}: the disk is full \(No "
+                                             r"space left on device\); free space, then resume; the previous"):
+            trainer.save(step)
     monkeypatch.undo()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
     assert latest_checkpoint(tmp_path) == previous
@@ -291,6 +315,80 @@ def test_interrupted_checkpoint_write_leaves_the_previous_one_intact(train_data,
     for name, param in resumed.retriever.named_parameters():
         if param.requires_grad:
             assert torch.equal(param, saved[name])
+
+
+CONSTANT = dict(scheduler="constant", warmup_ratio=0.0)
+
+
+def test_a_resumed_run_may_train_longer_and_continues_from_its_step(train_data, tmp_path):
+    full = losses(make_trainer(train_data, tmp_path / "full", max_steps=7, **CONSTANT))
+    short = make_trainer(train_data, tmp_path / "run", max_steps=4, **CONSTANT)
+    head = losses(short)
+    checkpoint = short.save("final")
+    longer = make_trainer(train_data, tmp_path / "run", max_steps=7, **CONSTANT)
+    longer.resume(checkpoint)
+    assert (longer.state.step, longer.state.config["trainer.max_steps"]) == (4, 7)
+    tail = losses(longer)
+    assert len(head) == 4 and head + tail == full  # bit for bit the uninterrupted 7-step run (epoch 0 ends at 5)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 8))
+    state = json.loads((longer.save() / "state.json").read_text())
+    assert state["config"]["trainer.max_steps"] == 7 and state["schedule"] == {"warmup_steps": 0, "total_steps": 7}
+
+
+def test_an_extended_run_keeps_its_warmup(train_data, tmp_path):
+    warmup = dict(scheduler="constant_with_warmup", warmup_ratio=0.5, lr=1e-3)
+    short = make_trainer(train_data, tmp_path, max_steps=4, **warmup)  # warmup: 2 steps
+    assert losses(short, "lr") == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3])
+    checkpoint = short.save()
+    older = json.loads((checkpoint / "state.json").read_text())
+    del older["schedule"]  # as written before checkpoints stored their schedule
+    older_state = tmp_path / "older" / "state.json"
+    older_state.parent.mkdir()
+    older_state.write_text(json.dumps(older))
+    longer = make_trainer(train_data, tmp_path, max_steps=8, **warmup)  # alone: 4 warmup steps
+    assert longer.continued_schedule(older_state, read_state(older_state)) == {"warmup_steps": 2, "total_steps": 8}
+    longer.resume(checkpoint)
+    assert longer.state.schedule == {"warmup_steps": 2, "total_steps": 8}
+    assert losses(longer, "lr") == pytest.approx([1e-3] * 4)
+
+
+@pytest.fixture(scope="module")
+def linear_checkpoint(train_data, tmp_path_factory):
+    """Four of six steps of a linear schedule with two warmup steps."""
+    output = tmp_path_factory.mktemp("linear")
+    trainer = make_trainer(train_data, output, **LINEAR_WARMUP | {"warmup_ratio": 1 / 3})
+    trainer.total_steps = 4
+    trainer.fit()
+    return trainer.save()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"max_steps": 8}, r"from 6 to 8 steps would change the learning rate of step 4 \(0.00075 then, 0.000833 now\) "
+                           r"under optim.scheduler=linear"),
+        ({"max_steps": 5}, r"this run has 5 optimizer steps, fewer than the checkpoint's run \(6\)"),
+        ({"max_steps": 8, "global_batch_size": 4}, r"trainer.global_batch_size: 8 in the checkpoint, 4 now"),
+        ({"max_steps": 8, "seed": 4}, r"trainer.seed: 3 in the checkpoint, 4 now"),
+        ({"max_steps": 8, "lr": 2e-3}, r"optim.lr: 0.001 in the checkpoint, 0.002 now"),
+    ],
+    ids=["decay-over-a-longer-total", "shorter", "batch-size", "seed", "lr"],
+)
+def test_resuming_refuses_a_shorter_run_a_changed_schedule_or_changed_settings(train_data, tmp_path,
+                                                                               linear_checkpoint, overrides, message):
+    settings = LINEAR_WARMUP | {"warmup_ratio": 1 / 3} | overrides
+    with pytest.raises(CheckpointError, match=message):
+        make_trainer(train_data, tmp_path, **settings).resume(linear_checkpoint)
+
+
+def test_resuming_in_warmup_may_extend_a_decaying_schedule(train_data, tmp_path):
+    early = make_trainer(train_data, tmp_path, **LINEAR_WARMUP | {"warmup_ratio": 0.5})  # warmup: 3 steps
+    early.total_steps = 2
+    early.fit()
+    longer = make_trainer(train_data, tmp_path, **LINEAR_WARMUP | {"warmup_ratio": 0.5, "max_steps": 9})
+    longer.resume(early.save())  # steps 1-3 run 1/3, 2/3, 1 of the peak under both totals; then decay to step 9
+    assert losses(longer, "lr") == pytest.approx([1e-3 * k / 6 for k in range(6, -1, -1)], abs=1e-12)
 
 
 def composed(*overrides: str):

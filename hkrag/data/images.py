@@ -6,8 +6,10 @@ loaded ``PIL.Image.Image`` and fails with an :class:`ImageError` that names the 
 so a truncated or corrupt page is reported where it is read, never silently dropped.
 Colour modes are left alone: the model's image processor converts to RGB. An EXIF orientation
 tag is applied (a phone scan stored sideways is returned upright). A file holding several frames
-(multi-page TIFF, animated GIF/PNG/WebP) yields its first frame with a warning that names the
-document and the frame count: a page corpus holds one page per row, so split such files first.
+(multi-page TIFF, animated GIF/PNG/WebP) yields its first frame with a warning (logged at WARNING, so
+it reaches the console of ``train.py`` / ``eval.py`` runs) that names the document and the frame count:
+a page corpus holds one page per row, so split such files first. Writing such an in-memory image into a
+corpus keeps only its first frame, with the same warning (:func:`warn_frames`).
 """
 
 from __future__ import annotations
@@ -47,15 +49,21 @@ def open_image(data: Any, doc_id: str, *, max_pixels: int | None = DEFAULT_MAX_P
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         image = _open(data, doc_id)
         _check_size(image, doc_id, max_pixels)
-        frames = getattr(image, "n_frames", 1)
-        if frames > 1:
-            logger.warning("document %r: image has %d frames (multi-page or animated); only the first is used", doc_id,
-                           frames)
+        warn_frames(image, doc_id, "used")
         try:
             image.load()
             return _upright(image)
         except (OSError, SyntaxError, ValueError) as error:
             raise ImageError(doc_id, f"corrupt or truncated image ({error})") from error
+
+
+def warn_frames(image: Image.Image, doc_id: str, kept: str) -> None:
+    """Warn, naming the document and the frame count, when ``image`` holds several frames (pages) of which
+    only the first is ``kept`` ("used", "stored")."""
+    frames = getattr(image, "n_frames", 1)
+    if frames > 1:
+        logger.warning("document %r: image has %d frames (multi-page or animated); only the first is %s: split the "
+                       "file into one page per row", doc_id, frames, kept)
 
 
 def _upright(image: Image.Image) -> Image.Image:

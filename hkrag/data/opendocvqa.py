@@ -12,7 +12,8 @@ Corpus rows: ``doc_id, image``. Training uses the default config's ``train`` spl
 ``<dataset>`` / ``all`` configs with split ``test`` (see :func:`pools`).
 
 A data set that cannot be used (not loadable, malformed card, empty split, missing column, null or
-repeated id) raises :class:`DataError` naming the source, config, split and row. ``answers`` and
+repeated id, a ``doc_id`` naming different pages in a data set's pool and in ``all``) raises
+:class:`DataError` naming the source, config, split and row. ``answers`` and
 ``relevant_doc_ids`` stored as a plain string mean one element. Local folders are cached outside
 the folder (``$HF_DATASETS_CACHE/hkrag-local/<key>``), so read-only copies load.
 """
@@ -33,7 +34,7 @@ import pyarrow.parquet as pq
 import yaml
 from PIL import Image
 
-from hkrag.data.images import DEFAULT_MAX_PIXELS, open_image
+from hkrag.data.images import DEFAULT_MAX_PIXELS, open_image, warn_frames
 from hkrag.io import atomic_write, write_text
 
 logger = logging.getLogger(__name__)
@@ -212,6 +213,28 @@ def load_corpus(
     return corpus
 
 
+def check_pool_pages(pool: Corpus, union: Corpus) -> None:
+    """Refuse a ``doc_id`` that names one page in a data set's ``pool`` and another in ``union`` (``all``).
+
+    Both pools are scored with one set of relevance judgements, so a ``doc_id`` must be one page. Stored
+    images are compared by a hash of their bytes; pages whose bytes differ are decoded and compared pixel
+    by pixel, so the same page encoded twice passes. Raises :class:`DataError` naming the ids and both corpora.
+    """
+    theirs = dict(zip(union.doc_ids, union.fingerprints()))
+    differing = [doc_id for doc_id, mine in zip(pool.doc_ids, pool.fingerprints())
+                 if theirs.get(doc_id, mine) != mine and not _same_pixels(pool[doc_id].image, union[doc_id].image)]
+    if differing:
+        raise DataError(
+            f"doc_id {differing[0]!r} holds different pages in {pool.name} and {union.name}"
+            + (f" (and {len(differing) - 1} more: {differing[1:6]})" if len(differing) > 1 else "")
+            + "; a doc_id must name one page in every corpus config: fix the page or rename one of them"
+        )
+
+
+def _same_pixels(a: Image.Image, b: Image.Image) -> bool:
+    return a.size == b.size and a.convert("RGB").tobytes() == b.convert("RGB").tobytes()
+
+
 def pools(dataset: str) -> dict[str, str]:
     """Corpus configs to search for a QA config: its own pages, and every data set's pages."""
     return {"single": dataset, "all": ALL_POOL}
@@ -270,7 +293,9 @@ def save_split(
     """Stream ``rows`` into ``root/config/{split}-00000-of-00001.parquet`` and register it in README.md.
 
     Rows are encoded with ``features`` (images as PIL, bytes or paths) and written in batches,
-    so large corpora need no more memory than one batch. Other configs in the card are kept.
+    so large corpora need no more memory than one batch. Other configs in the card are kept. An in-memory
+    PIL image holding several frames (a multi-page TIFF) is stored as its first frame, with a warning
+    naming the document and the frame count.
     The file and the card are replaced atomically: a failure (full disk, bad row) leaves the previous
     version intact and raises naming the path.
     """
@@ -283,6 +308,8 @@ def save_split(
         nonlocal count
         with pq.ParquetWriter(file, schema) as writer:
             for batch in _batched(rows, batch_size):
+                for row in batch:
+                    _warn_lost_frames(row)
                 encoded = [features.encode_example(row) for row in batch]
                 writer.write_table(pa.Table.from_pylist(encoded, schema=schema))
                 count += len(batch)
@@ -291,6 +318,13 @@ def save_split(
     _register(root, config, split, f"{config}/{split}-*.parquet")
     logger.info("wrote %d rows to %s", count, path)
     return path
+
+
+def _warn_lost_frames(row: dict[str, Any]) -> None:
+    """Encoding keeps the first frame of an in-memory image (one opened from a file is stored as its path)."""
+    image = row.get("image")
+    if isinstance(image, Image.Image) and not getattr(image, "filename", ""):
+        warn_frames(image, str(row.get("doc_id")), "stored")
 
 
 def _load(
@@ -306,11 +340,40 @@ def _load(
     try:
         dataset = datasets.load_dataset(str(source), name=config, split=split, **load_kwargs)
     except Exception as error:
+        if _looks_local(source) and _stored_rows(Path(source), config, split) == 0:
+            raise _empty(name, config, split) from error
         raise DataError(f"{name} could not be loaded: {_explain(error, split)}") from error
     if len(dataset) == 0:
-        raise DataError(f"{name} has no rows (empty split)")
+        raise _empty(name, config, split)
     _require_columns(dataset, required, name)
     return dataset
+
+
+def _empty(name: str, config: str | None, split: str) -> DataError:
+    return DataError(f"{name} is empty: split {split!r} of config {config or 'default'!r} has no rows; "
+                     "regenerate or re-export it")
+
+
+def _stored_rows(root: Path, config: str | None, split: str) -> int | None:
+    """Rows in the parquet files a local folder's card maps ``config``/``split`` to; ``None`` if unknown.
+
+    ``datasets`` reports an empty split in many ways (a zero-row file fails with "An error occurred while
+    generating the dataset"); counting the rows tells an empty split from a broken one.
+    """
+    try:
+        meta, _ = _read_card(root / "README.md")
+        entry = next(c for c in meta.get("configs", []) if c.get("config_name") == (config or "default"))
+        patterns = [f["path"] for f in entry.get("data_files", []) if f.get("split") == split]
+        files = sorted({p for pattern in patterns for pat in _as_list(pattern) for p in root.glob(pat)})
+        if not files:
+            return None
+        return sum(pq.ParquetFile(path).metadata.num_rows if path.stat().st_size else 0 for path in files)
+    except (DataError, StopIteration, OSError, TypeError, AttributeError, pa.ArrowException):
+        return None
+
+
+def _as_list(value: Any) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
 
 
 def _explain(error: Exception, split: str) -> str:

@@ -17,12 +17,14 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from omegaconf import DictConfig, OmegaConf
 
+from hkrag.data.opendocvqa import ALL_POOL, check_pool_pages, load_corpus, pools
 from hkrag.data.synthetic import CONFIG_FILE, SyntheticConfig, generate
 from hkrag.evaluation import RetrievalEvalConfig
 from hkrag.io import atomic_directory
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.models.phi3v.loading import save_processor, tiny_phi3v
 from hkrag.retriever import LoraSettings, Phi3VRetriever
+from hkrag.training.checkpoint import CheckpointError, checkpoint_state
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,16 @@ def eval_config(cfg: DictConfig) -> RetrievalEvalConfig:
     return RetrievalEvalConfig(qa_source=cfg.data.qa_source, corpus_source=cfg.data.corpus_source, **settings)
 
 
+def check_pools(cfg: RetrievalEvalConfig) -> None:
+    """Before any encoding: every ``doc_id`` of a data set's own pool names the same page in ``all``
+    (:func:`hkrag.data.opendocvqa.check_pool_pages`); only checked when both pools are evaluated."""
+    if not {"single", "all"} <= set(cfg.pools):
+        return
+    union = load_corpus(cfg.corpus_source, ALL_POOL, cfg.split)
+    for dataset in cfg.datasets:
+        check_pool_pages(load_corpus(cfg.corpus_source, pools(dataset)["single"], cfg.split), union)
+
+
 FINAL_ADAPTER = Path("checkpoints", "final", "adapter")
 TRAIN_RUNS = Path("outputs", "train")
 
@@ -121,15 +133,46 @@ def resolve_run_dir(run_dir: str | Path, runs: Path = TRAIN_RUNS) -> Path:
 
 
 def trained_model_config(model_cfg: DictConfig, run_dir: str | Path) -> DictConfig:
-    """Model config that loads a ``train.py`` run (or ``latest``): its saved tiny base (if any) and final adapter."""
+    """Model config that loads a ``train.py`` run (or ``latest``): its saved tiny base (if any) and final adapter.
+
+    A run of the tiny random model saves its base in ``base/``; a ``model.kind=phi3v`` run names its base in
+    its final checkpoint's ``state.json`` and ``model_cfg`` supplies it (a warning if they differ). A run
+    lacking ``base/`` whose ``state.json`` does not say ``model.kind=phi3v`` is incomplete and refused
+    (``FileNotFoundError`` naming the folder and what is missing) rather than evaluated on another base.
+    """
     run_dir = resolve_run_dir(run_dir)
     adapter = run_dir / FINAL_ADAPTER
     if not adapter.is_dir():
         raise FileNotFoundError(f"{run_dir} has no checkpoints/final/adapter: is it a finished train.py run directory?")
     overrides = {"adapter": str(adapter)}
-    if (run_dir / "base" / "config.json").is_file():
-        overrides.update(kind="phi3v", base=str(run_dir / "base"), dtype="float32", num_crops=None)
+    base = run_dir / "base" / "config.json"
+    if base.is_file():
+        overrides.update(kind="phi3v", base=str(base.parent), dtype="float32", num_crops=None)
+        return OmegaConf.merge(model_cfg, overrides)
+    trained = trained_model(run_dir)
+    if trained.get("model.kind") != "phi3v":
+        raise FileNotFoundError(
+            f"run folder {run_dir} is incomplete: {base} is missing, the base model its adapter was trained on "
+            f"(model.kind={trained.get('model.kind')}, a random model saved only there); copy the whole run folder "
+            "(base/ and checkpoints/final/) or train again"
+        )
+    if trained.get("model.base") != model_cfg.get("base"):
+        logger.warning("%s was trained on model.base=%s; evaluating its adapter on model.base=%s", run_dir,
+                       trained.get("model.base"), model_cfg.get("base"))
     return OmegaConf.merge(model_cfg, overrides)
+
+
+def trained_model(run_dir: Path) -> dict[str, Any]:
+    """The ``model.*`` settings a run trained with, from its final checkpoint's ``state.json``."""
+    final = run_dir / FINAL_ADAPTER.parent
+    try:
+        config = checkpoint_state(final).config
+    except CheckpointError as error:
+        raise FileNotFoundError(
+            f"run folder {run_dir} is incomplete: it has no base/ and its {final / 'state.json'} cannot tell which "
+            f"base model the adapter belongs to ({error})"
+        ) from error
+    return {key: value for key, value in config.items() if key.startswith("model.")}
 
 
 def evaluated_model(cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:

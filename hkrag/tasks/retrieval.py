@@ -15,6 +15,7 @@ from hkrag.evaluation import evaluate_retrieval
 from hkrag.io import write_json, write_text
 from hkrag.tasks.common import (
     build_retriever,
+    check_pools,
     eval_config,
     evaluated_model,
     flat_summary,
@@ -35,6 +36,7 @@ def run_retrieval_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[st
     if accelerator.is_main_process:
         prepare_data(cfg.data)
     accelerator.wait_for_everyone()
+    check_pools(eval_config(cfg))
     retriever = build_retriever(model_cfg, trainable=False)
     retriever.model.to(accelerator.device)
     result = evaluate_retrieval(retriever, eval_config(cfg), output_dir, identity)

@@ -22,6 +22,7 @@ from hkrag.losses import HybridMaskLoss
 from hkrag.retriever import Phi3VRetriever
 from hkrag.tasks.common import (
     build_retriever,
+    check_pools,
     eval_config,
     flat_summary,
     make_accelerator,
@@ -54,6 +55,9 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     train_qa = load_qa(cfg.data.qa_source, cfg.data.train.qa_config, cfg.data.train.split)
     corpus = load_corpus(cfg.data.corpus_source, cfg.data.train.corpus_config, cfg.data.train.split)
     pairs = training_pairs(train_qa, corpus)
+    evaluate = cfg.eval_before_after and cfg.get("eval") is not None
+    if evaluate:
+        check_pools(eval_config(cfg))  # before hours of training, not after
     tiny_base = output_dir / "base" if cfg.model.kind == "tiny" and accelerator.is_main_process else None
     retriever = build_retriever(cfg.model, texts=[ex.query for ex in train_qa], save_base_to=tiny_base)
     base = output_dir / "base" if cfg.model.kind == "tiny" else cfg.model.base
@@ -70,7 +74,6 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     if resume:
         trainer.resume(resume)
 
-    evaluate = cfg.eval_before_after and cfg.get("eval") is not None
     before = _evaluate(retriever, cfg, output_dir / "eval-before", identity) if evaluate and not resume else None
     trainer.fit()
     final = trainer.save("final")

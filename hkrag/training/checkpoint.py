@@ -11,33 +11,42 @@ Layout of ``<output>/checkpoints/step-<N>/``::
 Rank 0 writes the whole folder (the other ranks' RNG states are gathered to it) through
 :func:`hkrag.io.atomic_directory`: it is built under a hidden temporary name and swapped in only when
 complete, so a crash mid-write leaves the previous checkpoint of that name intact and nothing that
-looks finished. Nothing is written while any trainable tensor is non-finite.
+looks finished. Each file is serialised in memory and written by :mod:`hkrag.io`, so a full disk raises
+:class:`~hkrag.io.WriteError` naming the file and saying the disk is full (serialisers writing to disk
+themselves fail with unrelated messages, e.g. torch's "unexpected pos"). Nothing is written while any
+trainable tensor is non-finite.
 
-Resume refuses a checkpoint written under another run config (the keys that differ are named), and any
-file that is missing, truncated or does not fit the model raises :class:`CheckpointError` naming it;
-every file is read and checked before the model, optimizer or scheduler is touched.
+Resume refuses a checkpoint written under another run config (the keys that differ are named; only
+``extendable`` keys such as ``trainer.max_steps`` may differ), and any file that is missing, truncated
+or does not fit the model raises :class:`CheckpointError` naming it; every file is read and checked
+before the model, optimizer or scheduler is touched.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
 import random
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as tensors_bytes
 
-from hkrag.io import atomic_directory, write_json
+from hkrag.io import WriteError, atomic_directory, write_bytes, write_json
 
 STATE_FILE = "state.json"
 TENSORS_FILE = "trainable.safetensors"
 CHECKPOINT_NAME = re.compile(r"step-(\d+)")
+OPTIONAL_STATE_KEYS = frozenset({"schedule"})
+"""``state.json`` keys that checkpoints written before they existed lack."""
 
 
 @dataclass
@@ -45,7 +54,8 @@ class TrainState:
     """Where training is: ``step`` optimizer steps done, ``epoch`` and ``step_in_epoch`` to resume from.
 
     ``config`` holds the settings that fix the data order and the optimisation (flat, Hydra key names)
-    and ``config_hash`` their hash; resume compares them with the new run's.
+    and ``config_hash`` their hash; resume compares them with the new run's. ``schedule`` holds the
+    learning-rate schedule's ``warmup_steps`` and ``total_steps``: an extended run keeps its warmup.
     """
 
     step: int = 0
@@ -53,6 +63,7 @@ class TrainState:
     step_in_epoch: int = 0
     config: dict[str, Any] = field(default_factory=dict)
     config_hash: str = ""
+    schedule: dict[str, int] = field(default_factory=dict)
 
 
 class CheckpointError(RuntimeError):
@@ -100,18 +111,59 @@ def save_checkpoint(
 ) -> Path:
     """Write a checkpoint of the unwrapped peft ``model`` atomically (rank 0 only); returns its path.
 
-    ``rng_states`` holds every rank's :func:`rng_state`, in rank order.
+    ``rng_states`` holds every rank's :func:`rng_state`, in rank order. A file that cannot be written
+    raises :class:`~hkrag.io.WriteError` naming it (and a full disk as such); the previous checkpoint
+    of that name, if any, is left intact and no partial folder remains.
     """
     directory = Path(directory)
+    files: dict[str, Callable[[Path], Any]] = {
+        "adapter": model.save_pretrained,
+        TENSORS_FILE: lambda path: write_bytes(path, tensors_bytes(trainable_state(model))),
+        "optimizer.pt": lambda path: write_bytes(path, _torch_bytes(optimizer.state_dict())),
+        "scheduler.pt": lambda path: write_bytes(path, _torch_bytes(scheduler.state_dict())),
+        **{f"rng-{rank}.pt": _rng_writer(rng) for rank, rng in enumerate(rng_states)},
+        STATE_FILE: lambda path: write_json(path, asdict(state)),
+    }
     with atomic_directory(directory) as tmp:
-        model.save_pretrained(tmp / "adapter")
-        save_file(trainable_state(model), tmp / TENSORS_FILE)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        for rank, rng in enumerate(rng_states):
-            torch.save(rng, tmp / f"rng-{rank}.pt")
-        write_json(tmp / STATE_FILE, asdict(state))
+        for name, write in files.items():
+            _write(tmp / name, directory / name, write)
     return directory
+
+
+def _rng_writer(rng: dict[str, Any]) -> Callable[[Path], Any]:
+    return lambda path: write_bytes(path, _torch_bytes(rng))
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    """``torch.save`` into memory: written to disk by :mod:`hkrag.io`, whose errors name the file."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _write(path: Path, final: Path, write: Callable[[Path], Any]) -> None:
+    """``write(path)``; a failure to write raises :class:`WriteError` naming ``final``, the file's place in the
+    finished checkpoint, and saying so when the disk is full."""
+    try:
+        write(path)
+    except Exception as error:
+        if _disk_full(error):
+            full = OSError(errno.ENOSPC, "the disk is full (No space left on device); free space, then resume")
+            raise WriteError(final, full) from error
+        if isinstance(error, OSError):
+            raise WriteError(final, error) from error
+        raise
+
+
+def _disk_full(error: BaseException | None) -> bool:
+    """Whether ``error`` or an error it came from is ENOSPC (Rust/C++ serialisers only say it in words)."""
+    for _ in range(8):
+        if error is None:
+            return False
+        if getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def load_checkpoint(
@@ -121,18 +173,16 @@ def load_checkpoint(
     scheduler: Any,
     rank: int,
     config: Mapping[str, Any] | None = None,
+    extendable: Collection[str] = (),
 ) -> TrainState:
     """Restore everything ``save_checkpoint`` wrote; raises :class:`CheckpointError` naming the bad file.
 
     With ``config`` (the new run's :attr:`TrainState.config`), a checkpoint written under other
-    settings is refused. All files are read and checked before anything is restored.
+    settings (but for ``extendable`` keys) is refused. All files are read and checked before anything is
+    restored.
     """
     directory = Path(directory)
-    if not (directory / STATE_FILE).is_file():
-        raise CheckpointError(f"{directory} is not a finished checkpoint (no {STATE_FILE}); pick a step-<N> folder")
-    state = read_state(directory / STATE_FILE)
-    if config is not None:
-        check_config(directory / STATE_FILE, state.config, config)
+    state = checkpoint_state(directory, config, extendable)
     _read(directory / "adapter" / "adapter_config.json", json.loads, text=True)
     _read(directory / "adapter" / "adapter_model.safetensors", _load_tensors)
     tensors = _read(directory / TENSORS_FILE, _load_tensors)
@@ -150,23 +200,44 @@ def load_checkpoint(
     return state
 
 
+def checkpoint_state(
+    directory: str | Path, config: Mapping[str, Any] | None = None, extendable: Collection[str] = ()
+) -> TrainState:
+    """The :class:`TrainState` of a finished checkpoint folder, checked against ``config`` when given
+    (keys in ``extendable`` may differ); raises :class:`CheckpointError` naming the problem."""
+    directory = Path(directory)
+    if not (directory / STATE_FILE).is_file():
+        raise CheckpointError(f"{directory} is not a finished checkpoint (no {STATE_FILE}); pick a step-<N> folder")
+    state = read_state(directory / STATE_FILE)
+    if config is not None:
+        check_config(directory / STATE_FILE, state.config, config, extendable)
+    return state
+
+
 def read_state(path: Path) -> TrainState:
-    """``state.json`` as a :class:`TrainState`; unknown or missing keys are errors naming the file."""
+    """``state.json`` as a :class:`TrainState`; unknown or missing keys are errors naming the file
+    (but for :data:`OPTIONAL_STATE_KEYS`, absent from older checkpoints)."""
     data = _read(path, json.loads, text=True)
     known = {f.name for f in fields(TrainState)}
-    if not isinstance(data, dict) or set(data) != known:
+    if not isinstance(data, dict) or not known - OPTIONAL_STATE_KEYS <= set(data) <= known:
         keys = set(data) if isinstance(data, dict) else set()
         raise CheckpointError(
             f"{path} is not a checkpoint state of this version: unknown keys {sorted(keys - known)}, "
-            f"missing keys {sorted(known - keys)}"
+            f"missing keys {sorted(known - OPTIONAL_STATE_KEYS - keys)}"
         )
     return TrainState(**data)
 
 
-def check_config(path: Path, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
-    """Refuse to resume under settings that change the data order or the optimisation."""
+def check_config(
+    path: Path, saved: Mapping[str, Any], current: Mapping[str, Any], extendable: Collection[str] = ()
+) -> None:
+    """Refuse to resume under settings that change the data order or the optimisation.
+
+    Keys in ``extendable`` (the run's length) are left to the caller, which checks them its own way.
+    """
     current = json.loads(json.dumps(dict(current), default=str))  # tuples -> lists, as saved
-    differing = sorted(key for key in saved.keys() | current.keys() if saved.get(key) != current.get(key))
+    keys = (saved.keys() | current.keys()) - set(extendable)
+    differing = sorted(key for key in keys if saved.get(key) != current.get(key))
     if differing:
         details = "; ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {current.get(k)!r} now" for k in differing)
         raise CheckpointError(

@@ -22,7 +22,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +33,19 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from hkrag.data.images import ImageError
 from hkrag.data.opendocvqa import Corpus, TrainingPair
 from hkrag.distributed import gather_with_grad
 from hkrag.gradcache import grad_cache_step, split_batch
 from hkrag.losses import HybridMaskLoss, LossOutput
+from hkrag.models.phi3v.image_processing_phi3v import check_image_size
 from hkrag.retriever import Phi3VRetriever
 from hkrag.training.checkpoint import (
+    STATE_FILE,
+    CheckpointError,
     TrainState,
     check_finite,
+    checkpoint_state,
     hash_config,
     load_checkpoint,
     rng_state,
@@ -87,8 +92,11 @@ class TrainerConfig:
 OPTIM_KEYS = ("lr", "weight_decay", "betas", "warmup_ratio", "scheduler", "max_grad_norm")
 """TrainerConfig fields that come from the ``optim`` config group (the others are ``trainer.*``)."""
 RUN_KEYS = ("global_batch_size", "epochs", "max_steps", "seed", "group_pattern", *OPTIM_KEYS)
-"""TrainerConfig fields that fix the data order or the optimisation, hence must not change on resume.
-``chunk_size`` (memory only), logging, saving and loader workers may."""
+"""TrainerConfig fields that fix the data order or the optimisation, hence must not change on resume
+(but for :data:`EXTENDABLE_KEYS`). ``chunk_size`` (memory only), logging, saving and loader workers may."""
+EXTENDABLE_KEYS = ("trainer.max_steps", "trainer.epochs")
+"""Run keys a resumed run may raise to train longer, as long as every finished step keeps its learning
+rate (:meth:`RetrieverTrainer.continued_schedule`)."""
 
 
 def total_optimizer_steps(config: TrainerConfig, steps_per_epoch: int, num_pairs: int) -> int:
@@ -103,6 +111,14 @@ def total_optimizer_steps(config: TrainerConfig, steps_per_epoch: int, num_pairs
             "(or null for whole epochs) and trainer.epochs >= 1"
         )
     return total
+
+
+def schedule_factors(name: str, schedule: Mapping[str, int], steps: int) -> list[float]:
+    """Learning-rate factors of optimizer steps 1 .. ``steps + 1`` under ``transformers``' schedule ``name``
+    with ``schedule``'s ``warmup_steps`` and ``total_steps`` (step ``k`` runs with factor ``lambda(k - 1)``)."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    factor = get_scheduler(name, optimizer, schedule["warmup_steps"], schedule["total_steps"]).lr_lambdas[0]
+    return [factor(k) for k in range(steps + 1)]
 
 
 def data_fingerprint(pairs: Sequence[TrainingPair]) -> str:
@@ -135,8 +151,15 @@ class PairDataset(Dataset):
         return len(self.pairs)
 
     def __getitem__(self, index: int) -> tuple[str, Any]:
+        """The pair's query and page; a page the image processor would refuse raises :class:`ImageError`
+        naming it here, where its ``doc_id`` is known (the collator only sees images)."""
         pair = self.pairs[index]
-        return pair.query, self.corpus[pair.positive(self.epoch)].image
+        page = self.corpus[pair.positive(self.epoch)]
+        try:
+            check_image_size(page.image)
+        except ValueError as error:
+            raise ImageError(page.doc_id, f"cannot be encoded: {error}") from error
+        return pair.query, page.image
 
 
 class RetrieverTrainer:
@@ -173,9 +196,9 @@ class RetrieverTrainer:
         if not params:
             raise ValueError("the retriever has no trainable parameters: configure model.lora or model.adapter")
         optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=config.betas)
-        scheduler = get_scheduler(
-            config.scheduler, optimizer, int(config.warmup_ratio * self.total_steps), self.total_steps
-        )
+        self._optimizer = optimizer  # unwrapped: what the scheduler steps
+        schedule = {"warmup_steps": int(config.warmup_ratio * self.total_steps), "total_steps": self.total_steps}
+        scheduler = self.make_scheduler(schedule)
         plugin = accelerator.state.deepspeed_plugin
         if plugin is not None:  # no dataloader is prepared, so DeepSpeed cannot resolve "auto" batch sizes
             plugin.deepspeed_config.update(
@@ -187,8 +210,12 @@ class RetrieverTrainer:
         self.scheduler = scheduler  # stepped once per optimizer step by optimizer_step, see the module docstring
         self.run_logger = run_logger or RunLogger(self.output_dir, enabled=accelerator.is_main_process)
         identity = self.run_config(run_config or {})
-        self.state = TrainState(config=identity, config_hash=hash_config(identity))
+        self.state = TrainState(config=identity, config_hash=hash_config(identity), schedule=schedule)
         self._ignore: torch.Tensor | None = None
+
+    def make_scheduler(self, schedule: Mapping[str, int]) -> Any:
+        """``optim.scheduler`` over ``schedule``'s ``warmup_steps`` and ``total_steps``."""
+        return get_scheduler(self.config.scheduler, self._optimizer, schedule["warmup_steps"], schedule["total_steps"])
 
     def run_config(self, extra: Mapping[str, Any]) -> dict[str, Any]:
         """Flat settings (Hydra key names) that fix the data order and the optimisation; stored in checkpoints.
@@ -211,14 +238,57 @@ class RetrieverTrainer:
     def resume(self, checkpoint: str | Path) -> None:
         """Continue exactly where ``checkpoint`` stopped (weights, optimizer, scheduler, RNG, data position).
 
-        Raises :class:`~hkrag.training.checkpoint.CheckpointError` if the checkpoint was written under
-        another :meth:`run_config` (naming the keys) or any of its files is missing or broken (naming it).
+        This run may be longer than the checkpoint's (``trainer.max_steps`` / ``trainer.epochs`` raised);
+        see :meth:`continued_schedule`. Raises :class:`~hkrag.training.checkpoint.CheckpointError` if the
+        checkpoint was written under another :meth:`run_config` (naming the keys), if this run is shorter or
+        would change the learning rate of a finished step, or if any file is missing or broken (naming it).
         """
-        self.state = load_checkpoint(
-            checkpoint, self.retriever.model, self.optimizer, self.scheduler, self.accelerator.process_index,
-            config=self.state.config,
+        saved = checkpoint_state(checkpoint, self.state.config, EXTENDABLE_KEYS)
+        schedule = self.continued_schedule(Path(checkpoint) / STATE_FILE, saved)
+        if schedule != self.state.schedule:
+            self.scheduler = self.make_scheduler(schedule)
+        state = load_checkpoint(
+            checkpoint, self.retriever.model, self.optimizer, self.scheduler, self.accelerator.process_index
         )
-        logger.info("resumed from %s at step %d", checkpoint, self.state.step)
+        self.state = replace(state, config=self.state.config, config_hash=self.state.config_hash, schedule=schedule)
+        logger.info("resumed from %s at step %d of %d", checkpoint, self.state.step, self.total_steps)
+
+    def continued_schedule(self, path: Path, saved: TrainState) -> dict[str, int]:
+        """The learning-rate schedule after resuming from ``saved``: the checkpoint's, over this run's total.
+
+        The warmup keeps the checkpoint's length in steps. The total may grow (an extended run), never
+        shrink; the extended schedule must give every finished step, and the step the run resumes with, the
+        learning rate it had, else :class:`CheckpointError` names the step: a decay over the total (``linear``,
+        ``cosine``) can only be extended during warmup, ``constant`` and ``constant_with_warmup`` always.
+        """
+        old = saved.schedule or self.checkpoint_schedule(saved)
+        if self.total_steps < old["total_steps"]:
+            raise CheckpointError(
+                f"{path}: this run has {self.total_steps} optimizer steps, fewer than the checkpoint's run "
+                f"({old['total_steps']}); a resumed run may be extended (raise trainer.max_steps or trainer.epochs), "
+                "not shortened"
+            )
+        new = {"warmup_steps": old["warmup_steps"], "total_steps": self.total_steps}
+        if new == old:
+            return new
+        pairs = zip(schedule_factors(self.config.scheduler, old, saved.step),
+                    schedule_factors(self.config.scheduler, new, saved.step))
+        for step, (before, after) in enumerate(pairs, start=1):
+            if not math.isclose(before, after, rel_tol=1e-9, abs_tol=1e-15):
+                raise CheckpointError(
+                    f"{path}: extending the run from {old['total_steps']} to {self.total_steps} steps would change "
+                    f"the learning rate of step {step} ({before * self.config.lr:.3g} then, "
+                    f"{after * self.config.lr:.3g} now) under optim.scheduler={self.config.scheduler}, whose decay "
+                    "depends on the total; extend with optim.scheduler=constant_with_warmup (or constant), or start "
+                    "a new run from the checkpoint's adapter (model.adapter=<checkpoint>/adapter)"
+                )
+        return new
+
+    def checkpoint_schedule(self, saved: TrainState) -> dict[str, int]:
+        """The schedule of a checkpoint written before checkpoints stored it, from its run's settings."""
+        length = {k.split(".")[1]: saved.config.get(k) for k in EXTENDABLE_KEYS}
+        total = total_optimizer_steps(replace(self.config, **length), len(self.sampler), len(self.pairs))
+        return {"warmup_steps": int(self.config.warmup_ratio * total), "total_steps": total}
 
     def embed(self, inputs) -> torch.Tensor:
         return self.model(**inputs)

@@ -137,7 +137,7 @@ class Phi3VImageProcessor(BaseImageProcessor):
 
     def hd_transform(self, image: Image.Image) -> Image.Image:
         """Resize and pad an RGB page to whole crops (steps 1-4 above)."""
-        _check_size(image)
+        check_image_size(image)
         transposed = image.width < image.height
         if transposed:
             image = image.transpose(Image.Transpose.TRANSPOSE)
@@ -208,7 +208,9 @@ class Phi3VImageProcessor(BaseImageProcessor):
         write_text(json_file_path, self.to_json_string())
 
 
-def _check_size(image: Image.Image) -> None:
+def check_image_size(image: Image.Image) -> None:
+    """Refuse (``ValueError``) a page the HD transform cannot crop: zero area, or over 200:1. Public so that
+    callers knowing the page's ``doc_id`` check it first and name it (the processor sees only images)."""
     if image.width < 1 or image.height < 1:
         raise ValueError(f"image has zero area ({image.width}x{image.height})")
     ratio = max(image.width, image.height) / min(image.width, image.height)
