@@ -1,7 +1,7 @@
 """One query's conversation with the LVLM: every call recorded, every cap enforced.
 
 The agents ask through a :class:`QueryContext`, which renders the prompt (pages first), calls the backend
-once (network retries belong to the backends), records a :class:`~agents.records.CallRecord` and stops
+once (network retries belong to the backends), records a :class:`~hkrag.rag.records.CallRecord` and stops
 the query with a :class:`QueryFailure` naming the agent and the reason when the backend fails, a page does
 not load, or the query's calls, tokens or seconds pass their caps. Nothing here loops: the number of calls
 is bounded by ``max_calls``, and the Decoupler's loop by ``max_iters``.
@@ -16,9 +16,9 @@ from typing import Any
 
 from hkrag.data.images import ImageError
 from hkrag.lvlm import GenerationSettings, LVLMBackend, LVLMError, LVLMResult, PageImage
+from hkrag.rag.records import CallRecord
 
 from .prompts import Prompts, build_request, shown
-from .records import CallRecord
 
 REPLY_KINDS = {
     "pruner": "yes_no",

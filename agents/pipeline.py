@@ -11,7 +11,7 @@
 
 ``Generator.answer`` never raises for a per-query problem: an LVLM error, a page that fails to load, a
 query with no pages (unless ``allow_no_pages``, the no-retrieval baseline) or a cap reached becomes a
-failed :class:`~agents.records.QueryOutcome` that names the agent and the reason, holds every call made
+failed :class:`~hkrag.rag.records.QueryOutcome` that names the agent and the reason, holds every call made
 so far, and counts as wrong downstream. Configuration errors raise when the generator is built, before
 any query: unknown keys, bad values, a ``caps.max_calls`` below the longest path of the configuration
 (:func:`longest_path`), and an estimator the backend cannot serve (:meth:`Judger.check_backend`).
@@ -26,13 +26,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from hkrag.lvlm import LVLMBackend
+from hkrag.rag.records import Query, QueryOutcome
 
 from .context import Caps, QueryContext, QueryFailure
 from .decoupler import Decoupler
 from .judger import Judger
 from .prompts import Prompts
 from .pruner import Pruner
-from .records import Query, QueryOutcome
 from .summarizer import Summarizer
 
 KINDS = ("agentic", "single_pass")

@@ -48,10 +48,10 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # not bench/: this file's name would shadow the agents package
 from agents import build_generator  # noqa: E402
-from agents.records import Query  # noqa: E402
 from bench.common import machine  # noqa: E402
 from bench.lvlm import full_backend  # noqa: E402
 from hkrag.lvlm import PageImage, build_backend  # noqa: E402
+from hkrag.rag.records import Query  # noqa: E402
 
 CONFIGURATIONS = {  # --configs id -> (printed name, generator config, overrides)
     "single": ("single-pass", "single_pass", {}),

@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hkrag.distributed import gather_with_grad, rank, world_size
-from hkrag.gradcache import grad_cache_step
 from hkrag.losses import HybridMaskLoss, LossOutput
+from hkrag.training.gradcache import grad_cache_step
 
 BATCH, DIM_IN, DIM_OUT, CHUNK = 8, 6, 12, 2
 UNEVEN = (5, 3)  # rows held by rank 0 and rank 1 in the "uneven" scenario

@@ -1,4 +1,4 @@
-"""hkrag.ablation on a hand-built multirun folder: means, stds, paired intervals and mask shares by hand."""
+"""hkrag.retrieval.ablation on a hand-built multirun folder: means, stds, paired intervals and mask shares by hand."""
 
 import json
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 import yaml
 
-from hkrag.ablation import AblationError, aggregate, main
-from hkrag.evaluation import PER_QUERY_FILE
+from hkrag.retrieval.ablation import AblationError, aggregate, main
+from hkrag.retrieval.evaluation import PER_QUERY_FILE
 from hkrag.stats import mean_and_std, paired_bootstrap
 
 QUERIES = [("synchart", "q1", "salient"), ("synchart", "q2", "fine_print"), ("synfine", "q3", "fine_print")]

@@ -19,9 +19,9 @@ from agents.context import Caps, QueryContext, QueryFailure
 from agents.decoupler import read_answered
 from agents.prompts import Prompts
 from agents.pruner import read_yes_no
-from agents.records import ROUTES, Query, QueryOutcome
 from hkrag.lvlm import GenerationSettings, LVLMResult, LVLMTimeoutError, PageImage, TokenLogprob, build_backend
 from hkrag.lvlm.scripted import Reply, ScriptedBackend, request_text
+from hkrag.rag.records import ROUTES, Query, QueryOutcome
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -35,10 +35,16 @@ from hkrag.data.opendocvqa import (
     save_split,
 )
 from hkrag.data.pdf import PdfError, ingest, render_pdf, render_scale
-from hkrag.evaluation import EmbeddingCache, RetrievalEvalConfig, embed_corpus, evaluate_retrieval, pool_embeddings
 from hkrag.index.shards import ShardError, config_hash, encode_corpus, load_shards
 from hkrag.io import WriteError, write_json
 from hkrag.models.phi3v import CheckpointNotFoundError, tiny_phi3v
+from hkrag.retrieval.evaluation import (
+    EmbeddingCache,
+    RetrievalEvalConfig,
+    embed_corpus,
+    evaluate_retrieval,
+    pool_embeddings,
+)
 from hkrag.retriever import LoraSettings, Phi3VRetriever, weights_fingerprint
 from hkrag.tasks.common import FINAL_ADAPTER, check_pools, trained_model_config
 from hkrag.training.checkpoint import TrainState
@@ -273,7 +279,7 @@ def test_same_doc_id_with_another_image_in_another_pool_gets_its_own_embedding(t
     identity = {"model": "mean", "config_hash": config_hash("mean")}
     retriever, cache = MeanColour(), EmbeddingCache()
     single = pool_embeddings(retriever, corpus_of({"a": red, "b": blue}), tmp_path / "s", cfg, identity, cache)
-    with caplog.at_level(logging.WARNING, logger="hkrag.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="hkrag.retrieval.evaluation"):
         pool = corpus_of({"a": green, "b": blue, "c": red}, name="all-pool")
         vectors = pool_embeddings(retriever, pool, tmp_path / "all", cfg, identity, cache)
     assert vectors[0].tolist() == [0, 255, 0] and single[0].tolist() == [255, 0, 0]

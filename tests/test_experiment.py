@@ -95,7 +95,7 @@ def test_evaluation_warns_about_positives_missing_from_the_pool(tmp_path, caplog
     from omegaconf import OmegaConf
 
     from hkrag.data.opendocvqa import QAExample, load_corpus
-    from hkrag.evaluation import RetrievalEvalConfig, evaluate_retrieval
+    from hkrag.retrieval.evaluation import RetrievalEvalConfig, evaluate_retrieval
     from hkrag.retriever import Phi3VRetriever
     from hkrag.tasks.common import prepare_data
 
@@ -128,9 +128,9 @@ def test_run_dir_latest_is_the_newest_finished_training_run(tmp_path):
 def test_evaluation_saves_queries_and_qrels_for_the_storage_budget(tmp_path):
     import json
 
-    from hkrag.evaluation import QRELS_FILE, QUERIES_DIR
     from hkrag.index import budget
     from hkrag.index.shards import load_shards
+    from hkrag.retrieval.evaluation import QRELS_FILE, QUERIES_DIR
 
     data = [f"paths.data_dir={tmp_path / 'data'}", *SMALL_DATA]
     cfg = config("eval", [*data, f"paths.output_dir={tmp_path / 'eval'}", "model=tiny", "eval.doc_batch_size=16"])

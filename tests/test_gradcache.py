@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import BatchFeature
 
-from hkrag.gradcache import RngState, grad_cache_step, split_batch
 from hkrag.losses import HybridMaskLoss
+from hkrag.training.gradcache import RngState, grad_cache_step, split_batch
 
 BATCH, DIM_IN, DIM_OUT, CHUNK = 6, 5, 8, 2
 

@@ -30,7 +30,7 @@ from hkrag.lvlm import (
     build_backend,
     uncertainty,
 )
-from hkrag.lvlm.images import decode_data_uri, encode_page
+from hkrag.lvlm.data_uri import decode_data_uri, encode_page
 from hkrag.lvlm.openai_backend import OpenAIBackend
 from hkrag.lvlm.serve import Batcher, create_app, load_backend
 
@@ -370,7 +370,7 @@ def test_agents_run_end_to_end_through_the_http_backend(tiny_server):
     from omegaconf import OmegaConf
 
     from agents import build_generator
-    from agents.records import Query
+    from hkrag.rag.records import Query
 
     process, url = tiny_server
     wait_healthy(process, url)

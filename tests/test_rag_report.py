@@ -1,4 +1,4 @@
-"""RAG reports: hand-computed group numbers, failed queries, disabled judge, sweep (hkrag/rag_report.py)."""
+"""RAG reports: hand-computed group numbers, failed queries, disabled judge, sweep (hkrag/rag/report.py)."""
 
 import json
 import math
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from agents.records import ROUTES, CallRecord, QueryOutcome
-from hkrag.rag_report import CLUSTERED, flat_metrics, summarize, sweep_summary, write_reports
+from hkrag.rag.records import ROUTES, CallRecord, QueryOutcome
+from hkrag.rag.report import CLUSTERED, flat_metrics, summarize, sweep_summary, write_reports
+from hkrag.rag.trace import write_trace
 from hkrag.stats import wilson_interval
-from hkrag.trace import write_trace
 
 PERFECT = {"anls": 1.0, "relaxed_accuracy": 1.0, "relaxed_correctness": 1.0, "exact_match": 1.0, "f1": 1.0}
 WRONG = dict.fromkeys(PERFECT, 0.0)

@@ -1,5 +1,5 @@
 """Kill -9 must not change the report: ``eval.py task=generation`` SIGKILLed mid-run and rerun reports exactly
-what an uninterrupted run reports (hkrag/trace.py, hkrag/tasks/rag.py).
+what an uninterrupted run reports (hkrag/rag/trace.py, hkrag/tasks/rag.py).
 
 The generator runs on the scripted LVLM (conf/lvlm/scripted.yaml), slowed down so the kill lands after some
 but not all answers are in the trace. Only wall-clock fields differ between two runs: ``wall_s_p50`` and
@@ -20,8 +20,8 @@ from typing import Any
 
 from test_rag_task import QUERIES_PER_DATASET, ROOT, SMALL_DATA, config, data  # noqa: F401 (data: a fixture)
 
+from hkrag.rag.trace import PARTS_DIR, load_trace
 from hkrag.tasks import run_eval_task
-from hkrag.trace import PARTS_DIR, load_trace
 
 SCRIPTED = ["lvlm=scripted", "lvlm.delay_s=0.15"]  # two calls per query: 0.3 s each
 QUERIES = 2 * QUERIES_PER_DATASET

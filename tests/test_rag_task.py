@@ -17,16 +17,16 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from hkrag import trace as trace_module
 from hkrag.data.opendocvqa import load_qa
 from hkrag.io import WriteError
 from hkrag.lvlm import LVLMTimeoutError
 from hkrag.lvlm.scripted import Reply, ScriptedBackend, request_text
-from hkrag.rag_report import main
+from hkrag.rag import trace as trace_module
+from hkrag.rag.__main__ import main
+from hkrag.rag.trace import PARTS_DIR, TraceError, TraceWriter, load_trace, merge
 from hkrag.tasks import rag as rag_task
 from hkrag.tasks import run_eval_task
-from hkrag.trace import PARTS_DIR, TraceError, TraceWriter, load_trace, merge
-from hkrag.validation import ConfigError
+from hkrag.tasks.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_DATA = [
@@ -271,7 +271,7 @@ def test_a_run_level_error_stops_the_run_at_once_keeping_every_finished_query(tm
 
 
 class FailingOs:
-    """``os`` for :mod:`hkrag.trace` whose ``call`` fails with ``errno`` on its third use (two records fit),
+    """``os`` for :mod:`hkrag.rag.trace` whose ``call`` fails with ``errno`` on its third use (two records fit),
     after writing half of what it was given when ``call`` is ``write``."""
 
     def __init__(self, call: str, errno: int) -> None:

@@ -146,8 +146,8 @@ def test_time_limit_warning_requeues_the_job_which_resumes(slurm, work):
 
 
 def test_encode_array_equals_an_unsharded_encode_and_resumes(slurm, work):
-    from hkrag.index.encode_job import encode_part, load_config
     from hkrag.index.shards import load_shards
+    from hkrag.tasks.encode import encode_part, load_config
 
     overrides = [f"paths.data_dir={work / 'data'}", "model=tiny", *SMALL_DATA, "eval.shard_size=2"]
     encode_part(load_config(overrides), "all", work / "unsharded")

@@ -21,9 +21,9 @@ from hkrag.io import WriteError
 from hkrag.losses import HybridMaskLoss, LossOutput
 from hkrag.models.phi3v.loading import load_phi3v
 from hkrag.retriever import LoraSettings, Phi3VRetriever
+from hkrag.run_log import RunLogger
 from hkrag.tasks.training import run_settings
 from hkrag.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_state, resolve_resume
-from hkrag.training.reporting import RunLogger
 from hkrag.training.sampler import GlobalBatchSampler
 from hkrag.training.trainer import NonFiniteLossError, RetrieverTrainer, TrainerConfig, document_groups
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from hkrag.validation import ConfigError, Rule, validate_config
+from hkrag.tasks.validation import ConfigError, Rule, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -32,7 +32,7 @@ import numpy as np
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import load_shards, read_manifest
 from hkrag.io import atomic_write, write_json, write_text
-from hkrag.metrics import Qrels, check_qrels, evaluate_run, load_qrels
+from hkrag.retrieval.metrics import Qrels, check_qrels, evaluate_run, load_qrels
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Any OpenAI-compatible chat-completions server (vLLM, SGLang, DashScope, ``hkrag.lvlm.serve``) as an LVLM.
 
-Pages go as ``data:`` URIs under a pixel budget (:mod:`hkrag.lvlm.images`); every call asks for
+Pages go as ``data:`` URIs under a pixel budget (:mod:`hkrag.lvlm.data_uri`); every call asks for
 ``logprobs`` (and ``top_logprobs`` when the settings want alternatives) because the Judger routes on
 them (paper §3.3, Definition 1), unless the backend is built with ``logprobs=False`` (a judge model that
 only needs text). The response body is read as plain JSON and checked field by field: anything missing,
@@ -45,7 +45,7 @@ from .base import (
     TokenLogprob,
     logprob_problem,
 )
-from .images import DEFAULT_MAX_PIXELS, FORMATS, encode_page
+from .data_uri import DEFAULT_MAX_PIXELS, FORMATS, encode_page
 from .response_cache import ResponseCache
 
 log = logging.getLogger(__name__)

@@ -19,10 +19,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from hkrag.data.opendocvqa import ALL_POOL, check_pool_pages, load_corpus, pools
 from hkrag.data.synthetic import CONFIG_FILE, SyntheticConfig, generate
-from hkrag.evaluation import RetrievalEvalConfig
 from hkrag.io import atomic_directory
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.models.phi3v.loading import save_processor, tiny_phi3v
+from hkrag.retrieval.evaluation import RetrievalEvalConfig
 from hkrag.retriever import LoraSettings, Phi3VRetriever
 from hkrag.training.checkpoint import CheckpointError, checkpoint_state
 

@@ -5,12 +5,12 @@ a named adapter, in every pool of ``eval.pools``); ``task=generation`` hands the
 (``retrieval=gold``, Table 3's "Gold" rows) or no page at all (``retrieval=none``, the "no retrieval"
 row). The generator (``generator`` group: HKRAG's agents, a single-pass baseline or a Table 6 ablation)
 runs on an LVLM backend (``lvlm`` group); each answer gets the rule metrics and, when a judge endpoint
-is configured, the LLM judge's verdict, and is appended to the run's trace at once (:mod:`hkrag.trace`),
+is configured, the LLM judge's verdict, and is appended to the run's trace at once (:mod:`hkrag.rag.trace`),
 so a killed run continues where it stopped. Under ``accelerate launch`` the queries are split across
 processes; rank 0 merges the trace and writes ``rag.json``, ``rag.md`` and ``rag.html``.
 
 Every setting is checked before any query is asked and before the run directory is touched
-(:func:`hkrag.validation.validate_config`, the ``generator`` group, ``run_dir``, the data set names).
+(:func:`hkrag.tasks.validation.validate_config`, the ``generator`` group, ``run_dir``, the data set names).
 While answering, an error is either the query's or the run's (:func:`is_run_level`): a query's becomes
 a failed outcome in the trace (counted wrong, its type and message in ``failure``); a run's stops the
 run at once, with every finished query already in the trace (docs/errors.md, "Generator runs").
@@ -37,15 +37,18 @@ from tqdm.auto import tqdm
 
 from agents import build_generator
 from agents.pipeline import GeneratorConfig
-from agents.records import Query, QueryOutcome
-from hkrag.answer_metrics import rule_metrics
 from hkrag.data.opendocvqa import QUERY_PREFIX, Corpus, QAExample, load_corpus, load_qa, pools
-from hkrag.evaluation import evaluate_retrieval
 from hkrag.index.shards import config_hash
 from hkrag.io import WriteError, write_json, write_text
-from hkrag.judge import build_judge
 from hkrag.lvlm import LVLMBackend, PageImage, build_backend
-from hkrag.rag_report import flat_metrics, write_reports
+from hkrag.rag.grader import build_grader
+from hkrag.rag.html import write_html
+from hkrag.rag.metrics import rule_metrics
+from hkrag.rag.records import Query, QueryOutcome
+from hkrag.rag.report import flat_metrics, write_reports
+from hkrag.rag.trace import PARTS_DIR, TraceWriter, merge
+from hkrag.retrieval.evaluation import evaluate_retrieval
+from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
     build_retriever,
     check_pools,
@@ -57,10 +60,7 @@ from hkrag.tasks.common import (
     shared_output_dir,
     trained_model_config,
 )
-from hkrag.trace import PARTS_DIR, TraceWriter, merge
-from hkrag.trace_html import write_html
-from hkrag.training.reporting import RunLogger
-from hkrag.validation import ConfigError, validate_config
+from hkrag.tasks.validation import ConfigError, validate_config
 
 logger = logging.getLogger(__name__)
 
@@ -388,7 +388,7 @@ def run_rag_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any
     plan, store = plan_queries(cfg, accelerator, output_dir, qa)
     backend = build_backend(**OmegaConf.to_container(cfg.lvlm, resolve=True))
     try:
-        judge = build_judge(OmegaConf.to_container(cfg.judge, resolve=True))
+        judge = build_grader(OmegaConf.to_container(cfg.judge, resolve=True))
         check_concurrency(cfg.rag.concurrency, backend, *([judge.backend] if judge is not None else []))
         generator = build_generator(generator_cfg, backend)
         writer = TraceWriter(output_dir, accelerator.process_index)

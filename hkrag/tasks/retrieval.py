@@ -1,7 +1,7 @@
 """``eval.py task=retrieval``: a retriever evaluated as in the paper's Table 2.
 
 A retriever (base + adapter, or a ``train.py`` run's directory) evaluated by the same
-:func:`hkrag.evaluation.evaluate_retrieval` the training report used.
+:func:`hkrag.retrieval.evaluation.evaluate_retrieval` the training report used.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hkrag.evaluation import evaluate_retrieval
 from hkrag.io import write_json, write_text
+from hkrag.retrieval.evaluation import evaluate_retrieval
+from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
     build_retriever,
     check_pools,
@@ -23,8 +24,7 @@ from hkrag.tasks.common import (
     prepare_data,
     shared_output_dir,
 )
-from hkrag.training.reporting import RunLogger
-from hkrag.validation import validate_config
+from hkrag.tasks.validation import validate_config
 
 
 def run_retrieval_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:

@@ -15,11 +15,12 @@ from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 
 from hkrag.data.opendocvqa import load_corpus, load_qa, training_pairs
-from hkrag.evaluation import evaluate_retrieval
 from hkrag.index.shards import config_hash
 from hkrag.io import write_json, write_text
 from hkrag.losses import HybridMaskLoss
+from hkrag.retrieval.evaluation import evaluate_retrieval
 from hkrag.retriever import Phi3VRetriever
+from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
     build_retriever,
     check_pools,
@@ -29,10 +30,9 @@ from hkrag.tasks.common import (
     prepare_data,
     shared_output_dir,
 )
+from hkrag.tasks.validation import validate_config
 from hkrag.training.checkpoint import resolve_resume
-from hkrag.training.reporting import RunLogger
 from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
-from hkrag.validation import validate_config
 
 
 def trainer_config(cfg: DictConfig) -> TrainerConfig:

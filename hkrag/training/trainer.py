@@ -36,10 +36,10 @@ from transformers import get_scheduler
 from hkrag.data.images import ImageError
 from hkrag.data.opendocvqa import Corpus, TrainingPair
 from hkrag.distributed import gather_with_grad
-from hkrag.gradcache import grad_cache_step, split_batch
 from hkrag.losses import HybridMaskLoss, LossOutput
 from hkrag.models.phi3v.image_processing_phi3v import check_image_size
 from hkrag.retriever import Phi3VRetriever
+from hkrag.run_log import RunLogger
 from hkrag.training.checkpoint import (
     STATE_FILE,
     CheckpointError,
@@ -51,7 +51,7 @@ from hkrag.training.checkpoint import (
     rng_state,
     save_checkpoint,
 )
-from hkrag.training.reporting import RunLogger
+from hkrag.training.gradcache import grad_cache_step, split_batch
 from hkrag.training.sampler import GlobalBatchSampler
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ Rubrics (``judge.rubric``):
   The judge puts the score alone on the first line, possibly fractional (``4.5``): :func:`parse_first_line_score`.
 * ``hkrag`` — our own re-worded 1–5 rubric (``Score: N``, integers only): :func:`parse_score`.
 
-Every verdict records the rubric's name and version, and what judging cost (:class:`JudgeCost`: calls,
+Every verdict records the rubric's name and version, and what judging cost (:class:`GraderCost`: calls,
 prompt / completion tokens, latency), apart from the generator's cost.
 
 Failure handling, so that no sample is ever dropped or loops forever (ViDoRAG retries until it parses):
@@ -231,7 +231,7 @@ def load_rubric(name: str) -> Rubric:
 
 
 @dataclass
-class JudgeCost:
+class GraderCost:
     """What judging one sample cost: backend calls (``cached_calls`` of them answered from a disk cache),
     prompt / completion tokens as the backend reports them, and wall seconds spent in calls."""
 
@@ -250,7 +250,7 @@ class JudgeCost:
         self.cached_calls += bool(getattr(result, "cached", False))
 
 
-class Judge:
+class Grader:
     """Scores answers 1–5 with an LLM through ``backend``; see the module docstring for failure handling.
 
     Args:
@@ -287,15 +287,15 @@ class Judge:
         "cost", "reused"}`` for one answer.
 
         ``score`` is ``None`` when no valid score was obtained; ``correct`` is then ``False``. ``cost`` is
-        :class:`JudgeCost` as a dict; a verdict reused from the in-memory cache costs nothing.
+        :class:`GraderCost` as a dict; a verdict reused from the in-memory cache costs nothing.
         """
         if not answer.strip():
-            return self._verdict(1, [], 0, "empty_answer", JudgeCost())
+            return self._verdict(1, [], 0, "empty_answer", GraderCost())
         messages = self.messages(question, gold, answer)
         key = LVLMRequest(messages, self.settings).fingerprint(self.backend.model)
         cached = self.cache.get(key)
         if cached is not None:
-            return {**cached, "raw": list(cached["raw"]), "cost": asdict(JudgeCost()), "reused": True}
+            return {**cached, "raw": list(cached["raw"]), "cost": asdict(GraderCost()), "reused": True}
         verdict = self._ask(messages)
         if verdict["status"] != "backend_error":
             self.cache[key] = verdict
@@ -303,7 +303,7 @@ class Judge:
 
     def failed_verdict(self, error: str) -> dict[str, Any]:
         """The verdict of a sample whose judging raised unexpectedly: no score, counted wrong, nothing spent."""
-        return self._verdict(None, [], 0, "error", JudgeCost(), error)
+        return self._verdict(None, [], 0, "error", GraderCost(), error)
 
     def _reply(self, result: object) -> tuple[str, str | None]:
         """The reply as recorded in ``raw`` and why it is unusable before parsing (``None`` if it is not)."""
@@ -326,7 +326,7 @@ class Judge:
 
     def _ask(self, messages: list[Message]) -> dict[str, Any]:
         raw: list[str] = []
-        cost = JudgeCost()
+        cost = GraderCost()
         reason = ""
         for attempt in range(1, self.max_attempts + 1):
             start = time.perf_counter()
@@ -349,7 +349,7 @@ class Judge:
         return self._verdict(None, raw, len(raw), "unparseable", cost, error)
 
     def _verdict(
-        self, score: float | None, raw: list[str], attempts: int, status: str, cost: JudgeCost,
+        self, score: float | None, raw: list[str], attempts: int, status: str, cost: GraderCost,
         error: str | None = None,
     ) -> dict[str, Any]:
         return {"score": score, "correct": score is not None and score >= CORRECT_AT, "raw": raw,
@@ -358,15 +358,15 @@ class Judge:
                 "reused": False}
 
 
-def build_judge(cfg: Mapping[str, Any] | None) -> Judge | None:
+def build_grader(cfg: Mapping[str, Any] | None) -> Grader | None:
     """The judge of config group ``judge`` or ``None`` when disabled (``judge: none``: no ``backend``).
 
     ``cfg["backend"]`` holds :func:`hkrag.lvlm.build_backend`'s arguments (``kind`` plus the backend's own);
-    the other keys are :class:`Judge`'s (``rubric``, ``max_attempts``, ``max_new_tokens``, ``max_reply_chars``).
+    the other keys are :class:`Grader`'s (``rubric``, ``max_attempts``, ``max_new_tokens``, ``max_reply_chars``).
     """
     if not cfg or not cfg.get("backend"):
         return None
     settings = dict(cfg)
     load_rubric(settings.get("rubric", DEFAULT_RUBRIC))  # a missing package fails before a backend is built
     backend = build_backend(**settings.pop("backend"))
-    return Judge(backend, **settings)
+    return Grader(backend, **settings)

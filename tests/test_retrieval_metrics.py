@@ -7,7 +7,15 @@ import random
 import pytest
 import pytrec_eval
 
-from hkrag.metrics import check_qrels, evaluate_run, format_table, load_qrels, qrels_from_rows, trec_order, truncate
+from hkrag.retrieval.metrics import (
+    check_qrels,
+    evaluate_run,
+    format_table,
+    load_qrels,
+    qrels_from_rows,
+    trec_order,
+    truncate,
+)
 
 MEASURES = {"ndcg_cut.5": "ndcg@5", "recall.1": "recall@1", "recall.5": "recall@5", "recall.10": "recall@10"}
 
@@ -75,7 +83,7 @@ def test_mrr_is_cut_at_ten():
 def test_missing_and_unjudged_queries(caplog):
     qrels = {"q1": {"a": 1}, "q2": {"b": 1}, "q3": {"c": 0}}
     run = {"q1": {"a": 1.0}, "q9": {"a": 1.0}}
-    with caplog.at_level(logging.WARNING, logger="hkrag.metrics"):
+    with caplog.at_level(logging.WARNING, logger="hkrag.retrieval.metrics"):
         result = evaluate_run(run, qrels)
     assert result["num_queries"] == 2 and result["unjudged"] == ["q9"] and result["no_run"] == ["q2"]
     assert result["per_query"]["q2"] == {
@@ -94,7 +102,7 @@ def test_missing_and_unjudged_queries(caplog):
 
 
 def test_check_qrels_counts_absent_documents(caplog):
-    with caplog.at_level(logging.WARNING, logger="hkrag.metrics"):
+    with caplog.at_level(logging.WARNING, logger="hkrag.retrieval.metrics"):
         missing = check_qrels({"q1": {"a": 1, "x": 1}, "q2": {"y": 1}}, ["a", "b"])
     assert missing == [("q1", "x"), ("q2", "y")]
     assert "2 judged document(s) of 2 queries are absent" in caplog.text

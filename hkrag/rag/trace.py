@@ -24,8 +24,8 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from agents.records import QueryOutcome
 from hkrag.io import WriteError, write_bytes
+from hkrag.rag.records import QueryOutcome
 
 logger = logging.getLogger(__name__)
 

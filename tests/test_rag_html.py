@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from agents.records import ROUTES, CallRecord, QueryOutcome
-from hkrag.trace_html import render_html, write_html
+from hkrag.rag.html import render_html, write_html
+from hkrag.rag.records import ROUTES, CallRecord, QueryOutcome
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]

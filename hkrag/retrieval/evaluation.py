@@ -9,7 +9,7 @@ warning). The shard identity includes a fingerprint of the retriever's weights, 
 another model (another seed, checkpoint or adapter) are never reused. Every (data set, pool) pair is
 searched with FAISS and scored with trec_eval's definitions; queries carrying an ``evidence`` label are also
 scored per label (``salient`` / ``fine_print`` in the built-in corpus). Each query's nDCG@5 and label go to
-``<work_dir>/per_query.json`` (what ``hkrag.ablation``'s paired bootstrap reads).
+``<work_dir>/per_query.json`` (what ``hkrag.retrieval.ablation``'s paired bootstrap reads).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from hkrag.distributed import is_main, rank, world_size
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import config_hash, encode_corpus, load_shards
 from hkrag.io import atomic_directory, write_json
-from hkrag.metrics import check_qrels, evaluate_run, format_table
+from hkrag.retrieval.metrics import check_qrels, evaluate_run, format_table
 from hkrag.retriever import Phi3VRetriever, weights_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def encode_shards(
     part: int = 0, parts: int = 1,
 ) -> Path:
     """Embed shards ``s ≡ part (mod parts)`` of ``corpus`` into ``out_dir``: one rank's or one Slurm array task's share
-    (``hkrag.index.encode_job``). ``identity`` comes from :func:`shard_identity`."""
+    (``hkrag.tasks.encode``). ``identity`` comes from :func:`shard_identity`."""
 
     def embed(rows) -> torch.Tensor:
         try:

@@ -20,7 +20,7 @@ Empty strings: a gold answer that is empty after normalisation means "no answer 
 empty prediction matches it (1.0 on every metric); an empty prediction scores 0 against any non-empty gold
 answer. An empty gold *list* is read as ``[""]`` (the SQuAD v2 convention for unanswerable questions).
 A failed query's answer is ``""`` and the reports count it wrong whatever its gold answers
-(:mod:`hkrag.rag_report`). Inputs are checked (:func:`check_inputs`): the prediction must be a string, the
+(:mod:`hkrag.rag.report`). Inputs are checked (:func:`check_inputs`): the prediction must be a string, the
 gold answers a list of strings or numbers (numbers are read as ``str(number)``); anything else raises a
 ``TypeError`` naming the input.
 """

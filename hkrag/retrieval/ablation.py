@@ -1,10 +1,10 @@
 """The Table-5 ablation from a Hydra multirun of ``train.py``: nDCG@5 per loss and evidence type, seeds and intervals.
 
     python train.py -m experiment=demo loss=hkrag,infonce,no_sin,no_din trainer.seed=0,1,2
-    python -m hkrag.ablation multirun/train/<stamp>              # writes ablation.{md,json,png} there
+    python -m hkrag.retrieval.ablation multirun/train/<stamp>              # writes ablation.{md,json,png} there
 
 Each job folder of the multirun holds ``.hydra/overrides.yaml``, ``eval-after/per_query.json`` (every test
-query's nDCG@5 and evidence label, written by :mod:`hkrag.evaluation`) and ``metrics.jsonl`` (mask statistics
+query's nDCG@5 and evidence label, written by :mod:`hkrag.retrieval.evaluation`) and ``metrics.jsonl`` (mask statistics
 per step). A job's condition is the value of its ``--by`` override (default ``loss``), its seed that of
 ``--seed-key`` (default ``trainer.seed``). For every pool and evidence type (``salient``, ``fine_print``, and
 all queries), the summary gives:
@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-from hkrag.evaluation import PER_QUERY_FILE
 from hkrag.io import write_bytes, write_json, write_text
+from hkrag.retrieval.evaluation import PER_QUERY_FILE
 from hkrag.stats import mean_and_std, paired_bootstrap
 
 logger = logging.getLogger(__name__)

@@ -1,13 +1,13 @@
 """RAG reports from a run's trace: ``rag.json``, ``rag.md`` and the threshold-sweep summary (paper §4, Tables 3/4/6).
 
-Everything is computed from :class:`~agents.records.QueryOutcome` records alone (a trace reproduces every
+Everything is computed from :class:`~hkrag.rag.records.QueryOutcome` records alone (a trace reproduces every
 number). Per data set and pool, and overall:
 
 * judged accuracy (share of queries the LLM judge scored ≥ 4) with its 95 % interval, or "disabled" when
   no judge ran; judge failures (backend errors, unparseable replies) count as wrong;
-* the rule metrics of :mod:`hkrag.answer_metrics` (means with 95 % intervals), the lenient
+* the rule metrics of :mod:`hkrag.rag.metrics` (means with 95 % intervals), the lenient
   ``relaxed_accuracy`` and the strict ``relaxed_correctness`` side by side;
-* the share of queries per route (every route name in ``agents.records.ROUTES`` and any other the data holds);
+* the share of queries per route (every route name in ``hkrag.rag.records.ROUTES`` and any other the data holds);
 * the histogram of the Judger's uncertainty H′ (:data:`UNCERTAINTY_BINS` bins on [0, 1]);
 * generator cost per query: LVLM calls and input/output tokens (means), wall time (p50 / p95), as in Fig. 4;
   and the judge's cost (calls, tokens, latency) apart from it.
@@ -31,12 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from agents.records import ROUTES, QueryOutcome
-from hkrag.answer_metrics import METRICS
 from hkrag.io import write_bytes, write_json, write_text
-from hkrag.metrics import format_table
+from hkrag.rag.metrics import METRICS
+from hkrag.rag.records import ROUTES, QueryOutcome
+from hkrag.rag.trace import MERGED_FILE, load_trace, outcome_key
+from hkrag.retrieval.metrics import format_table
 from hkrag.stats import bootstrap_interval, cluster_bootstrap_interval, wilson_interval
-from hkrag.trace import MERGED_FILE, load_trace, outcome_key
 
 JUDGE_DISABLED = "disabled (no endpoint)"
 PAPER_THRESHOLD = 0.8
@@ -95,7 +95,7 @@ def interval95(values: Sequence[float], outcomes: Sequence[QueryOutcome], binary
 
 
 def route_names(outcomes: Sequence[QueryOutcome]) -> list[str]:
-    """``agents.records.ROUTES`` in order, then any other route the outcomes took (read from the data)."""
+    """``hkrag.rag.records.ROUTES`` in order, then any other route the outcomes took (read from the data)."""
     return list(dict.fromkeys([*ROUTES, *(o.route for o in outcomes)]))
 
 
@@ -320,7 +320,7 @@ def write_reports(out_dir: str | Path, outcomes: Sequence[QueryOutcome], meta: M
     """Write ``rag.json`` and ``rag.md`` into ``out_dir`` (atomically); returns the report dict.
 
     ``meta``: ``config`` (the row name in the tables), ``task``, ``retrieval``, ``generator``,
-    ``lvlm`` (``{"backend", "model"}``) and ``judge`` (:meth:`hkrag.judge.Judge.describe` or ``None``).
+    ``lvlm`` (``{"backend", "model"}``) and ``judge`` (:meth:`hkrag.rag.grader.Grader.describe` or ``None``).
     """
     report = build_report(outcomes, meta)
     out_dir = Path(out_dir)
@@ -469,28 +469,3 @@ def compare_runs(run_dirs: Sequence[str | Path], metric: str = "accuracy") -> st
     if metric == "accuracy" and all(s["overall"]["accuracy"] is None for s in summaries.values()):
         raise ValueError("no run was judged (judge: disabled); compare a rule metric, e.g. --metric relaxed_accuracy")
     return comparison_table(summaries, metric)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m hkrag.rag_report sweep MULTIRUN_DIR`` | ``compare RUN_DIR ...``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m hkrag.rag_report", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    sweep = commands.add_parser("sweep", help="accuracy, routes and cost per Judger threshold of a multirun folder "
-                                "(eval.py -m ... generator.threshold=0.2,0.5,0.8); writes sweep.{json,md,png}")
-    sweep.add_argument("folder", type=Path)
-    sweep.add_argument("--key", default="generator.threshold", help="the swept setting (default %(default)s)")
-    sweep.add_argument("--out", type=Path, default=None, help="where to write (default: the folder)")
-    compare = commands.add_parser("compare", help="one table with a row per run directory (Tables 3, 4, 6)")
-    compare.add_argument("run_dirs", type=Path, nargs="+")
-    compare.add_argument("--metric", default="accuracy", choices=["accuracy", *METRICS])
-    args = parser.parse_args(argv)
-    if args.command == "sweep":
-        print(sweep_summary(args.folder, args.out, args.key)["table"])
-    else:
-        print(compare_runs(args.run_dirs, args.metric))
-
-
-if __name__ == "__main__":
-    main()

@@ -6,7 +6,7 @@ question and gold answers, the retrieved pages (those the Pruner kept in colour,
 LVLM call (agent, output, latency, tokens, uncertainty), the Judger's uncertainty and route, the final
 answer against gold, the rule metrics and the LLM judge's verdict (rubric, cost) with its raw output. The
 header summarises the run and, per data set and pool, the route shares and the histogram of the Judger's
-uncertainty H′ (:func:`hkrag.rag_report.uncertainty_histogram`). Failed queries are highlighted with their
+uncertainty H′ (:func:`hkrag.rag.report.uncertainty_histogram`). Failed queries are highlighted with their
 reason. Every model output and data string is HTML-escaped.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 
 from PIL import Image
 
-from agents.records import CallRecord, QueryOutcome
 from hkrag.io import write_text
-from hkrag.rag_report import bin_labels, summarize, table_routes
+from hkrag.rag.records import CallRecord, QueryOutcome
+from hkrag.rag.report import bin_labels, summarize, table_routes
 
 THUMBNAIL_WIDTH = 160
 JPEG_QUALITY = 70

@@ -1,4 +1,4 @@
-"""The LLM judge: rubrics, score parsers, bounded retries, judge failures, cost, caching, config (hkrag/judge.py)."""
+"""The LLM grader (the paper's judge): rubrics, score parsers, bounded retries, failures, cost, caching, config."""
 
 import importlib.metadata
 import sys
@@ -8,18 +8,18 @@ import pytest
 from _lvlm_fake import Reply, ScriptedServer, completion
 from omegaconf import OmegaConf
 
-from hkrag import judge as judge_module
-from hkrag.judge import (
+from hkrag.lvlm.base import LVLMBackend, LVLMHTTPError, LVLMResult, LVLMTimeoutError
+from hkrag.rag import grader as judge_module
+from hkrag.rag.grader import (
     HKRAG_VERSION,
     NO_REFERENCE,
-    Judge,
+    Grader,
     ScoreParseError,
-    build_judge,
+    build_grader,
     llamaindex_rubric,
     parse_first_line_score,
     parse_score,
 )
-from hkrag.lvlm.base import LVLMBackend, LVLMHTTPError, LVLMResult, LVLMTimeoutError
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "judge"
 ZERO_COST = {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "latency_s": 0.0, "cached_calls": 0}
@@ -132,7 +132,7 @@ def test_default_rubric_is_the_installed_llamaindex_template():
     """The messages the judge sends are LlamaIndex's CorrectnessEvaluator prompt, formatted by LlamaIndex itself."""
     from llama_index.core.evaluation.correctness import DEFAULT_EVAL_TEMPLATE, DEFAULT_SYSTEM_TEMPLATE
 
-    judge = Judge(ReplyBackend([]))
+    judge = Grader(ReplyBackend([]))
     question, answer = "What was the revenue in 2019 {in $}?", "It was $3.5 million."
     ours = judge.messages(question, ["3.5 million"], answer)
     theirs = DEFAULT_EVAL_TEMPLATE.format_messages(query=question, reference_answer="3.5 million",
@@ -145,7 +145,7 @@ def test_default_rubric_is_the_installed_llamaindex_template():
 
 
 def test_llamaindex_reference_answer_for_several_or_no_gold_answers():
-    judge = Judge(ReplyBackend([]))
+    judge = Grader(ReplyBackend([]))
     several = judge.messages("Q?", ["1995", "in 1995"], "1995")[1].text
     assert "## Reference Answer\nAny one of these answers is correct:\n- 1995\n- in 1995\n\n" in several
     assert f"## Reference Answer\n{NO_REFERENCE}\n" in judge.messages("Q?", [], "x")[1].text
@@ -156,32 +156,32 @@ def test_missing_llamaindex_names_the_extra_and_the_alternative(monkeypatch):
     llamaindex_rubric.cache_clear()
     try:
         with pytest.raises(ImportError, match=r"pip install -e '\.\[judge\]'.*judge\.rubric=hkrag"):
-            Judge(ReplyBackend([]))
+            Grader(ReplyBackend([]))
         with pytest.raises(ImportError, match="llama-index-core"):
-            build_judge({"backend": {"kind": "no-such-backend"}})  # fails on the rubric, before any backend
-        assert Judge(ReplyBackend([]), rubric="hkrag").describe()["rubric_version"] == HKRAG_VERSION
+            build_grader({"backend": {"kind": "no-such-backend"}})  # fails on the rubric, before any backend
+        assert Grader(ReplyBackend([]), rubric="hkrag").describe()["rubric_version"] == HKRAG_VERSION
     finally:
         llamaindex_rubric.cache_clear()
 
 
 def test_unknown_rubric_is_refused():
     with pytest.raises(ValueError, match=r"judge.rubric must be one of \['hkrag', 'llamaindex'\], got 'vidorag'"):
-        Judge(ReplyBackend([]), rubric="vidorag")
+        Grader(ReplyBackend([]), rubric="vidorag")
 
 
 @pytest.mark.parametrize("rubric", ["llamaindex", "hkrag"])
 def test_correct_iff_score_at_least_4(rubric):
     for reply, score, correct in [("Score: 5", 5, True), ("Score: 4", 4, True), ("Score: 3", 3, False),
                                   ("Score: 1", 1, False)]:
-        verdict = Judge(ReplyBackend([reply]), rubric=rubric).judge("Q?", ["a"], "a")
+        verdict = Grader(ReplyBackend([reply]), rubric=rubric).judge("Q?", ["a"], "a")
         assert (verdict["score"], verdict["correct"]) == (score, correct)
     for reply, correct in [("4.5", True), ("4.0", True), ("3.9", False)]:  # fractional: LlamaIndex's only
-        assert Judge(ReplyBackend([reply])).judge("Q?", ["a"], "a")["correct"] is correct
+        assert Grader(ReplyBackend([reply])).judge("Q?", ["a"], "a")["correct"] is correct
 
 
 def test_verdict_fields_and_text_only_greedy_request():
     backend = ReplyBackend(["Score: 4\nCorrect, but verbose."])
-    verdict = Judge(backend, rubric="hkrag").judge("What year?", ["1995", "in 1995"], "It was 1995.")
+    verdict = Grader(backend, rubric="hkrag").judge("What year?", ["1995", "in 1995"], "It was 1995.")
     cost = verdict.pop("cost")
     assert verdict == {"score": 4, "correct": True, "raw": ["Score: 4\nCorrect, but verbose."], "attempts": 1,
                        "error": None, "status": "ok", "model": "judge-model", "rubric": "hkrag",
@@ -196,21 +196,21 @@ def test_verdict_fields_and_text_only_greedy_request():
 
 def test_judge_cost_counts_every_call_and_a_reused_verdict_costs_nothing():
     backend = ReplyBackend(["looks fine", "Score: 4", "4.0\nok"], cached=True)
-    judge = Judge(backend)
+    judge = Grader(backend)
     first = judge.judge("Q?", ["a"], "a")
     assert (first["score"], first["attempts"]) == (4.0, 2)
     assert {k: v for k, v in first["cost"].items() if k != "latency_s"} == {
         "calls": 2, "prompt_tokens": 20, "completion_tokens": 4, "cached_calls": 2}
     again = judge.judge("Q?", ["a"], "a")
     assert (again["score"], again["reused"], again["cost"]) == (4.0, True, ZERO_COST)
-    failed = Judge(ReplyBackend([LVLMTimeoutError("no answer within 60 s")])).judge("Q?", ["a"], "a")
+    failed = Grader(ReplyBackend([LVLMTimeoutError("no answer within 60 s")])).judge("Q?", ["a"], "a")
     assert (failed["cost"]["calls"], failed["cost"]["prompt_tokens"]) == (1, 0)
-    assert Judge(ReplyBackend([])).judge("Q?", ["a"], "")["cost"] == ZERO_COST
+    assert Grader(ReplyBackend([])).judge("Q?", ["a"], "")["cost"] == ZERO_COST
 
 
 def test_unparseable_reply_is_repaired_on_the_next_attempt():
     backend = ReplyBackend(["Looks right to me.", "Score: 5"])
-    verdict = Judge(backend, rubric="hkrag", max_attempts=3).judge("Q?", ["a"], "a")
+    verdict = Grader(backend, rubric="hkrag", max_attempts=3).judge("Q?", ["a"], "a")
     assert (verdict["score"], verdict["attempts"], verdict["status"]) == (5, 2, "ok")
     assert verdict["raw"] == ["Looks right to me.", "Score: 5"]
     retry = backend.requests[1].messages
@@ -220,7 +220,7 @@ def test_unparseable_reply_is_repaired_on_the_next_attempt():
 
 def test_llamaindex_repair_turn_asks_for_the_score_on_the_first_line():
     backend = ReplyBackend(["The answer is right.", "5.0\nexact"])
-    verdict = Judge(backend).judge("Q?", ["a"], "a")
+    verdict = Grader(backend).judge("Q?", ["a"], "a")
     assert (verdict["score"], verdict["attempts"]) == (5.0, 2)
     assert backend.requests[1].messages[3].text == (
         "Your reply could not be read (no score on the first line 'The answer is right.'). Reply again: the "
@@ -255,7 +255,7 @@ HUGE = "4.0\n" + "very long reasoning " * 1000
 )
 def test_garbage_from_the_judge_is_a_recorded_wrong_verdict(replies, status, error):
     backend = ReplyBackend(replies)
-    verdict = Judge(backend, max_attempts=3).judge("Q?", ["a"], "a")
+    verdict = Grader(backend, max_attempts=3).judge("Q?", ["a"], "a")
     assert (verdict["score"], verdict["correct"], verdict["status"], verdict["error"]) == (None, False, status, error)
     assert len(backend.requests) == verdict["attempts"] == len(replies) <= 3  # bounded: nothing hangs
     assert verdict["cost"]["calls"] == len(replies)
@@ -265,7 +265,7 @@ def test_garbage_from_the_judge_is_a_recorded_wrong_verdict(replies, status, err
 
 def test_backend_error_marks_the_sample_judge_failed_and_is_not_cached():
     backend = ReplyBackend([LVLMHTTPError("HTTP 500 after 3 retries", status=500), "Score: 5"])
-    judge = Judge(backend)
+    judge = Grader(backend)
     failed = judge.judge("Q?", ["a"], "a")
     assert (failed["score"], failed["correct"], failed["status"]) == (None, False, "backend_error")
     assert failed["error"] == "LVLMHTTPError: HTTP 500 after 3 retries"
@@ -274,7 +274,7 @@ def test_backend_error_marks_the_sample_judge_failed_and_is_not_cached():
 
 def test_identical_samples_are_judged_once():
     backend = ReplyBackend(["Score: 5"])
-    judge = Judge(backend)
+    judge = Grader(backend)
     first = judge.judge("Q?", ["a"], "a")
     first["raw"].append("mutated by the caller")
     assert judge.judge("Q?", ["a"], "a")["raw"] == ["Score: 5"]
@@ -283,7 +283,7 @@ def test_identical_samples_are_judged_once():
 
 def test_empty_answer_scores_1_without_a_call():
     backend = ReplyBackend([])
-    verdict = Judge(backend).judge("Q?", ["a"], "  ")
+    verdict = Grader(backend).judge("Q?", ["a"], "  ")
     assert (verdict["score"], verdict["correct"], verdict["status"], verdict["attempts"]) == (1, False,
                                                                                               "empty_answer", 0)
     assert backend.requests == []
@@ -291,12 +291,12 @@ def test_empty_answer_scores_1_without_a_call():
 
 def test_max_attempts_must_be_positive():
     with pytest.raises(ValueError, match="max_attempts and max_reply_chars must be >= 1, got 0 and 10000"):
-        Judge(ReplyBackend([]), max_attempts=0)
+        Grader(ReplyBackend([]), max_attempts=0)
 
 
 def test_disabled_judge_is_none():
-    assert build_judge(None) is None
-    assert build_judge(OmegaConf.to_container(OmegaConf.load(CONF / "none.yaml"))) is None
+    assert build_grader(None) is None
+    assert build_grader(OmegaConf.to_container(OmegaConf.load(CONF / "none.yaml"))) is None
 
 
 def judge_config(tmp_path, server):
@@ -309,7 +309,7 @@ def judge_config(tmp_path, server):
 
 def test_openai_judge_from_config_over_http(tmp_path):
     with ScriptedServer([Reply(body=completion([("4.0", -0.1), ("\nexact", -0.2)]))]) as server:
-        judge = build_judge(judge_config(tmp_path, server))
+        judge = build_grader(judge_config(tmp_path, server))
         verdict = judge.judge("Q?", ["a"], "a")
         again = judge.judge("Q?", ["a"], "a")
     assert (verdict["score"], verdict["correct"], verdict["model"], verdict["rubric"]) == (4.0, True, "qwen-plus",
@@ -328,7 +328,7 @@ def test_openai_judge_from_config_over_http(tmp_path):
 
 def test_server_500s_leave_the_sample_judge_failed(tmp_path):
     with ScriptedServer([Reply(500, {"error": {"message": "overloaded"}})]) as server:
-        verdict = build_judge(judge_config(tmp_path, server)).judge("Q?", ["a"], "a")
+        verdict = build_grader(judge_config(tmp_path, server)).judge("Q?", ["a"], "a")
     assert len(server.received) == 2  # one call plus the backend's single retry; the judge adds none
     assert (verdict["score"], verdict["correct"], verdict["status"]) == (None, False, "backend_error")
     assert "LVLMHTTPError" in verdict["error"] and "500" in verdict["error"]

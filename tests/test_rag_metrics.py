@@ -1,11 +1,11 @@
-"""Rule metrics against hand-computed values (hkrag/answer_metrics.py)."""
+"""Rule metrics against hand-computed values (hkrag/rag/metrics.py)."""
 
 import re
 import time
 
 import pytest
 
-from hkrag.answer_metrics import (
+from hkrag.rag.metrics import (
     Number,
     anls,
     exact_match,

@@ -1,9 +1,9 @@
 """Corpus encoding as a Slurm job array: each array task embeds its share of the shards of one corpus.
 
-    python -m hkrag.index.encode_job --corpus all --out DIR [eval.py overrides: run_dir=..., eval.shard_size=...]
+    python -m hkrag.tasks.encode --corpus all --out DIR [eval.py overrides: run_dir=..., eval.shard_size=...]
 
 Task ``i`` of an array of ``n`` (``SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN``, ``SLURM_ARRAY_TASK_COUNT``;
-task 0 of 1 outside an array) encodes shards ``s ≡ i (mod n)`` through :func:`hkrag.evaluation.encode_shards`,
+task 0 of 1 outside an array) encodes shards ``s ≡ i (mod n)`` through :func:`hkrag.retrieval.evaluation.encode_shards`,
 the function ``eval.py`` encodes with, into the folder and with the manifest ``eval.py`` would write
 (``<eval run directory>/embeddings-<corpus>``): an array over shards gives the same index as one process, and
 ``eval.py`` run in that directory afterwards only reads the vectors. Finished shards are skipped, so a failed or
@@ -24,10 +24,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from hkrag.data.opendocvqa import load_corpus
-from hkrag.evaluation import encode_shards, shard_identity
 from hkrag.index.shards import pending_shards
+from hkrag.retrieval.evaluation import encode_shards, shard_identity
 from hkrag.tasks.common import build_retriever, eval_config, evaluated_model
-from hkrag.validation import validate_config
+from hkrag.tasks.validation import validate_config
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 logger = logging.getLogger(__name__)

@@ -1,0 +1,37 @@
+"""Sweeps and comparisons of finished RAG runs: ``python -m hkrag.rag sweep MULTIRUN_DIR | compare RUN_DIR ...``.
+
+``sweep`` tabulates accuracy, routes and cost per Judger threshold over an ``eval.py -m`` folder; ``compare``
+lays several runs out as the paper's Tables 3, 4 and 6 (docs/evaluation.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from hkrag.rag.metrics import METRICS
+from hkrag.rag.report import compare_runs, sweep_summary
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m hkrag.rag sweep MULTIRUN_DIR`` | ``compare RUN_DIR ...``."""
+    parser = argparse.ArgumentParser(prog="python -m hkrag.rag", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    sweep = commands.add_parser("sweep", help="accuracy, routes and cost per Judger threshold of a multirun folder "
+                                "(eval.py -m ... generator.threshold=0.2,0.5,0.8); writes sweep.{json,md,png}")
+    sweep.add_argument("folder", type=Path)
+    sweep.add_argument("--key", default="generator.threshold", help="the swept setting (default %(default)s)")
+    sweep.add_argument("--out", type=Path, default=None, help="where to write (default: the folder)")
+    compare = commands.add_parser("compare", help="one table with a row per run directory (Tables 3, 4, 6)")
+    compare.add_argument("run_dirs", type=Path, nargs="+")
+    compare.add_argument("--metric", default="accuracy", choices=["accuracy", *METRICS])
+    args = parser.parse_args(argv)
+    if args.command == "sweep":
+        print(sweep_summary(args.folder, args.out, args.key)["table"])
+    else:
+        print(compare_runs(args.run_dirs, args.metric))
+
+
+if __name__ == "__main__":
+    main()
