@@ -228,7 +228,7 @@ def evaluate_retrieval(
 
 def save_queries(queries: Sequence[tuple[QAExample, np.ndarray]], work_dir: Path, identity: dict[str, Any]) -> None:
     """Every evaluated query's embedding (``queries/`` shards) and relevant pages (``qrels.json``), so the
-    storage-budget study (``python -m hkrag.index.budget``) can run on this evaluation's real embeddings."""
+    storage-budget study (``python -m hkrag.retrieval.budget``) can run on this evaluation's real embeddings."""
     if not queries:
         return
     rows = [{"query_id": ex.query_id, "vector": vector} for ex, vector in queries]

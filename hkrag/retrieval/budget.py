@@ -10,7 +10,7 @@ dimension searched by Hamming distance, and ``binary:rerank=R`` re-scores its to
 float query against the ±1 codes (no extra bytes). The Pareto frontier (no other spec is both
 smaller and better) is marked in the table and drawn on the plot.
 
-    python -m hkrag.index.budget --shards runs/corpus --queries runs/queries --qrels qrels.json \\
+    python -m hkrag.retrieval.budget --shards runs/corpus --queries runs/queries --qrels qrels.json \\
         --specs flat fp16 sq8 "faiss:PCA512,Flat" "faiss:PCA256,SQ8" binary binary:rerank=10 --out runs/budget
 
 ``--queries`` is a shard directory of query embeddings (``encode_corpus(..., id_key="query_id")``);

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from hkrag.index import budget
+from hkrag.retrieval import budget
 from hkrag.index.shards import encode_corpus
 
 DIM = 32
