@@ -128,8 +128,8 @@ def test_run_dir_latest_is_the_newest_finished_training_run(tmp_path):
 def test_evaluation_saves_queries_and_qrels_for_the_storage_budget(tmp_path):
     import json
 
-    from hkrag.retrieval import budget
     from hkrag.index.shards import load_shards
+    from hkrag.retrieval import budget
     from hkrag.retrieval.evaluation import QRELS_FILE, QUERIES_DIR
 
     data = [f"paths.data_dir={tmp_path / 'data'}", *SMALL_DATA]

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from hkrag.retrieval import budget
 from hkrag.index.shards import encode_corpus
+from hkrag.retrieval import budget
 
 DIM = 32
 SPECS = ["flat", "fp16", "sq8", "ivfpq:nlist=8,m=4,nbits=4,nprobe=2"]
