@@ -2,6 +2,12 @@
 
 ``build_generator(config, backend)`` makes a :class:`Generator` from a ``conf/generator/*.yaml`` config;
 ``Generator.answer(query)`` returns a :class:`~hkrag.rag.records.QueryOutcome` with every LVLM call recorded.
+
+The layer rule (README "Layout", tested by ``tests/test_layers.py``): ``agents/`` is the paper's method built
+on the library, and it imports only ``hkrag.lvlm`` (the backend interface) and ``hkrag.rag.records`` (the RAG
+record types). ``hkrag`` names ``agents`` only at the composition root, ``hkrag/tasks/rag.py`` (or through a
+config's ``_target_``), so a second generator, e.g. a ViDoRAG-style baseline, can sit beside ``agents/``
+without touching ``hkrag``. See docs/agents.md.
 """
 
 from hkrag.rag.records import CallRecord, Query, QueryOutcome

@@ -11,53 +11,64 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-from hkrag.data.images import ImageError
 from hkrag.lvlm import GenerationSettings, LVLMBackend, LVLMError, LVLMResult, PageImage
+from hkrag.lvlm.base import ImageError
 from hkrag.rag.records import CallRecord
 
+from .checks import number_problem
 from .prompts import Prompts, build_request, shown
+from .steps import REPLY_KINDS, STEPS
 
-REPLY_KINDS = {
-    "pruner": "yes_no",
-    "answer": "answer",
-    "single_pass": "answer",
-    "verify": "answer",
-    "integrate": "answer",
-    "salient": "notes",
-    "fine_print": "notes",
-    "decouple": "notes",
-}
-"""Which ``max_new_tokens`` entry bounds each prompt's reply."""
+COUNTS = ("max_iters", "max_calls", "max_total_tokens")
 
 
 @dataclass(frozen=True)
 class Caps:
-    """Per-query bounds. ``max_new_tokens`` holds the per-call limit of each reply kind
-    (``yes_no``: the Pruner; ``answer``: Judger, Summarizer, single pass; ``notes``: the Decoupler)."""
+    """Per-query bounds (``generator.caps``; conf/generator/hkrag.yaml holds the values). ``max_new_tokens``
+    holds the per-call limit of each reply kind of :data:`~agents.steps.REPLY_KINDS`."""
 
-    max_iters: int = 3
-    max_calls: int = 16
-    max_total_tokens: int = 200_000
-    max_seconds: float = 300.0
-    max_new_tokens: Mapping[str, int] | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("max_iters", "max_calls", "max_total_tokens", "max_seconds"):
-            if getattr(self, name) is None or getattr(self, name) <= 0:
-                raise ValueError(f"generator caps.{name} must be a positive number, got {getattr(self, name)!r}")
-        tokens = {"yes_no": 4, "answer": 64, "notes": 256, **(self.max_new_tokens or {})}
-        if unknown := set(tokens) - set(REPLY_KINDS.values()):
-            raise ValueError(f"generator caps.max_new_tokens has unknown kinds {sorted(unknown)}")
-        if bad := {kind: n for kind, n in tokens.items() if isinstance(n, bool) or not isinstance(n, int) or n < 1}:
-            raise ValueError(f"generator caps.max_new_tokens must be positive integers, got {bad}")
-        object.__setattr__(self, "max_new_tokens", tokens)
+    max_iters: int
+    max_calls: int
+    max_total_tokens: int
+    max_seconds: float
+    max_new_tokens: Mapping[str, int]
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any] | None) -> Caps:
-        return cls(**dict(config or {}))
+    def problems(cls, config: Any) -> list[str]:
+        """Every problem of a ``caps`` mapping, each naming key, value and what is allowed."""
+        if not isinstance(config, Mapping):
+            return [f"generator.caps={config!r}: expected a mapping (see conf/generator/hkrag.yaml)"]
+        if problem := keys_problem("generator.caps", config, [f.name for f in fields(cls)]):
+            return [problem]
+        problems = [number_problem(f"generator.caps.{name}", config[name], integer=True, low=1) for name in COUNTS]
+        problems.append(number_problem("generator.caps.max_seconds", config["max_seconds"], integer=False, low=0,
+                                       low_open=True))
+        tokens = config["max_new_tokens"]
+        if not isinstance(tokens, Mapping):
+            return [f"generator.caps.max_new_tokens={tokens!r}: expected a mapping of {list(REPLY_KINDS)}"]
+        problems.append(keys_problem("generator.caps.max_new_tokens", tokens, REPLY_KINDS))
+        problems += [number_problem(f"generator.caps.max_new_tokens.{kind}", tokens[kind], integer=True, low=1)
+                     for kind in REPLY_KINDS if kind in tokens]
+        return [problem for problem in problems if problem]
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Caps:
+        """The caps of a checked config mapping; a bad one is an error listing :meth:`problems`."""
+        if problems := cls.problems(config):
+            raise ValueError("; ".join(problems))
+        return cls(**{**config, "max_new_tokens": dict(config["max_new_tokens"])})
+
+
+def keys_problem(key: str, config: Mapping[str, Any], names: Sequence[str]) -> str | None:
+    """The unknown and the missing keys of the mapping at ``key``, or ``None`` when it has exactly ``names``."""
+    unknown, missing = sorted(set(config) - set(names)), sorted(set(names) - set(config))
+    if not unknown and not missing:
+        return None
+    parts = [f"has unknown keys {unknown}"] * bool(unknown) + [f"lacks {missing}"] * bool(missing)
+    return f"{key} {' and '.join(parts)}; expected {list(names)} (see conf/generator/hkrag.yaml)"
 
 
 class QueryFailure(Exception):
@@ -98,7 +109,6 @@ class QueryContext:
 
     def ask(
         self,
-        agent: str,
         step: str,
         pages: Sequence[PageImage],
         *,
@@ -106,12 +116,14 @@ class QueryContext:
         top_logprobs: int = 0,
         **values: str,
     ) -> tuple[LVLMResult, CallRecord]:
-        """Ask prompt ``step`` about ``pages``; the result and its (already appended) record."""
+        """Ask prompt ``step`` (its agent and reply cap from :data:`~agents.steps.STEPS`) about ``pages``; the
+        result and its (already appended) record."""
+        agent = STEPS[step].agent
         if len(self.calls) >= self.caps.max_calls:
             raise QueryFailure(agent, f"call cap reached (max_calls={self.caps.max_calls})")
         text = self.prompts.render(step, question=self.question, **values)
         settings = GenerationSettings(
-            max_new_tokens=self.caps.max_new_tokens[REPLY_KINDS[step]], top_logprobs=top_logprobs
+            max_new_tokens=self.caps.max_new_tokens[STEPS[step].reply], top_logprobs=top_logprobs
         )
         page_ids = [page.key for page in pages]
         started = self.clock()

@@ -54,19 +54,19 @@ def accumulate(notes: str, details: str) -> str:
 
 @dataclass(frozen=True)
 class Decoupler:
-    """Eqs. 7–8, at most ``max_iters`` iterations."""
+    """Eqs. 7–8, at most ``max_iters`` iterations (``generator.caps.max_iters``)."""
 
-    max_iters: int = 3
+    max_iters: int
 
     def decouple(self, ctx: QueryContext, pages: Sequence[PageImage]) -> Decoupled:
         """I_h, then Eqs. 7–8 until an I′_d(t) answers the question or ``max_iters`` is reached."""
-        salient, _ = ctx.ask("decoupler", "salient", pages)
+        salient, _ = ctx.ask("salient", pages)
         notes = ""
         for t in range(1, self.max_iters + 1):
-            mined, _ = ctx.ask("decoupler", "fine_print", pages, iteration=t, salient=salient.text,
+            mined, _ = ctx.ask("fine_print", pages, iteration=t, salient=salient.text,
                                fine_print=notes or ctx.prompts.no_notes)
             notes = accumulate(notes, mined.text)
-            separated, record = ctx.ask("decoupler", "decouple", pages, iteration=t, salient=salient.text,
+            separated, record = ctx.ask("decouple", pages, iteration=t, salient=salient.text,
                                         fine_print=notes or ctx.prompts.no_notes)
             answered, decoupled = read_answered(separated.text, ctx.prompts.answered_marker)
             record.decision = "yes" if answered else "no"

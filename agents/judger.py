@@ -1,8 +1,8 @@
 """The Judger (paper §3.3, Definitions 1–2): route on the uncertainty of an initial answer.
 
-The LVLM answers from the kept pages; the answer's normalised uncertainty H′ (estimator from the config,
-default the paper's mean −p·log p over the chosen tokens, :mod:`hkrag.lvlm.uncertainty`) below the
-threshold h makes a low-uncertainty pair (LQP, to the Summarizer), otherwise a high-uncertainty pair (HQP,
+The LVLM answers from the kept pages; the answer's normalised uncertainty H′ (``generator.estimator``; the
+shipped config uses the paper's mean −p·log p over the chosen tokens, :mod:`hkrag.lvlm.uncertainty`) below
+the threshold h makes a low-uncertainty pair (LQP, to the Summarizer), otherwise a high-uncertainty pair (HQP,
 to the Decoupler). The initial answer is only measured: it is never shown to a later agent.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hkrag.lvlm import LVLMBackend, LVLMError, PageImage, Uncertainty
-from hkrag.lvlm.uncertainty import ESTIMATORS, uncertainty
+from hkrag.lvlm.uncertainty import uncertainty
 
 from .context import QueryContext, QueryFailure
 
@@ -28,16 +28,12 @@ class Judgement:
 
 @dataclass(frozen=True)
 class Judger:
-    """Definitions 1–2 with threshold ``h`` and ``estimator`` (the threshold's range is checked once, by
-    :class:`~agents.pipeline.GeneratorConfig`)."""
+    """Definitions 1–2 with threshold ``h`` and ``estimator`` (the settings are checked once, by
+    :class:`~agents.pipeline.GeneratorConfig`; their values live in conf/generator/hkrag.yaml)."""
 
-    threshold: float = 0.8
-    estimator: str = "token_plogp"
-    top_logprobs: int = 5
-
-    def __post_init__(self) -> None:
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"generator estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
+    threshold: float
+    estimator: str
+    top_logprobs: int
 
     def check_backend(self, backend: LVLMBackend) -> None:
         """Raise before any query when ``backend`` cannot give what the estimator needs.
@@ -62,7 +58,7 @@ class Judger:
         """LQP when H′ < h, else HQP; the uncertainty is recorded on the call. An answer whose statistics
         cannot be measured (NaN, missing alternatives) fails the query naming the Judger."""
         top = self.top_logprobs if self.estimator in NEEDS_ALTERNATIVES else 0
-        result, record = ctx.ask("judger", "answer", pages, top_logprobs=top)
+        result, record = ctx.ask("answer", pages, top_logprobs=top)
         try:
             measured = uncertainty(result, self.estimator)
         except (ValueError, LVLMError) as error:

@@ -13,8 +13,9 @@
 query with no pages (unless ``allow_no_pages``, the no-retrieval baseline) or a cap reached becomes a
 failed :class:`~hkrag.rag.records.QueryOutcome` that names the agent and the reason, holds every call made
 so far, and counts as wrong downstream. Configuration errors raise when the generator is built, before
-any query: unknown keys, bad values, a ``caps.max_calls`` below the longest path of the configuration
-(:func:`longest_path`), and an estimator the backend cannot serve (:meth:`Judger.check_backend`).
+any query: unknown or missing keys, bad values, a ``caps.max_calls`` below the longest path of the
+configuration (:func:`longest_path`), all listed by :meth:`GeneratorConfig.problems`, and an estimator the
+backend cannot serve (:meth:`Judger.check_backend`).
 """
 
 from __future__ import annotations
@@ -26,78 +27,104 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from hkrag.lvlm import LVLMBackend
+from hkrag.lvlm.uncertainty import ESTIMATORS
 from hkrag.rag.records import Query, QueryOutcome
 
+from .checks import choice_problem, flag_problem, number_problem
 from .context import Caps, QueryContext, QueryFailure
 from .decoupler import Decoupler
 from .judger import Judger
 from .prompts import Prompts
 from .pruner import Pruner
+from .steps import STEPS, longest_route
 from .summarizer import Summarizer
 
-KINDS = ("agentic", "single_pass")
+FIELD_CHECKS: dict[str, Callable[[str, Any], str | None]] = {
+    "name": lambda key, value: None if isinstance(value, str) and value else f"{key}={value!r}: expected a name",
+    "kind": lambda key, value: choice_problem(key, value, tuple(GENERATORS)),
+    "top_k": lambda key, value: number_problem(key, value, integer=True, low=1),
+    "pruner": flag_problem,
+    "decoupler": flag_problem,
+    "threshold": lambda key, value: number_problem(key, value, integer=False, low=0, high=1),  # the range of H′
+    "estimator": lambda key, value: choice_problem(key, value, ESTIMATORS),
+    "top_logprobs": lambda key, value: number_problem(key, value, integer=True, low=0, high=20),  # vLLM's most
+    "allow_no_pages": flag_problem,
+}
+"""The checks of the generator group's settings besides ``caps`` and ``prompts``, by key."""
 
 
 @dataclass(frozen=True)
 class GeneratorConfig:
-    """The ``generator`` config group, checked: unknown keys and bad values are errors that name them."""
+    """The ``generator`` config group, checked here and only here (:meth:`problems`); its values, the
+    paper's by default, live in ``conf/generator/hkrag.yaml`` (docs/agents.md)."""
 
     prompts: Prompts
     caps: Caps
-    name: str = "hkrag"
-    kind: str = "agentic"
-    top_k: int = 3
-    pruner: bool = True
-    decoupler: bool = True
-    threshold: float = 0.8
-    estimator: str = "token_plogp"
-    top_logprobs: int = 5
-    allow_no_pages: bool = False
+    name: str
+    kind: str
+    top_k: int
+    pruner: bool
+    decoupler: bool
+    threshold: float
+    estimator: str
+    top_logprobs: int
+    allow_no_pages: bool
 
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"generator kind must be one of {KINDS}, got {self.kind!r}")
-        if self.top_k < 1:
-            raise ValueError(f"generator top_k must be >= 1, got {self.top_k}")
-        if not 0 <= self.threshold <= 1:
-            raise ValueError(f"generator.threshold={self.threshold!r}: must be in [0, 1], the range of H′")
-        if not 0 <= self.top_logprobs <= 20:
-            raise ValueError(f"generator top_logprobs must be in [0, 20], got {self.top_logprobs}")
-        check_call_cap(self)
+    @classmethod
+    def problems(cls, config: Mapping[str, Any]) -> list[str]:
+        """Every problem of a ``generator`` config mapping, each naming key, value and what is allowed;
+        empty when :meth:`from_config` accepts it. ``eval.py`` lists them with the other groups' problems
+        before anything is built (:func:`hkrag.tasks.validation.validate_config`'s ``extra``)."""
+        known = [f.name for f in fields(cls)]
+        if unknown := set(config) - set(known):
+            return [f"generator config has unknown keys {sorted(unknown)}; expected some of {sorted(known)}"]
+        if missing := set(known) - set(config):
+            return [f"generator config lacks {sorted(missing)} (see conf/generator/hkrag.yaml)"]
+        problems = [check(f"generator.{key}", config[key]) for key, check in FIELD_CHECKS.items()]
+        problems += Caps.problems(config["caps"])
+        try:
+            Prompts.from_config(config["prompts"])
+        except ValueError as error:
+            problems.append(str(error))
+        problems = [problem for problem in problems if problem]
+        return problems or call_cap_problems(cls.build(config))
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> GeneratorConfig:
-        known = {f.name for f in fields(cls)}
-        if unknown := set(config) - known:
-            raise ValueError(f"generator config has unknown keys {sorted(unknown)}; expected some of {sorted(known)}")
-        if "prompts" not in config:
-            raise ValueError("generator config lacks 'prompts' (see conf/generator/hkrag.yaml)")
+        """The checked config of a ``generator`` mapping; a bad one is an error listing :meth:`problems`."""
+        if problems := cls.problems(config):
+            raise ValueError("; ".join(problems))
+        return cls.build(config)
+
+    @classmethod
+    def build(cls, config: Mapping[str, Any]) -> GeneratorConfig:
+        """The config of a mapping whose settings are each valid (unchecked: use :meth:`from_config`)."""
         return cls(**{**config, "prompts": Prompts.from_config(config["prompts"]),
-                      "caps": Caps.from_config(config.get("caps"))})
+                      "caps": Caps.from_config(config["caps"])})
 
 
 def longest_path(config: GeneratorConfig) -> dict[str, int]:
-    """The LVLM calls of a query's longest path under ``config``, by agent.
+    """The LVLM calls of a query's longest path under ``config``, by agent, from :data:`~agents.steps.STEPS`.
 
     Agentic: the Pruner's k−1 (without ``pruner``: none), the Judger's 1, the Decoupler's 1 + 2·max_iters
     (HQP; without ``decoupler`` neither Judger nor Decoupler runs) and the Summarizer's 1; single pass: 1.
     """
-    if config.kind == "single_pass":
-        return {"single_pass": 1}
-    path = {"pruner": config.top_k - 1} if config.pruner else {}
-    if config.decoupler:
-        path |= {"judger": 1, "decoupler": 1 + 2 * config.caps.max_iters}
-    return path | {"summarizer": 1}
+    path: dict[str, int] = {}
+    for name in longest_route(config.kind, config.pruner, config.decoupler):
+        step = STEPS[name]
+        path[step.agent] = path.get(step.agent, 0) + step.calls(config.top_k, config.caps.max_iters)
+    return path
 
 
-def check_call_cap(config: GeneratorConfig) -> None:
-    """A ``caps.max_calls`` below the longest path would fail queries by design: an error naming both."""
+def call_cap_problems(config: GeneratorConfig) -> list[str]:
+    """A ``caps.max_calls`` below the longest path would fail queries by design: a problem naming both."""
     path = longest_path(config)
     minimum = sum(path.values())
-    if config.caps.max_calls < minimum:
-        calls = " + ".join(f"{agent} {count}" for agent, count in path.items())
-        raise ValueError(f"generator caps.max_calls={config.caps.max_calls} is below the {minimum} calls of the "
-                         f"longest path ({calls}); set caps.max_calls >= {minimum}")
+    if config.caps.max_calls >= minimum:
+        return []
+    calls = " + ".join(f"{agent} {count}" for agent, count in path.items())
+    return [f"generator caps.max_calls={config.caps.max_calls} is below the {minimum} calls of the longest path "
+            f"({calls}); set caps.max_calls >= {minimum}"]
 
 
 class Generator(ABC):
@@ -140,7 +167,7 @@ class SinglePassGenerator(Generator):
     def run(self, ctx: QueryContext, query: Query, outcome: QueryOutcome) -> None:
         kept = query.pages[: self.config.top_k]
         outcome.kept = [page.key for page in kept]
-        result, _ = ctx.ask("single_pass", "single_pass", kept)
+        result, _ = ctx.ask("single_pass", kept)
         outcome.route, outcome.answer = "single_pass", result.text.strip()
 
 

@@ -3,63 +3,44 @@
 Each prompt is a ``str.format`` template of the text that follows the page images in a single user turn
 (pages first, in ranked order, so every call of a query shares the same page prefix: a server's prefix
 cache and a local backend's feature cache reuse it). Templates are checked when loaded: each may only use
-its own placeholders (literal braces are written ``{{`` and ``}}``), and each must use ``{question}``.
+its step's placeholders (:data:`agents.steps.STEPS`; literal braces are written ``{{`` and ``}}``), and
+each must use ``{question}``.
 """
 
 from __future__ import annotations
 
 import string
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from hkrag.lvlm import GenerationSettings, LVLMRequest, PageImage
 
-NOTES = frozenset({"question", "salient", "fine_print"})
-PLACEHOLDERS: dict[str, frozenset[str]] = {
-    "pruner": frozenset({"question", "n"}),
-    "answer": frozenset({"question"}),
-    "single_pass": frozenset({"question"}),
-    "verify": frozenset({"question"}),
-    "salient": frozenset({"question"}),
-    "fine_print": NOTES,
-    "decouple": NOTES,
-    "integrate": NOTES,
-}
-"""The placeholders each template may use."""
+from .steps import STEPS
+
+EXTRAS = ("answered_marker", "no_notes")
+"""The ``prompts:`` entries that are not templates."""
 
 
 @dataclass(frozen=True)
 class Prompts:
-    """The templates of every agent step and the Decoupler's stopping marker.
+    """The template of every step of :data:`~agents.steps.STEPS` and the Decoupler's two texts.
 
-    ``pruner`` (Eq. 6, pages 1..n): do these pages suffice? yes/no. ``answer``: the Judger's initial answer
-    (Definition 1). ``single_pass``: the single-pass baseline, VDocGenerator's own prompt (DESIGN §11:
-    ``"{question}\\n Answer briefly."`` after the page images). ``verify``: the Summarizer's LQP
-    verification, a fresh answer from the pages and question (the initial answer is never model input).
-    ``salient``: the Decoupler's I_h. ``fine_print``: I_d(t) = Θ(I_h, I_d(t−1)) (Eq. 7). ``decouple``:
-    I′_d(t) = Θ(I_h, I_d(t)) (Eq. 8), ending with ``answered_marker`` then yes or no. ``integrate``: the
-    Summarizer's HQP answer. ``no_notes``: what ``{fine_print}`` holds before the first iteration.
+    ``templates`` maps each step to its template (what each step asks: docs/agents.md, "Prompts").
+    ``answered_marker`` ends the ``decouple`` reply, followed by yes or no; ``no_notes`` is what
+    ``{fine_print}`` holds before the first iteration.
     """
 
-    pruner: str
-    answer: str
-    single_pass: str
-    verify: str
-    salient: str
-    fine_print: str
-    decouple: str
-    integrate: str
+    templates: Mapping[str, str]
     answered_marker: str
     no_notes: str
 
     def __post_init__(self) -> None:
-        for name, allowed in PLACEHOLDERS.items():
-            used = placeholders(getattr(self, name), name)
-            if unknown := used - allowed:
-                raise ValueError(
-                    f"prompt {name!r} uses unknown placeholders {sorted(unknown)}; allowed: {sorted(allowed)}"
-                )
+        for name, step in STEPS.items():
+            used = placeholders(self.templates[name], name)
+            if unknown := used - step.placeholders:
+                raise ValueError(f"prompt {name!r} uses unknown placeholders {sorted(unknown)}; "
+                                 f"allowed: {sorted(step.placeholders)}")
             if "question" not in used:
                 raise ValueError(f"prompt {name!r} must contain {{question}}")
         if not self.answered_marker.strip():
@@ -68,16 +49,16 @@ class Prompts:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Prompts:
         """The prompts of a config mapping; names the missing or unknown keys."""
-        names = {f.name for f in fields(cls)}
+        names = {*STEPS, *EXTRAS}
         if missing := names - set(config):
             raise ValueError(f"generator config 'prompts' lacks {sorted(missing)}")
         if unknown := set(config) - names:
             raise ValueError(f"generator config 'prompts' has unknown keys {sorted(unknown)}; expected {sorted(names)}")
-        return cls(**{name: str(config[name]) for name in names})
+        return cls({name: str(config[name]) for name in STEPS}, *(str(config[name]) for name in EXTRAS))
 
     def render(self, name: str, **values: Any) -> str:
         """The text of prompt ``name`` with its placeholders filled."""
-        return getattr(self, name).format(**values)
+        return self.templates[name].format(**values)
 
 
 def placeholders(template: str, name: str) -> set[str]:

@@ -1,7 +1,7 @@
 """The Pruner (paper §3.3, Eq. 6): the fewest top-ranked pages that suffice to answer.
 
 For n = 1 … k−1 it asks the LVLM whether pages 1..n hold enough to answer the question and stops at the
-first yes; when none does, the buffer keeps the top k (capacity k, the paper's top-3). The yes/no is read
+first yes; when none does, the buffer keeps the top k (capacity k, ``generator.top_k``). The yes/no is read
 from the first generated token's probabilities when the backend returns them and that token is itself a
 yes or a no (the summed mass of every "yes"-like against every "no"-like candidate, case- and
 space-insensitive), else from the text; anything that is not a clear yes counts as no, which keeps more
@@ -74,20 +74,17 @@ def read_yes_no(result: LVLMResult) -> YesNo:
 
 @dataclass(frozen=True)
 class Pruner:
-    """Eq. 6 over a buffer of capacity ``k``; ``top_logprobs`` alternatives are requested per answer."""
+    """Eq. 6 over a buffer of capacity ``k``; ``top_logprobs`` alternatives are requested per answer
+    (both checked by :class:`~agents.pipeline.GeneratorConfig`)."""
 
-    k: int = 3
-    top_logprobs: int = 5
-
-    def __post_init__(self) -> None:
-        if self.k < 1:
-            raise ValueError(f"generator top_k must be >= 1, got {self.k}")
+    k: int
+    top_logprobs: int
 
     def select(self, ctx: QueryContext, pages: Sequence[PageImage]) -> list[PageImage]:
         """The first n < k pages that suffice, else the buffer's (up to) k pages."""
         buffer = list(pages[: self.k])
         for n in range(1, len(buffer)):
-            result, record = ctx.ask("pruner", "pruner", buffer[:n], iteration=n, top_logprobs=self.top_logprobs,
+            result, record = ctx.ask("pruner", buffer[:n], iteration=n, top_logprobs=self.top_logprobs,
                                      n=str(n))
             reading = read_yes_no(result)
             record.decision, record.p_yes, record.p_no = ("yes" if reading.yes else "no"), reading.p_yes, reading.p_no

@@ -24,11 +24,11 @@ class Summarizer:
 
     def verify(self, ctx: QueryContext, pages: Sequence[PageImage]) -> str:
         """LQP: the verified answer, from the pages and question alone."""
-        result, _ = ctx.ask("summarizer", "verify", pages)
+        result, _ = ctx.ask("verify", pages)
         return result.text.strip()
 
     def integrate(self, ctx: QueryContext, pages: Sequence[PageImage], knowledge: Decoupled) -> str:
         """HQP: the answer from salient and fine-print knowledge (and the pages)."""
-        result, _ = ctx.ask("summarizer", "integrate", pages, salient=knowledge.salient,
+        result, _ = ctx.ask("integrate", pages, salient=knowledge.salient,
                             fine_print=knowledge.fine_print)
         return result.text.strip()

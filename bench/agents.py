@@ -50,7 +50,8 @@ sys.path[0] = str(ROOT)  # not bench/: this file's name would shadow the agents 
 from agents import build_generator  # noqa: E402
 from bench.common import machine  # noqa: E402
 from bench.lvlm import full_backend  # noqa: E402
-from hkrag.lvlm import PageImage, build_backend  # noqa: E402
+from hkrag.lvlm import PageImage  # noqa: E402
+from hkrag.lvlm.phi3v import Phi3VBackend  # noqa: E402
 from hkrag.rag.records import Query  # noqa: E402
 
 CONFIGURATIONS = {  # --configs id -> (printed name, generator config, overrides)
@@ -114,9 +115,9 @@ def make_backend(reuse: str, device: str, full: bool):
     """The tiny Phi3V (fp32), or a full-size random bf16 one, with the caches ``reuse`` names."""
     features, prefixes = REUSE[reuse]
     if not full:
-        return build_backend("phi3v", base="tiny", device=device, dtype="float32",
-                             feature_cache_size=features, prefix_cache_size=prefixes)
-    backend = full_backend("phi3v", device)
+        return Phi3VBackend(base="tiny", device=device, dtype="float32", feature_cache_size=features,
+                            prefix_cache_size=prefixes)
+    backend = full_backend(Phi3VBackend.name, device)
     backend.features.capacity, backend.prefixes.capacity = features, prefixes
     return backend
 

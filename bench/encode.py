@@ -19,7 +19,8 @@ import torch
 from common import forward_flops, machine, print_mfu, timed, used_crops
 from PIL import Image
 
-from hkrag.models.phi3v import Phi3VConfig, Phi3VForCausalLM, default_attn_implementation
+from hkrag.models.attention import default_attn_implementation
+from hkrag.models.phi3v import Phi3VConfig, Phi3VForCausalLM
 from hkrag.models.phi3v.loading import image_processor_for, tiny_phi3v
 from hkrag.retriever import Phi3VRetriever
 

@@ -24,9 +24,13 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
 
-from hkrag.lvlm import GenerationSettings, LVLMRequest, PageImage, build_backend  # noqa: E402
+from hkrag.lvlm import GenerationSettings, LVLMRequest, PageImage  # noqa: E402
 from hkrag.lvlm.local import LocalBackend  # noqa: E402
+from hkrag.lvlm.phi3v import Phi3VBackend  # noqa: E402
+from hkrag.lvlm.qwen2_5_vl import Qwen2_5_VLBackend  # noqa: E402
 
+BACKENDS = {backend.name: backend for backend in (Phi3VBackend, Qwen2_5_VLBackend)}
+"""--backends: the local backend classes by their ``name``."""
 FULL_PHI3V = dict(
     hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
     vision_config=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
@@ -51,7 +55,7 @@ def pages(size: int) -> list[PageImage]:
 
 def full_backend(kind: str, device: str) -> LocalBackend:
     """A tiny backend whose model is replaced by a full-size random bf16 one (tokenizer kept)."""
-    backend = build_backend(kind, base="tiny", device="cpu", dtype="float32")
+    backend = BACKENDS[kind](base="tiny", device="cpu", dtype="float32")
     if kind == "phi3v":
         from hkrag.models.phi3v import Phi3VForCausalLM, tiny_phi3v_config
         from hkrag.models.phi3v.loading import image_processor_for
@@ -63,7 +67,7 @@ def full_backend(kind: str, device: str) -> LocalBackend:
     else:
         from transformers import Qwen2_5_VLForConditionalGeneration
 
-        from hkrag.lvlm.qwen2_5_vl import tiny_qwen2_5_vl_config
+        from hkrag.models.qwen2_5_vl import tiny_qwen2_5_vl_config
 
         config = tiny_qwen2_5_vl_config(backend.tokenizer, **FULL_QWEN_3B)
         config.vision_config.update(FULL_QWEN_VISION)
@@ -85,8 +89,8 @@ def timed_calls(backend: LocalBackend, requests: list[LVLMRequest]) -> tuple[flo
 
 
 def bench(kind: str, args: argparse.Namespace) -> None:
-    backend = full_backend(kind, args.device) if args.full else build_backend(
-        kind, base="tiny", device=args.device, dtype="float32" if args.device == "cpu" else "bfloat16"
+    backend = full_backend(kind, args.device) if args.full else BACKENDS[kind](
+        base="tiny", device=args.device, dtype="float32" if args.device == "cpu" else "bfloat16"
     )
     doc = pages(args.page_size)
     settings = GenerationSettings(max_new_tokens=args.new_tokens)
@@ -121,7 +125,7 @@ def bench(kind: str, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", nargs="+", default=["phi3v", "qwen2_5_vl"])
+    parser.add_argument("--backends", nargs="+", choices=sorted(BACKENDS), default=list(BACKENDS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--full", action="store_true", help="full-size architectures with random bf16 weights")
     parser.add_argument("--questions", type=int, default=4)

@@ -23,9 +23,10 @@ from common import forward_flops, machine, print_mfu, used_crops
 from encode import build
 from PIL import Image
 
-from hkrag.data.opendocvqa import CORPUS_FEATURES, Corpus, TrainingPair
+from hkrag.data.opendocvqa import CORPUS_FEATURES, Corpus
+from hkrag.data.pairs import TrainingPair
 from hkrag.losses import HybridMaskLoss
-from hkrag.models.phi3v import default_attn_implementation
+from hkrag.models.attention import default_attn_implementation
 from hkrag.retriever import LoraSettings, Phi3VRetriever, enable_checkpointing
 from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
 

@@ -57,7 +57,7 @@ def split_mask(mask: Tensor, n: int, generator: torch.Generator | None = None) -
 
     Every non-zero entry is assigned to one of the ``n`` parts uniformly at random and keeps
     its value (½ or 1), so the parts are disjoint, sum to ``mask`` and hold ``|support| / n``
-    entries in expectation (an exactly balanced split would need a sort, ~20x slower at
+    entries in expectation (an exactly balanced split would need a sort, much slower at
     ``B×B×D`` scale). Each call draws a fresh split from ``generator`` (global RNG if ``None``).
     """
     part = torch.randint(n, mask.shape, generator=generator, device=mask.device)

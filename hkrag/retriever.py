@@ -1,4 +1,4 @@
-"""HKRAG-Ret: the Phi3V dual encoder (paper §3.2, DESIGN §4).
+"""HKRAG-Ret: the Phi3V dual encoder (paper §3.2, docs/training.md).
 
 One model embeds queries and document pages. A document is the prompt ``<|image_1|>\\nWhat is shown in
 this image?`` with its page, a query is the dataset's query text; both end with the tokenizer's EOS

@@ -10,6 +10,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+METRICS_FILE = "metrics.jsonl"
+"""The run directory's metrics log (one JSON row per logged step)."""
+
 
 class RunLogger:
     """Writes metrics of the main process to ``<dir>/metrics.jsonl`` and, if enabled, to W&B.
@@ -30,7 +33,7 @@ class RunLogger:
         enabled: bool = True,
     ) -> None:
         self.enabled = enabled
-        self.path = Path(directory) / "metrics.jsonl"
+        self.path = Path(directory) / METRICS_FILE
         self.run = None
         if not enabled:
             return

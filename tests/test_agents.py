@@ -293,10 +293,11 @@ def test_caps_fail_the_query_and_keep_its_calls(caps, kwargs, agent, reason, num
 
 def test_the_context_refuses_a_call_past_max_calls(hkrag_config):
     """The runtime guard behind the build-time check: a call past ``max_calls`` stops the query."""
-    ctx = QueryContext(backend(), Prompts.from_config(hkrag_config["prompts"]), Caps(max_calls=1), "What?")
-    ctx.ask("judger", "answer", make_pages(1))
+    caps = Caps.from_config({**hkrag_config["caps"], "max_calls": 1})
+    ctx = QueryContext(backend(), Prompts.from_config(hkrag_config["prompts"]), caps, "What?")
+    ctx.ask("answer", make_pages(1))
     with pytest.raises(QueryFailure, match=r"^summarizer: call cap reached \(max_calls=1\)$"):
-        ctx.ask("summarizer", "verify", make_pages(1))
+        ctx.ask("verify", make_pages(1))
     assert len(ctx.calls) == 1
 
 
@@ -438,14 +439,15 @@ def test_answer_many_keeps_failures_in_order(hkrag_config):
     ("change", "message"),
     [
         ({"kidn": "agentic"}, "unknown keys ['kidn']"),
-        ({"kind": "loop"}, "kind must be one of"),
-        ({"estimator": "vibes"}, "estimator must be one of"),
-        ({"caps": {"max_iters": 0}}, "caps.max_iters"),
+        ({"kind": "loop"}, "generator.kind='loop': expected one of ['agentic', 'single_pass']"),
+        ({"estimator": "vibes"}, "generator.estimator='vibes': expected one of ['token_plogp', 'entropy_exact', "
+                                 "'entropy_topk', 'entropy']"),
+        ({"caps": {"max_iters": 0}}, "generator.caps.max_iters=0: expected an integer >= 1"),
         ({"caps": {"max_iters": 7}}, "caps.max_calls=16 is below the 19 calls of the longest path"),
-        ({"threshold": 1.5}, "generator.threshold=1.5: must be in [0, 1]"),
-        ({"threshold": -0.1}, "generator.threshold=-0.1: must be in [0, 1]"),
-        ({"top_logprobs": 21}, "top_logprobs must be in [0, 20], got 21"),
-        ({"caps": {"max_new_tokens": {"notes": 0}}}, "caps.max_new_tokens must be positive integers, got {'notes': 0}"),
+        ({"threshold": 1.5}, "generator.threshold=1.5: expected a number >= 0 and <= 1"),
+        ({"threshold": -0.1}, "generator.threshold=-0.1: expected a number >= 0 and <= 1"),
+        ({"top_logprobs": 21}, "generator.top_logprobs=21: expected an integer >= 0 and <= 20"),
+        ({"caps": {"max_new_tokens": {"notes": 0}}}, "generator.caps.max_new_tokens.notes=0: expected an integer >= 1"),
         ({"prompts": {"answer": "Answer {query}"}}, "prompt 'answer' uses unknown placeholders ['query']"),
     ],
 )
@@ -460,8 +462,8 @@ def test_bad_configs_name_the_problem(hkrag_config, change, message):
 def test_scripted_backend_follows_settings_and_names_unmatched_prompts():
     from hkrag.lvlm import GenerationSettings, LVLMRequest, LVLMResponseError
 
-    script = build_backend("scripted", rules=[{"match": "hello", "text": "a b c", "logprobs": [-1.0, -2.0, -3.0],
-                                               "top": [[["a", -1.0], ["z", -2.0]]]}])
+    script = ScriptedBackend(rules=[{"match": "hello", "text": "a b c", "logprobs": [-1.0, -2.0, -3.0],
+                                     "top": [[["a", -1.0], ["z", -2.0]]]}])
     result = script(LVLMRequest.user("hello", settings=GenerationSettings(max_new_tokens=2, top_logprobs=1)))
     assert result.text == "a b" and result.logprobs == [-1.0, -2.0] and result.finish_reason == "length"
     assert result.tokens[0].top == [("a", -1.0)] and result.completion_tokens == 2
@@ -479,7 +481,7 @@ def test_pipeline_runs_end_to_end_on_tiny_models(lvlm):
     settings = {**yaml.safe_load((CONF / "lvlm" / f"{lvlm}.yaml").read_text()), "device": "cpu"}
     config = generator_config(caps={"max_iters": 1, "max_new_tokens": {"yes_no": 2, "answer": 4, "notes": 4}},
                               threshold=0.0)  # every query HQP: the longest path
-    with build_backend(**settings) as backend:
+    with build_backend(settings) as backend:
         outcome = build_generator(config, backend).answer(make_query(2))
     assert not outcome.failed, outcome.failure
     assert outcome.route == "HQP" and outcome.iterations == 1

@@ -29,12 +29,12 @@ from hkrag.data.opendocvqa import (
     Corpus,
     DataError,
     QAExample,
-    TrainingPair,
     load_corpus,
     load_qa,
-    save_split,
 )
+from hkrag.data.pairs import TrainingPair
 from hkrag.data.pdf import PdfError, ingest, render_pdf, render_scale
+from hkrag.data.writer import save_split
 from hkrag.index.shards import ShardError, config_hash, encode_corpus, load_shards
 from hkrag.io import WriteError, write_json
 from hkrag.models.phi3v import CheckpointNotFoundError, tiny_phi3v

@@ -8,7 +8,9 @@ import faiss
 import numpy as np
 import pytest
 
-from hkrag.index.faiss_index import DocumentIndex, IndexSpec, _mapped_refine_store, gpu_count
+from hkrag.index.faiss_index import DocumentIndex, gpu_count
+from hkrag.index.mmap import mapped_refine_store
+from hkrag.index.spec import IndexSpec
 
 FAST_PQ = "ivfpq:nlist=4,m=4,nbits=4,nprobe=4"
 
@@ -158,10 +160,10 @@ def test_mmap_load_reranks_exactly_from_the_mapped_file(docs, tmp_path):
     mapped = DocumentIndex.load(index.save(tmp_path), use_gpu=None, mmap=True)
     assert mapped.mapped_bytes() == len(ids) * 16 * 4  # the Refine(Flat) store stays on disk
     assert not mapped.on_gpu and DocumentIndex.load(tmp_path).mapped_bytes() == 0
-    assert _mapped_refine_store(mapped.faiss_index) is not None  # its candidates are prefetched
+    assert mapped_refine_store(mapped.faiss_index) is not None  # its candidates are prefetched
     lists = faiss.downcast_InvertedLists(faiss.extract_index_ivf(mapped.faiss_index).invlists)
     assert all(lists.codes.at(i).is_owned for i in range(lists.nlist))  # the IVF lists are read into memory
-    assert _mapped_refine_store(index.faiss_index) is None
+    assert mapped_refine_store(index.faiss_index) is None
     queries = unit(20, seed=3)
     a, b = index.search(queries, 5), mapped.search(queries, 5)
     assert a[1] == b[1]

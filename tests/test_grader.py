@@ -158,7 +158,7 @@ def test_missing_llamaindex_names_the_extra_and_the_alternative(monkeypatch):
         with pytest.raises(ImportError, match=r"pip install -e '\.\[judge\]'.*judge\.rubric=hkrag"):
             Grader(ReplyBackend([]))
         with pytest.raises(ImportError, match="llama-index-core"):
-            build_grader({"backend": {"kind": "no-such-backend"}})  # fails on the rubric, before any backend
+            build_grader({"backend": {"_target_": "no.such.Backend"}})  # fails on the rubric, before any backend
         assert Grader(ReplyBackend([]), rubric="hkrag").describe()["rubric_version"] == HKRAG_VERSION
     finally:
         llamaindex_rubric.cache_clear()

@@ -4,8 +4,9 @@ import faiss
 import numpy as np
 import pytest
 
-from hkrag.index.faiss_index import DocumentIndex, IndexSpec
+from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import encode_corpus
+from hkrag.index.spec import IndexSpec
 from hkrag.index.synthetic_embeddings import (
     QUERY_STREAM,
     TUNING_STREAM,

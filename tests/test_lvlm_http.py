@@ -32,7 +32,7 @@ from hkrag.lvlm import (
 )
 from hkrag.lvlm.data_uri import decode_data_uri, encode_page
 from hkrag.lvlm.openai_backend import OpenAIBackend
-from hkrag.lvlm.serve import Batcher, create_app, load_backend
+from hkrag.lvlm.serve import Batcher, config_file, create_app, load_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "conf" / "lvlm" / "phi3v_tiny.yaml"
@@ -144,11 +144,22 @@ def test_batcher_batches_concurrent_requests_and_isolates_a_failure(fake):
     assert fake.calls == [3, 1, 1, 1, 1]  # a failed batch of 3 is retried one by one, then the 4th alone
 
 
-def test_load_backend_reads_kind_from_config_and_overrides(tmp_path):
+def test_load_backend_reads_target_from_config_and_overrides(tmp_path):
     config = tmp_path / "fake.yaml"
-    config.write_text("kind: _lvlm_fake:FakeBackend\nmodel: from-config\nvocab_size: 10\n")
-    backend = load_backend(None, str(config), ["vocab_size=77"])
+    config.write_text("_target_: _lvlm_fake.FakeBackend\nmodel: from-config\nvocab_size: 10\n")
+    backend = load_backend(str(config), ["vocab_size=77"])
     assert (type(backend).__name__, backend.model, backend.vocab_size) == ("FakeBackend", "from-config", 77)
+
+
+def test_serve_config_is_a_conf_lvlm_name_or_a_path(tmp_path):
+    assert config_file("phi3v_tiny") == TINY_CONFIG
+    assert config_file(str(TINY_CONFIG)) == TINY_CONFIG
+    with pytest.raises(FileNotFoundError, match=r"--config phi4: no such file, nor a conf/lvlm name \(one of \["):
+        config_file("phi4")
+    old = tmp_path / "old.yaml"
+    old.write_text("kind: scripted\n")
+    with pytest.raises(ValueError, match=r"an LVLM config needs _target_, the backend class .*got \['kind'\]"):
+        load_backend(str(old), [])
 
 
 # --- the openai backend: cache, concurrency, key hygiene (scripted loopback server) --------------------------------
@@ -291,8 +302,23 @@ def test_configs_build_the_openai_backend(monkeypatch, name, model, key_env):
     from omegaconf import OmegaConf
 
     monkeypatch.setenv(key_env, "test-key")
-    backend = build_backend(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "lvlm" / f"{name}.yaml")))
+    backend = build_backend(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "lvlm" / f"{name}.yaml")))
     assert isinstance(backend, OpenAIBackend) and (backend.model, backend.api_key_env) == (model, key_env)
+
+
+def test_openai_backend_imports_and_builds_without_transformers_or_torch():
+    """A client of an LVLM server needs neither: a fresh interpreter with both blocked imports and builds it."""
+    code = (
+        "import sys\n"
+        "sys.modules['transformers'] = sys.modules['torch'] = None\n"
+        "import hkrag.lvlm.openai_backend\n"
+        "from hkrag.lvlm import build_backend\n"
+        "backend = build_backend({'_target_': 'hkrag.lvlm.openai_backend.OpenAIBackend', 'model': 'm',\n"
+        "                         'base_url': 'http://127.0.0.1:9/v1', 'api_key_env': None})\n"
+        "assert backend.name == 'openai'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 # --- a real server process on loopback serving the tiny Phi3V ------------------------------------------------------
@@ -341,7 +367,7 @@ def test_openai_backend_over_loopback_matches_the_backend_in_process(tiny_server
     from omegaconf import OmegaConf
 
     settings = OmegaConf.to_container(OmegaConf.load(TINY_CONFIG))
-    direct = build_backend(settings.pop("kind"), **settings)  # built while the server starts
+    direct = build_backend(settings)  # built while the server starts
     process, url = tiny_server
     wait_healthy(process, url)
     ask = GenerationSettings(max_new_tokens=6, top_logprobs=2)

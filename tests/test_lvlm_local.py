@@ -15,21 +15,25 @@ from PIL import Image
 from transformers import DynamicCache
 
 from hkrag.lvlm import (
-    BACKENDS,
     GenerationSettings,
     LVLMRequest,
     LVLMResponseError,
     Message,
     PageImage,
+    backend_class,
     build_backend,
     uncertainty,
 )
 from hkrag.lvlm.base import ImageError
-from hkrag.lvlm.local import FeatureCache, PrefixCache, PromptLayout, cut_at_stop, token_statistics
+from hkrag.lvlm.feature_cache import FeatureCache
+from hkrag.lvlm.local import cut_at_stop, token_statistics
 from hkrag.lvlm.openai_backend import OpenAIBackend
-from hkrag.lvlm.phi3v import phi3_chat
+from hkrag.lvlm.phi3v import Phi3VBackend, phi3_chat
+from hkrag.lvlm.prefix_cache import PrefixCache, PromptLayout
+from hkrag.lvlm.qwen2_5_vl import Qwen2_5_VLBackend
 
-KINDS = ("phi3v", "qwen2_5_vl")
+BACKENDS = {backend.name: backend for backend in (Phi3VBackend, Qwen2_5_VLBackend)}
+KINDS = tuple(BACKENDS)
 CONF = Path(__file__).resolve().parents[1] / "conf" / "lvlm"
 GREEDY = GenerationSettings(max_new_tokens=6, top_logprobs=3)
 
@@ -38,7 +42,7 @@ def tiny(kind: str, **settings) -> object:
     """A tiny backend; Qwen pages are bounded to 4..64 tokens (as conf/lvlm/qwen2_5_vl_tiny.yaml) for speed."""
     if kind == "qwen2_5_vl":
         settings = {"min_pixels": 4 * 784, "max_pixels": 64 * 784, **settings}
-    return build_backend(kind, base="tiny", seed=0, **settings)
+    return BACKENDS[kind](base="tiny", seed=0, **settings)
 
 
 def page(key: str, size: tuple[int, int], colour: tuple[int, int, int]) -> PageImage:
@@ -390,12 +394,17 @@ def test_feature_cache_is_a_bounded_lru():
         FeatureCache(-1)
 
 
-@pytest.mark.parametrize("path", sorted(CONF.glob("*.yaml")), ids=lambda p: p.stem)
-def test_lvlm_configs_match_the_constructors(path):
-    cfg = OmegaConf.to_container(OmegaConf.load(path))
-    kind = cfg.pop("kind")
-    module, name = BACKENDS[kind].split(":")
-    cls = getattr(__import__(module, fromlist=[name]), name)
-    inspect.signature(cls).bind(**cfg)
+def backend_configs() -> dict[str, dict]:
+    """Every LVLM config: conf/lvlm/*.yaml and the judges' ``backend`` blocks (conf/judge/*.yaml)."""
+    configs = {path.stem: OmegaConf.load(path) for path in sorted(CONF.glob("*.yaml"))}
+    judges = {f"judge-{path.stem}": OmegaConf.load(path).backend
+              for path in sorted((CONF.parent / "judge").glob("*.yaml"))}
+    return {name: OmegaConf.to_container(cfg) for name, cfg in {**configs, **judges}.items() if cfg is not None}
+
+
+@pytest.mark.parametrize("name,cfg", backend_configs().items(), ids=list(backend_configs()))
+def test_lvlm_configs_match_the_constructors(name, cfg):
+    settings = {key: value for key, value in cfg.items() if key != "_target_"}
+    inspect.signature(backend_class(cfg["_target_"])).bind(**settings)
     if cfg.get("base") == "tiny":
-        assert build_backend(kind, **cfg).generate([]) == []
+        assert build_backend(cfg).generate([]) == []

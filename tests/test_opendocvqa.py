@@ -12,15 +12,14 @@ from hkrag.data.opendocvqa import (
     QUERY_PREFIX,
     Corpus,
     QAExample,
-    TrainingPair,
     format_query,
     load_corpus,
     load_qa,
     pools,
     qrels,
-    save_split,
-    training_pairs,
 )
+from hkrag.data.pairs import TrainingPair, training_pairs
+from hkrag.data.writer import save_split
 
 COLOURS = {"c1": (255, 0, 0), "c2": (0, 255, 0), "c3": (0, 0, 255), "s1": (9, 9, 9)}
 
@@ -103,7 +102,7 @@ def test_qrels_are_binary_per_query(hub):
 def test_training_pairs_skip_missing_positives_with_a_count(hub, caplog):
     corpus = load_corpus(hub["corpus"], cache_dir=hub["cache_dir"])
     qa = load_qa(hub["qa"], cache_dir=hub["cache_dir"])
-    with caplog.at_level(logging.WARNING, logger="hkrag.data.opendocvqa"):
+    with caplog.at_level(logging.WARNING, logger="hkrag.data.pairs"):
         pairs = training_pairs(qa, corpus)
     assert pairs == [TrainingPair("t1", qa[0].query, ("c1",)), TrainingPair("t2", qa[1].query, ("c2",))]
     assert "3 relevant_doc_ids are missing" in caplog.text
@@ -164,7 +163,8 @@ def test_save_split_replaces_its_split_and_keeps_other_configs(tmp_path):
 
 def test_two_local_copies_with_the_same_layout_load_their_own_rows(tmp_path):
     """datasets' own cache key ignores the folder's location: each copy must still load its rows."""
-    from hkrag.data.opendocvqa import QA_FEATURES, save_split
+    from hkrag.data.opendocvqa import QA_FEATURES
+    from hkrag.data.writer import save_split
 
     for name, count in (("a", 2), ("b", 3)):
         rows = [

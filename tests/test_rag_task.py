@@ -83,7 +83,7 @@ class Built(list):
 
     factory = None
 
-    def build(self, **_) -> GoldBackend:
+    def build(self, _config) -> GoldBackend:
         self.append(self.factory())
         return self[-1]
 
@@ -415,7 +415,11 @@ def test_odd_questions_and_answers_are_recorded_and_never_crash_the_run(
     ("generator.caps.max_calls=0", "generator.caps.max_calls=0: expected an integer >= 1"),
     ("generator.caps.max_new_tokens.answer=0", "generator.caps.max_new_tokens.answer=0: expected an integer >= 1"),
     ("+generator.bogus=1", "generator config has unknown keys ['bogus']"),
-    ("lvlm.kind=gpt", "lvlm.kind='gpt': expected one of ['phi3v', 'qwen2_5_vl', 'openai', 'scripted']"),
+    ("lvlm._target_=hkrag.lvlm.gpt.GPTBackend", "lvlm._target_='hkrag.lvlm.gpt.GPTBackend': cannot be imported "
+                                                "(ModuleNotFoundError: No module named 'hkrag.lvlm.gpt')"),
+    ("~lvlm._target_", "lvlm._target_=None: expected the dotted path of an LVLMBackend class"),
+    ("judge.backend={{_target_:hkrag.lvlm.base.Message}}",
+     "judge.backend._target_='hkrag.lvlm.base.Message': not an LVLMBackend class"),
     ("run_dir=/no/such/run", "run_dir='/no/such/run': no such directory"),
     ("run_dir={half}", "/train has no checkpoints/final/adapter: is it a finished train.py run directory?"),
     ("rag.datasets=[synchart,synbogus]", "qa[synbogus/test] could not be loaded: ValueError: BuilderConfig "

@@ -10,7 +10,8 @@ import torch
 from omegaconf import OmegaConf
 from PIL import ImageFont
 
-from hkrag.data.opendocvqa import QUERY_PREFIX, load_corpus, load_qa, pools, qrels, training_pairs
+from hkrag.data.opendocvqa import QUERY_PREFIX, load_corpus, load_qa, pools, qrels
+from hkrag.data.pairs import training_pairs
 from hkrag.data.synthetic import (
     CODES,
     FINE_PRINT_SPLIT,

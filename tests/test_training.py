@@ -15,7 +15,8 @@ from hydra import compose, initialize_config_dir
 from safetensors import SafetensorError
 
 import hkrag.io
-from hkrag.data.opendocvqa import TrainingPair, load_corpus, load_qa, training_pairs
+from hkrag.data.opendocvqa import load_corpus, load_qa
+from hkrag.data.pairs import TrainingPair, training_pairs
 from hkrag.data.synthetic import SyntheticConfig, generate
 from hkrag.io import WriteError
 from hkrag.losses import HybridMaskLoss, LossOutput

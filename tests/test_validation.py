@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
+from agents import GeneratorConfig
 from hkrag.tasks.validation import ConfigError, Rule, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +27,8 @@ def test_shipped_configs_are_valid(name):
 @pytest.mark.parametrize("group", [f"{group}={path.stem}" for group in ("generator", "lvlm")
                                    for path in sorted((ROOT / "conf" / group).glob("*.yaml"))])
 def test_shipped_rag_configs_are_valid(task, group):
-    validate_config(config("eval", [f"task={task}", group]))
+    cfg = config("eval", [f"task={task}", group])
+    validate_config(cfg, extra=GeneratorConfig.problems(OmegaConf.to_container(cfg.generator, resolve=True)))
 
 
 def test_rag_settings_that_depend_on_each_other_are_checked_for_the_rag_tasks_only():
@@ -34,6 +37,19 @@ def test_rag_settings_that_depend_on_each_other_are_checked_for_the_rag_tasks_on
         validate_config(config("eval", ["task=rag", "rag.top_k=1"]))
     validate_config(config("eval", ["task=generation", "retrieval=none", "rag.top_k=1"]))  # no pages at all
     validate_config(config("eval", ["task=retrieval", "rag.top_k=1", "rag.pools=[nowhere]"]))  # not read
+
+
+def test_generator_problems_join_the_other_groups_in_one_error():
+    """The generator group is checked once, by ``GeneratorConfig``; its problems are listed with the rest."""
+    cfg = config("eval", ["task=rag", "rag.concurrency=0", "generator.threshold=1.5", "generator.pruner=maybe"])
+    extra = GeneratorConfig.problems(OmegaConf.to_container(cfg.generator, resolve=True))
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg, extra=extra)
+    for problem in ("rag.concurrency=0: expected an integer >= 1",
+                    "generator.threshold=1.5: expected a number >= 0 and <= 1",
+                    "generator.pruner='maybe': expected true or false"):
+        assert problem in str(info.value)
+    assert str(info.value).count("\n  ") == 3
 
 
 @pytest.mark.parametrize("experiment", ["hkrag_retriever", "ablation_infonce", "demo"])

@@ -1,7 +1,9 @@
 """Data: OpenDocVQA loaders, the built-in synthetic corpus, PDF ingestion, collators.
 
-- ``opendocvqa``: QA sets and page corpora in the hub layout (``load_qa``, ``load_corpus``,
-  ``pools``, ``qrels``, ``training_pairs``, ``save_split``).
+- ``opendocvqa``: reads QA sets and page corpora in the hub layout (``load_qa``, ``load_corpus``,
+  ``pools``, ``qrels``).
+- ``pairs``: training pairs (``training_pairs``, ``TrainingPair``).
+- ``writer``: writes the hub layout (``save_split``).
 - ``images``: ``open_image`` decodes and validates a page, naming the document on failure.
 - ``synthetic``: a seeded corpus of chart/slide/table/infographic pages with salient and
   fine-print questions, written in the same layout (``python -m hkrag.data.synthetic``).

@@ -1,6 +1,6 @@
 """Collators for retriever training and encoding, on top of :class:`Phi3VProcessor`.
 
-The prompt formats live here (one EOS convention, DESIGN §4): every path that builds retriever
+The prompt formats live here (one EOS convention, docs/training.md): every path that builds retriever
 inputs — training, corpus encoding, query encoding, the demo — goes through :class:`RetrieverCollator`.
 """
 

@@ -1,15 +1,15 @@
-"""OpenDocVQA QA sets and page corpora, read (and written) in the hub layout.
+"""OpenDocVQA QA sets and page corpora, read in the hub layout.
 
 Everything goes through ``datasets.load_dataset(source, name=config, split=split)``, where
 ``source`` is a hub id (``NTT-hil-insight/OpenDocVQA``, ``NTT-hil-insight/OpenDocVQA-Corpus``)
 or a local directory in the same layout: one folder per config holding
 ``{split}-*.parquet`` files and a ``README.md`` whose ``configs:`` front matter maps configs
 and splits to files. The synthetic corpus and PDF ingestion write that layout with
-:func:`save_split`, so the demo runs exactly the loader path of the real data.
+:func:`hkrag.data.writer.save_split`, so the demo runs exactly the loader path of the real data.
 
 QA rows: ``query_id, query, answers, relevant_doc_ids`` (+ optional ``evidence``).
-Corpus rows: ``doc_id, image``. Training uses the default config's ``train`` split, tests use
-``<dataset>`` / ``all`` configs with split ``test`` (see :func:`pools`).
+Corpus rows: ``doc_id, image``. Training uses the default config's ``train`` split (paired by
+:mod:`hkrag.data.pairs`), tests use ``<dataset>`` / ``all`` configs with split ``test`` (see :func:`pools`).
 
 A data set that cannot be used (not loadable, malformed card, empty split, missing column, null or
 repeated id, a ``doc_id`` naming different pages in a data set's pool and in ``all``) raises
@@ -34,8 +34,7 @@ import pyarrow.parquet as pq
 import yaml
 from PIL import Image
 
-from hkrag.data.images import DEFAULT_MAX_PIXELS, open_image, warn_frames
-from hkrag.io import atomic_write, write_text
+from hkrag.data.images import DEFAULT_MAX_PIXELS, open_image
 
 logger = logging.getLogger(__name__)
 
@@ -245,88 +244,6 @@ def qrels(qa: Iterable[QAExample]) -> dict[str, dict[str, int]]:
     return {ex.query_id: dict.fromkeys(ex.relevant_doc_ids, 1) for ex in qa}
 
 
-@dataclass(frozen=True)
-class TrainingPair:
-    """A query with its positives that exist in the training corpus (never empty)."""
-
-    query_id: str
-    query: str
-    positives: tuple[str, ...]
-
-    def positive(self, epoch: int = 0) -> str:
-        """The positive used in ``epoch``: multi-positive queries rotate through theirs."""
-        return self.positives[epoch % len(self.positives)]
-
-
-def training_pairs(qa: Iterable[QAExample], corpus: Corpus) -> list[TrainingPair]:
-    """Pair each query with its positives present in ``corpus``.
-
-    OpenDocVQA's train split names ~2,100 pages its corpus lacks: those ids are dropped and a
-    query left with none is skipped, both counted in one warning instead of a ``KeyError``.
-    """
-    pairs, missing_ids, skipped = [], 0, 0
-    for ex in qa:
-        present = tuple(doc_id for doc_id in ex.relevant_doc_ids if doc_id in corpus)
-        missing_ids += len(ex.relevant_doc_ids) - len(present)
-        if present:
-            pairs.append(TrainingPair(ex.query_id, ex.query, present))
-        else:
-            skipped += 1
-    if missing_ids or skipped:
-        logger.warning(
-            "%d relevant_doc_ids are missing from %s; %d queries without any positive were skipped",
-            missing_ids,
-            corpus.name,
-            skipped,
-        )
-    return pairs
-
-
-def save_split(
-    rows: Iterable[dict[str, Any]],
-    root: str | Path,
-    config: str,
-    split: str,
-    features: datasets.Features,
-    batch_size: int = 64,
-) -> Path:
-    """Stream ``rows`` into ``root/config/{split}-00000-of-00001.parquet`` and register it in README.md.
-
-    Rows are encoded with ``features`` (images as PIL, bytes or paths) and written in batches,
-    so large corpora need no more memory than one batch. Other configs in the card are kept. An in-memory
-    PIL image holding several frames (a multi-page TIFF) is stored as its first frame, with a warning
-    naming the document and the frame count.
-    The file and the card are replaced atomically: a failure (full disk, bad row) leaves the previous
-    version intact and raises naming the path.
-    """
-    root = Path(root)
-    path = root / config / f"{split}-00000-of-00001.parquet"
-    schema = features.arrow_schema
-    count = 0
-
-    def write(file) -> None:
-        nonlocal count
-        with pq.ParquetWriter(file, schema) as writer:
-            for batch in _batched(rows, batch_size):
-                for row in batch:
-                    _warn_lost_frames(row)
-                encoded = [features.encode_example(row) for row in batch]
-                writer.write_table(pa.Table.from_pylist(encoded, schema=schema))
-                count += len(batch)
-
-    atomic_write(path, write, "wb")
-    _register(root, config, split, f"{config}/{split}-*.parquet")
-    logger.info("wrote %d rows to %s", count, path)
-    return path
-
-
-def _warn_lost_frames(row: dict[str, Any]) -> None:
-    """Encoding keeps the first frame of an in-memory image (one opened from a file is stored as its path)."""
-    image = row.get("image")
-    if isinstance(image, Image.Image) and not getattr(image, "filename", ""):
-        warn_frames(image, str(row.get("doc_id")), "stored")
-
-
 def _load(
     source: str | Path, config: str | None, split: str, required: tuple[str, ...], load_kwargs: dict[str, Any]
 ) -> datasets.Dataset:
@@ -361,7 +278,7 @@ def _stored_rows(root: Path, config: str | None, split: str) -> int | None:
     generating the dataset"); counting the rows tells an empty split from a broken one.
     """
     try:
-        meta, _ = _read_card(root / "README.md")
+        meta, _ = read_card(root / "README.md")
         entry = next(c for c in meta.get("configs", []) if c.get("config_name") == (config or "default"))
         patterns = [f["path"] for f in entry.get("data_files", []) if f.get("split") == split]
         files = sorted({p for pattern in patterns for pat in _as_list(pattern) for p in root.glob(pat)})
@@ -418,33 +335,8 @@ def _name(source: str | Path, config: str | None, split: str) -> str:
     return f"{source}[{config or 'default'}/{split}]"
 
 
-def _batched(rows: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    batch = []
-    for row in rows:
-        batch.append(row)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def _register(root: Path, config: str, split: str, pattern: str) -> None:
-    """Add (or replace) ``config``/``split`` in the ``configs:`` front matter of root/README.md."""
-    card = root / "README.md"
-    meta, body = _read_card(card)
-    configs = meta.setdefault("configs", [])
-    entry = next((c for c in configs if c["config_name"] == config), None)
-    if entry is None:
-        entry = {"config_name": config, "data_files": []}
-        configs.append(entry)
-    files = [f for f in entry["data_files"] if f["split"] != split] + [{"split": split, "path": pattern}]
-    entry["data_files"] = sorted(files, key=lambda f: f["split"])
-    configs.sort(key=lambda c: (c["config_name"] != "default", c["config_name"]))
-    write_text(card, "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n" + body)
-
-
-def _read_card(card: Path) -> tuple[dict[str, Any], str]:
+def read_card(card: Path) -> tuple[dict[str, Any], str]:
+    """A data set card's front matter and body; no card reads as no configs and a default body."""
     if not card.exists():
         return {}, "Pages and questions in the OpenDocVQA layout, written by `hkrag.data`.\n"
     text = card.read_text(encoding="utf-8")

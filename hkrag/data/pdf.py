@@ -29,7 +29,8 @@ import pypdfium2 as pdfium
 from tqdm.auto import tqdm
 
 from hkrag.data.images import DEFAULT_MAX_PIXELS, file_problem
-from hkrag.data.opendocvqa import CORPUS_FEATURES, save_split
+from hkrag.data.opendocvqa import CORPUS_FEATURES
+from hkrag.data.writer import save_split
 
 logger = logging.getLogger(__name__)
 

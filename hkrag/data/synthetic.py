@@ -36,7 +36,8 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont
 from tqdm.auto import tqdm
 
-from hkrag.data.opendocvqa import ALL_POOL, CORPUS_FEATURES, QA_FEATURES, format_query, save_split
+from hkrag.data.opendocvqa import ALL_POOL, CORPUS_FEATURES, QA_FEATURES, format_query
+from hkrag.data.writer import save_split
 from hkrag.io import write_json, write_text
 
 logger = logging.getLogger(__name__)

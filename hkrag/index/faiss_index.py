@@ -5,24 +5,20 @@ on GPU(s) when FAISS was built with GPU support and a GPU is present, otherwise 
 choice is logged. Besides the named kinds, any ``faiss.index_factory`` description can be used
 (``faiss:PCA384,IVF2048,PQ96x4fs,Refine(PCA384,SQ8)``), with FAISS search parameters after a semicolon
 (``...;nprobe=32,k_factor_rf=4``, as :mod:`hkrag.index.tuning` writes them), or ``tuned:<dir>`` to
-take the spec and tuned parameters saved with another index. A saved index can be loaded with its
-stored vectors memory-mapped (``DocumentIndex.load(dir, mmap=True)``): with a ``Refine(Flat)`` stage the
-compressed base is searched in memory and only the candidates' exact vectors are read from disk.
+take the spec and tuned parameters saved with another index (:mod:`hkrag.index.spec` parses them). A
+saved index can be loaded with its stored vectors memory-mapped (``DocumentIndex.load(dir, mmap=True)``,
+:mod:`hkrag.index.mmap`): with a ``Refine(Flat)`` stage the compressed base is searched in memory and
+only the candidates' exact vectors are read from disk.
 FAISS pads results with id -1 when fewer than k neighbours are found (k larger than the corpus, or too
 few IVF lists probed); those slots are dropped, never mapped to a document.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
-import math
-import mmap
-import re
-import sys
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from collections.abc import Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,199 +28,28 @@ from hkrag.io import atomic_write, write_json
 logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its INFO lines list every SIMD variant it tried
 import faiss  # noqa: E402
 
+from hkrag.index.mmap import (  # noqa: E402
+    LIBC,
+    index_parts,
+    is_mapped_store,
+    mapped_refine_store,
+    own_inverted_lists,
+    prefetch_candidates,
+)
+from hkrag.index.spec import META_FILE, IndexSpec, read_meta  # noqa: E402
+
 log = logging.getLogger(__name__)
 
-KINDS = ("flat", "ivfpq", "sq8", "fp16", "faiss")
 # FAISS clones only these to GPU; its cloner would silently keep a flat scalar quantiser on CPU.
 # A faiss: spec is tried too: whatever part of it FAISS can clone goes to GPU (checked after cloning).
 GPU_KINDS = ("flat", "ivfpq", "faiss")
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # madvise for prefetching
 _INDEX_FILE = "index.faiss"
 _IDS_FILE = "ids.json"
-_META_FILE = "index.json"
-
-
-@dataclass(frozen=True)
-class IndexSpec:
-    """What kind of FAISS index to build.
-
-    ``kind`` is one of ``flat`` (exact), ``ivfpq`` (inverted lists + product quantiser: ``m``
-    sub-quantisers of ``nbits`` bits each, ``nlist`` lists, ``nprobe`` probed at search),
-    ``sq8`` (8-bit scalar quantiser), ``fp16`` (16-bit float scalar quantiser) or ``faiss``: the
-    ``faiss.index_factory`` description ``factory`` searched with the FAISS ``ParameterSpace``
-    string ``params`` (e.g. ``nprobe=32,k_factor_rf=4``). ``nlist=None`` picks ``4*sqrt(n)``
-    bounded by the number of training vectors.
-    """
-
-    kind: str = "flat"
-    nlist: int | None = None
-    m: int = 64
-    nbits: int = 8
-    nprobe: int = 16
-    factory: str | None = None
-    params: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown index kind {self.kind!r}; expected one of {KINDS}")
-        if (self.kind == "faiss") != bool(self.factory):
-            raise ValueError(f"a factory string goes with kind 'faiss' only ({self.kind=}, {self.factory=})")
-        if self.params and self.kind != "faiss":
-            raise ValueError(f"search parameters {self.params!r} apply to faiss: specs only, not {self.kind!r}")
-
-    @classmethod
-    def parse(cls, text: str | IndexSpec) -> IndexSpec:
-        """Parse ``"flat"``, ``"sq8"``, ``"fp16"``, ``"ivfpq:nlist=1024,m=64,nbits=8,nprobe=32"``,
-        ``"faiss:<index_factory string>[;<search parameters>]"`` or ``"tuned:<index directory>"``."""
-        if isinstance(text, IndexSpec):
-            return text
-        kind, _, params = text.strip().partition(":")
-        if kind.strip().lower() == "faiss":
-            factory, _, search = params.partition(";")
-            if not factory.strip():
-                raise ValueError(f"{text!r}: expected faiss:<index_factory string>[;<search parameters>]")
-            return cls(kind="faiss", factory=factory.strip(), params=search.strip())
-        if kind.strip().lower() == "tuned":
-            return cls(**read_meta(params.strip())["spec"])
-        known = {f.name for f in fields(cls)} - {"kind"}
-        values: dict[str, int] = {}
-        for item in filter(None, params.split(",")):
-            key, sep, value = item.partition("=")
-            if not sep or key.strip() not in known:
-                raise ValueError(f"bad index parameter {item!r} in {text!r}; known: {sorted(known)}")
-            values[key.strip()] = int(value)
-        return cls(kind=kind.strip().lower(), **values)
-
-    def __str__(self) -> str:
-        if self.kind == "faiss":
-            return f"faiss:{self.factory}" + (f";{self.params}" if self.params else "")
-        if self.kind != "ivfpq":
-            return self.kind
-        return f"ivfpq:nlist={self.nlist},m={self.m},nbits={self.nbits},nprobe={self.nprobe}"
-
-    @property
-    def metric(self) -> int:
-        """FAISS metric: L2 for factory strings, inner product otherwise.
-
-        FAISS's PCA transforms centre the data, which preserves L2 distances but not inner products
-        (``(q-m)·(x-m)`` adds ``-m·x``, different per document): with METRIC_INNER_PRODUCT a
-        ``PCA384,...`` index ranked 52% of the exact top-5 (60k embedding-like vectors), with L2 95%.
-        On L2-normalised vectors L2 ranks exactly as inner product; scores are mapped back to it.
-        """
-        return faiss.METRIC_L2 if self.kind == "faiss" else faiss.METRIC_INNER_PRODUCT
-
-    def factory_string(self) -> str:
-        """The ``faiss.index_factory`` description of this spec."""
-        return {
-            "flat": "Flat",
-            "sq8": "SQ8",
-            "fp16": "SQfp16",
-            "ivfpq": f"IVF{self.nlist},PQ{self.m}x{self.nbits}",
-            "faiss": self.factory,
-        }[self.kind]
-
-    def default_max_train(self) -> int:
-        """Training sample size: 64 vectors per IVF/PQ centroid (k-means and PQ codebooks; 40 per
-        list for a factory IVF, FAISS's minimum without a warning), at least 65,536 (scalar
-        quantiser ranges, PCA/OPQ rotations)."""
-        if self.kind == "ivfpq":
-            return 64 * max(self.nlist, 2**self.nbits)
-        lists = re.search(r"IVF(\d+)", self.factory or "")
-        return max(65536, 40 * int(lists.group(1))) if lists else 65536
-
-    def resolved(self, dim: int, num_train: int) -> IndexSpec:
-        """Fill in ``nlist`` and check the spec against the data it will be trained on."""
-        if self.kind != "ivfpq":
-            return self
-        if dim % self.m:
-            raise ValueError(f"ivfpq: m={self.m} must divide the vector dimension {dim}")
-        nlist = self.nlist or max(1, min(int(4 * math.sqrt(num_train)), num_train // 39))
-        needed = max(nlist, 2**self.nbits)
-        if num_train < needed:
-            raise ValueError(
-                f"ivfpq: {num_train} training vectors are fewer than the {needed} centroids "
-                f"(nlist={nlist}, 2**nbits={2**self.nbits}); lower nlist/nbits or use flat"
-            )
-        return replace(self, nlist=nlist)
-
-
-def read_meta(directory: str | Path) -> dict:
-    """The ``index.json`` of a saved index (spec, dim, count, tuning record)."""
-    path = Path(directory) / _META_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"no saved index at {directory!s} ({path} is missing)")
-    return json.loads(path.read_text())
-
-
-def _parts(index: faiss.Index) -> Iterator[faiss.Index]:
-    """``index`` and every sub-index it wraps (pre-transform, refine base and refine store, shards), downcast."""
-    index = faiss.downcast_index(index)
-    yield index
-    if isinstance(index, faiss.IndexPreTransform):
-        yield from _parts(index.index)
-    elif isinstance(index, faiss.IndexRefine):
-        yield from _parts(index.base_index)
-        yield from _parts(index.refine_index)
-    elif isinstance(index, (faiss.IndexShards, faiss.IndexReplicas)):
-        for i in range(index.count()):
-            yield from _parts(index.at(i))
 
 
 def _has_gpu_part(index: faiss.Index) -> bool:
     """Whether ``index`` or a sub-index it wraps lives on a GPU."""
-    return any(type(part).__name__.startswith("Gpu") for part in _parts(index))
-
-
-def _is_mapped_store(part: faiss.Index) -> bool:
-    """Whether ``part`` is a flat code store whose codes are mapped from the index file (loaded with mmap)."""
-    return isinstance(part, faiss.IndexFlatCodes) and not part.codes.is_owned
-
-
-def _mapped_refine_store(index: faiss.Index) -> faiss.IndexFlatCodes | None:
-    """The memory-mapped flat store of an index's refine stage (``...,Refine(Flat)`` loaded with mmap), or None."""
-    index = faiss.downcast_index(index)
-    if not isinstance(index, faiss.IndexRefine):
-        return None
-    store = faiss.downcast_index(index.refine_index)
-    return store if _is_mapped_store(store) else None
-
-
-def _prefetch_candidates(index: faiss.IndexRefine, store: faiss.IndexFlatCodes, queries: np.ndarray, k: int) -> None:
-    """Ask the kernel to read every re-ranking candidate's stored vector now, all at once (``MADV_WILLNEED``).
-
-    FAISS's refine stage then finds them in the page cache. Without this it reads them one page fault at a
-    time (the mapping is ``MADV_RANDOM``: a 12 KB vector is three or four faults). At 100k pages this took
-    the cold p50 from 2.9 to 1.9 ms with 10 candidates and from 7.6 to 2.4 ms with 40 (bench/RESULTS.md).
-    The base search runs twice, which costs about 0.5 ms warm at 1M pages.
-    """
-    _, rows = index.base_index.search(queries, int(k * index.k_factor))
-    start = faiss.rev_swig_ptr(store.codes.data(), 1).ctypes.data
-    for row in np.unique(rows[rows >= 0]):
-        first = start + int(row) * store.code_size
-        aligned = first - first % mmap.PAGESIZE
-        _LIBC.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(first + store.code_size - aligned), mmap.MADV_WILLNEED)
-
-
-def _own_inverted_lists(index: faiss.Index) -> None:
-    """Copy memory-mapped IVF lists into memory, so that only flat code stores stay on disk.
-
-    ``IO_FLAG_MMAP_IFC`` maps an IVF index's lists too; a cold probe then read its list one page fault at a
-    time, 4.3 ms of a 5.8 ms query at 1M pages, though the lists are the small part meant to be in memory.
-    """
-    for part in _parts(index):
-        if not isinstance(part, faiss.IndexIVF):
-            continue
-        lists = faiss.downcast_InvertedLists(part.invlists)
-        if not isinstance(lists, faiss.ArrayInvertedLists) or all(
-            lists.codes.at(i).is_owned for i in range(lists.nlist)
-        ):
-            continue
-        owned = faiss.ArrayInvertedLists(lists.nlist, lists.code_size)
-        for i in range(lists.nlist):
-            if lists.list_size(i):
-                owned.add_entries(i, lists.list_size(i), lists.get_ids(i), lists.get_codes(i))
-        part.replace_invlists(owned, True)
-        owned.this.disown()  # the index owns it now
+    return any(type(part).__name__.startswith("Gpu") for part in index_parts(index))
 
 
 def gpu_count() -> int:
@@ -435,7 +260,7 @@ class DocumentIndex:
             raise ValueError("the index is empty: add documents before searching")
         k = min(k, len(self.ids))
         if self._prefetch_store is not None:
-            _prefetch_candidates(faiss.downcast_index(self._index), self._prefetch_store, queries, k)
+            prefetch_candidates(faiss.downcast_index(self._index), self._prefetch_store, queries, k)
         scores, rows = self._index.search(queries, k)
         if self._index.metric_type == faiss.METRIC_L2:
             scores = 1.0 - scores / 2.0  # unit vectors: |q - x|^2 = 2 - 2 q·x
@@ -492,7 +317,7 @@ class DocumentIndex:
     def mapped_bytes(self) -> int:
         """Bytes of stored vectors/codes read from the index file on demand rather than held in memory
         (the flat code stores of an index loaded with ``mmap=True``, e.g. a ``Refine(Flat)`` stage; 0 otherwise)."""
-        return sum(part.codes.size() for part in _parts(self.cpu_index()) if _is_mapped_store(part))
+        return sum(part.codes.size() for part in index_parts(self.cpu_index()) if is_mapped_store(part))
 
     def save(self, directory: str | Path) -> Path:
         """Write ``index.faiss``, ``ids.json`` and ``index.json`` (spec with its search parameters, dim,
@@ -507,7 +332,7 @@ class DocumentIndex:
     def save_meta(self, directory: str | Path) -> Path:
         """Rewrite only ``index.json`` (after tuning an index already saved in ``directory``)."""
         meta = {"spec": asdict(self.spec), "dim": self.dim, "count": len(self.ids), "tuning": self.tuning}
-        return write_json(Path(directory) / _META_FILE, meta)
+        return write_json(Path(directory) / META_FILE, meta)
 
     @classmethod
     def load(cls, directory: str | Path, *, use_gpu: bool | None = None, mmap: bool = False) -> DocumentIndex:
@@ -523,7 +348,7 @@ class DocumentIndex:
         ids = json.loads((directory / _IDS_FILE).read_text())
         cpu = faiss.read_index(str(directory / _INDEX_FILE), faiss.IO_FLAG_MMAP_IFC if mmap else 0)
         if mmap:
-            _own_inverted_lists(cpu)
+            own_inverted_lists(cpu)
         if not (cpu.ntotal == len(ids) == meta["count"] and cpu.d == meta["dim"]):
             raise ValueError(
                 f"{directory}: index holds {cpu.ntotal} vectors of dim {cpu.d}, "
@@ -533,7 +358,7 @@ class DocumentIndex:
         index.dim, index.spec, index.ids, index._use_gpu = cpu.d, IndexSpec(**meta["spec"]), ids, use_gpu
         index.tuning = meta.get("tuning")
         index.mmap = mmap
-        index._prefetch_store = _mapped_refine_store(cpu) if mmap and _LIBC is not None else None
+        index._prefetch_store = mapped_refine_store(cpu) if mmap and LIBC is not None else None
         index._index = index._place(cpu)
         index._apply_search_parameters()
         return index

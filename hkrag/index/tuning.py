@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import load_shards, read_manifest
+from hkrag.index.spec import META_FILE
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         index.save_meta(args.index)
     print(
         f"{index.spec}: recall@{args.k} {record['recall']:.4f} (target {args.target}, met {record['met']}), "
-        f"{record['ms_per_query']:.3f} ms/query batched; written to {Path(args.index) / 'index.json'}"
+        f"{record['ms_per_query']:.3f} ms/query batched; written to {Path(args.index) / META_FILE}"
     )
 
 

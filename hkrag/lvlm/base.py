@@ -1,6 +1,6 @@
 """The LVLM interface: ask a vision-language model about page images, get text *and* token probabilities.
 
-Paper §3.3, DESIGN §7. Every backend (our Phi3V, Qwen2.5-VL, any OpenAI-compatible server, a scripted
+Paper §3.3, docs/lvlm.md. Every backend (our Phi3V, Qwen2.5-VL, any OpenAI-compatible server, a scripted
 one for tests) takes a list of :class:`LVLMRequest` and returns one :class:`LVLMResult` each, batching
 where it can. The Judger routes on the per-token log-probabilities, so a backend that cannot return
 them raises :class:`LVLMResponseError` instead of returning a silent empty answer.

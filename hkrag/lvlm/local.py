@@ -15,11 +15,13 @@ rest the same way for both:
 * NaN logits at any generated step (an overflow, a broken checkpoint) raise
   :class:`~hkrag.lvlm.base.LVLMResponseError` instead of yielding a NaN or silently zero uncertainty;
 * page image features are computed one page at a time and kept in a bounded LRU cache keyed by the
-  page's key, so the several questions the agents ask about the same pages run the vision tower once;
+  page's key (:mod:`hkrag.lvlm.feature_cache`), so the several questions the agents ask about the same
+  pages run the vision tower once;
 * a one-request call whose prompt starts like an earlier one's (the same tokens and the same pages, up
   to the end of at least one page) reuses the language model's keys and values of that prefix from a
-  bounded LRU :class:`PrefixCache` and prefills only the rest. The agents put the pages first, so the
-  Pruner's pages 1..n, the initial answer and the verification each prefill only their new pages and text.
+  bounded LRU :class:`~hkrag.lvlm.prefix_cache.PrefixCache` and prefills only the rest. The agents put
+  the pages first, so the Pruner's pages 1..n, the initial answer and the verification each prefill only
+  their new pages and text.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ from __future__ import annotations
 import itertools
 import time
 from abc import abstractmethod
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,8 @@ import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria
 
 from .base import GenerationSettings, LVLMBackend, LVLMRequest, LVLMResponseError, LVLMResult, PageImage, TokenLogprob
+from .feature_cache import FeatureCache
+from .prefix_cache import PrefixCache, PromptLayout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,162 +59,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
     return DTYPES[dtype]
-
-
-class FeatureCache:
-    """A bounded LRU map from a page key to its image features; ``capacity == 0`` keeps nothing."""
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 0:
-            raise ValueError(f"feature_cache_size must be >= 0, got {capacity}")
-        self.capacity = capacity
-        self.entries: OrderedDict[Hashable, Any] = OrderedDict()
-        self.hits = self.misses = 0
-
-    def get(self, key: Hashable, compute: Callable[[], Any]) -> Any:
-        """The cached value of ``key``, or ``compute()`` (stored, evicting the least recently used)."""
-        if key in self.entries:
-            self.hits += 1
-            self.entries.move_to_end(key)
-            return self.entries[key]
-        self.misses += 1
-        value = compute()
-        if self.capacity:
-            self.entries[key] = value
-            if len(self.entries) > self.capacity:
-                self.entries.popitem(last=False)
-        return value
-
-    def clear(self) -> None:
-        self.entries.clear()
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-
-KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
-"""One row's keys and values per decoder layer, each ``(1, heads, tokens, head_dim)``."""
-
-
-@dataclass(frozen=True)
-class PromptLayout:
-    """One prompt as the prefix cache compares prompts: its token ids and each page's feature key and span.
-
-    Image tokens carry the same ids whatever the page shows, so two prompts share their first ``n`` tokens
-    when those ids are equal *and* every page starting among them has the same key.
-    """
-
-    ids: torch.Tensor
-    pages: tuple[Hashable, ...]
-    spans: tuple[tuple[int, int], ...]
-
-    @property
-    def key(self) -> Hashable:
-        return tuple(self.ids.tolist()), self.pages
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def shared_length(self, other: PromptLayout) -> int:
-        """How many leading tokens this prompt shares with ``other``."""
-        n = min(len(self), len(other))
-        differ = (self.ids[:n] != other.ids[:n]).nonzero()
-        length = int(differ[0]) if len(differ) else n
-        for mine, theirs, (start, _) in zip(self.pages, other.pages, self.spans):
-            if start >= length:
-                break
-            if mine != theirs:
-                return start
-        return length
-
-    def whole_pages(self, length: int) -> tuple[int, int]:
-        """``(tokens, pages)``: ``length`` cut back to a page boundary, and the pages ending within it."""
-        for count, (start, end) in enumerate(self.spans):
-            if end > length:
-                return min(length, start), count
-        return length, len(self.spans)
-
-    def head(self, length: int) -> PromptLayout:
-        """The first ``length`` tokens, with the pages ending within them."""
-        pages = sum(end <= length for _, end in self.spans)
-        return PromptLayout(self.ids[:length], self.pages[:pages], self.spans[:pages])
-
-
-@dataclass
-class PrefixReuse:
-    """A cache hit: the keys and values of the prompt's first ``tokens`` tokens, which hold its first ``pages``."""
-
-    tokens: int
-    pages: int
-    key_values: KeyValues
-
-
-class PrefixCache:
-    """A bounded LRU of prompt prefixes' keys and values, ``capacity == 0`` keeps nothing.
-
-    An entry is a prompt cut after its last page. A lookup finds the entry sharing the most leading tokens
-    with a prompt, cut back to a page boundary and to one token short of the prompt (the last token is
-    always prefilled, for its logits); it hits when that covers at least one whole page. Storing a prompt
-    drops the entries it extends (the Pruner's pages 1..n keep one entry, not n) and stores nothing when an
-    entry extends it.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 0:
-            raise ValueError(f"prefix_cache_size must be >= 0, got {capacity}")
-        self.capacity = capacity
-        self.entries: OrderedDict[Hashable, tuple[PromptLayout, KeyValues]] = OrderedDict()
-        self.hits = self.misses = self.reused_tokens = 0
-
-    def lookup(self, prompt: PromptLayout) -> PrefixReuse | None:
-        """The longest reusable prefix of ``prompt`` (a view of the entry: reusing it must not write to it)."""
-        best, best_key = 0, None
-        for key, (prefix, _) in self.entries.items():
-            shared = min(prompt.shared_length(prefix), len(prompt) - 1)
-            if shared > best:
-                best, best_key = shared, key
-        tokens, pages = prompt.whole_pages(best)
-        if not pages:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self.reused_tokens += tokens
-        self.entries.move_to_end(best_key)
-        key_values = [(k[..., :tokens, :], v[..., :tokens, :]) for k, v in self.entries[best_key][1]]
-        return PrefixReuse(tokens, pages, key_values)
-
-    def store(self, prompt: PromptLayout, cache: DynamicCache) -> None:
-        """Keep ``cache``'s keys and values of ``prompt`` up to its last page (copied: ``cache`` may grow)."""
-        if not self.capacity or not prompt.spans:
-            return
-        prefix = prompt.head(prompt.spans[-1][1])
-        holder = next((key for key, (old, _) in self.entries.items() if prefix.shared_length(old) == len(prefix)), None)
-        if holder is not None:
-            self.entries.move_to_end(holder)
-            return
-        key_values = layer_prefix(cache, len(prefix))
-        if key_values is None:
-            return
-        for key in [key for key, (old, _) in self.entries.items() if prefix.shared_length(old) == len(old)]:
-            del self.entries[key]
-        self.entries[prefix.key] = (prefix, key_values)
-        if len(self.entries) > self.capacity:
-            self.entries.popitem(last=False)
-
-    def clear(self) -> None:
-        self.entries.clear()
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-
-def layer_prefix(cache: DynamicCache, length: int) -> KeyValues | None:
-    """Copies of each layer's first ``length`` keys and values; ``None`` when a layer no longer holds them
-    all (a sliding-window layer past its window)."""
-    layers = cache.layers
-    if any(layer.keys is None or not length <= layer.keys.shape[-2] == layer.get_seq_length() for layer in layers):
-        return None
-    return [(layer.keys[..., :length, :].clone(), layer.values[..., :length, :].clone()) for layer in layers]
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Our Phi-3-vision as an LVLM backend, optionally with VDocRAG's generator adapter (paper §3.3, DESIGN §7).
+"""Our Phi-3-vision as an LVLM backend, optionally with VDocRAG's generator adapter (paper §3.3, docs/lvlm.md).
 
 The paper keeps "generator settings identical to VDocRAG": Phi-3-vision-128k-instruct with the LoRA
 adapter ``NTT-hil-insight/VDocGenerator-Phi3-vision``. The adapter is merged into the weights at load

@@ -1,6 +1,7 @@
 """An OpenAI-compatible chat-completions server over the local LVLM backends, with log-probabilities.
 
-``python -m hkrag.lvlm.serve --backend phi3v --config conf/lvlm/phi3v_tiny.yaml --port 8000``
+``python -m hkrag.lvlm.serve --config phi3v_tiny --port 8000``: the backend of ``conf/lvlm/phi3v_tiny.yaml``
+(a name there or a YAML path; its ``_target_`` names the class), built as ``eval.py`` builds it.
 
 Why our own: ``transformers serve`` rejects ``logprobs`` (HTTP 422) and vLLM does not run on the CPU, yet
 the Judger needs per-token probabilities (paper §3.3). Endpoints: ``POST /v1/chat/completions`` (text and
@@ -26,7 +27,6 @@ import asyncio
 import base64
 import binascii
 import hashlib
-import importlib
 import ipaddress
 import json
 import logging
@@ -52,7 +52,7 @@ from starlette.requests import ClientDisconnect
 
 from hkrag.data.images import ImageError, open_image
 
-from . import BACKENDS, build_backend
+from . import build_backend
 from .base import GenerationSettings, LVLMBackend, LVLMRequest, LVLMResult, Message, PageImage
 
 log = logging.getLogger(__name__)
@@ -570,23 +570,28 @@ def create_app(backend: LVLMBackend, served_model_name: str | None = None, max_b
     return app
 
 
-def load_backend(backend: str | None, config: str | None, overrides: Sequence[str]) -> LVLMBackend:
-    """A backend from a YAML config (its ``kind`` key names the backend) and ``key=value`` overrides.
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "lvlm"
 
-    ``backend`` is a :data:`hkrag.lvlm.BACKENDS` name, or ``module:Class`` for any :class:`LVLMBackend`.
-    """
+
+def config_file(config: str) -> Path:
+    """The YAML that ``--config`` names: a path, or the name of a ``conf/lvlm/<name>.yaml``."""
+    path = Path(config)
+    if path.is_file():
+        return path
+    named = CONF_DIR / f"{config}.yaml"
+    if named.is_file():
+        return named
+    choices = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
+    raise FileNotFoundError(f"--config {config}: no such file, nor a conf/lvlm name (one of {choices})")
+
+
+def load_backend(config: str, overrides: Sequence[str]) -> LVLMBackend:
+    """The backend of an LVLM config (:func:`config_file`) with ``key=value`` overrides, as
+    :func:`hkrag.lvlm.build_backend` builds it (``_target_=module.Class`` picks another class)."""
     from omegaconf import OmegaConf
 
-    settings = OmegaConf.load(config) if config else OmegaConf.create()
-    settings = OmegaConf.to_container(OmegaConf.merge(settings, OmegaConf.from_dotlist(list(overrides))), resolve=True)
-    kind = backend or settings.pop("kind", None)
-    settings.pop("kind", None)
-    if kind is None:
-        raise ValueError(f"name a backend with --backend ({sorted(BACKENDS)} or module:Class) or 'kind' in the config")
-    if kind in BACKENDS or ":" not in kind:
-        return build_backend(kind, **settings)
-    module, name = kind.split(":")
-    return getattr(importlib.import_module(module), name)(**settings)
+    settings = OmegaConf.merge(OmegaConf.load(config_file(config)), OmegaConf.from_dotlist(list(overrides)))
+    return build_backend(OmegaConf.to_container(settings, resolve=True))
 
 
 def _is_loopback(host: str) -> bool:
@@ -598,8 +603,8 @@ def _is_loopback(host: str) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hkrag.lvlm.serve", description=__doc__.split("\n")[0])
-    parser.add_argument("--backend", help=f"one of {sorted(BACKENDS)} or module:Class (default: the config's kind)")
-    parser.add_argument("--config", help="YAML of the backend's constructor arguments, e.g. conf/lvlm/phi3v_tiny.yaml")
+    parser.add_argument("--config", required=True,
+                        help="a conf/lvlm name (e.g. phi3v_tiny) or a YAML path: _target_ plus the class's arguments")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     parser.add_argument("--port", type=int, default=8000)
@@ -626,8 +631,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.config and not Path(args.config).is_file():
-        parser.error(f"--config {args.config}: no such file")
+    try:
+        config = config_file(args.config)
+    except FileNotFoundError as error:
+        parser.error(str(error))
     try:
         limits = Limits(int(args.max_body_mb * 2**20), args.body_timeout_s, args.max_image_pixels, args.max_images,
                         args.max_tokens_cap, args.max_queue, args.queue_timeout_s, args.context_length)
@@ -635,7 +642,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(str(error))
     if not _is_loopback(args.host):
         log.warning("serving on %s: reachable from other machines, with no authentication", args.host)
-    backend = load_backend(args.backend, args.config, args.set)
+    backend = load_backend(str(config), args.set)
     app = create_app(backend, args.served_model_name, args.max_batch_size, args.batch_wait_ms, limits)
     log.info("serving %s (%s) on http://%s:%d/v1", backend.model, backend.name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -1,4 +1,4 @@
-"""The LLM judge of answer accuracy (paper §4 "Unified evaluation metrics", following ViDoRAG; DESIGN §8).
+"""The LLM judge of answer accuracy (paper §4 "Unified evaluation metrics", following ViDoRAG; docs/evaluation.md).
 
 A text-only request to any :class:`~hkrag.lvlm.base.LVLMBackend` (Qwen-plus through DashScope's
 OpenAI-compatible mode in the paper, a vLLM server, or a local model) scores an answer 1–5 against the
@@ -361,12 +361,13 @@ class Grader:
 def build_grader(cfg: Mapping[str, Any] | None) -> Grader | None:
     """The judge of config group ``judge`` or ``None`` when disabled (``judge: none``: no ``backend``).
 
-    ``cfg["backend"]`` holds :func:`hkrag.lvlm.build_backend`'s arguments (``kind`` plus the backend's own);
-    the other keys are :class:`Grader`'s (``rubric``, ``max_attempts``, ``max_new_tokens``, ``max_reply_chars``).
+    ``cfg["backend"]`` is an LVLM config for :func:`hkrag.lvlm.build_backend` (``_target_``, the backend class,
+    plus its arguments); the other keys are :class:`Grader`'s (``rubric``, ``max_attempts``, ``max_new_tokens``,
+    ``max_reply_chars``).
     """
     if not cfg or not cfg.get("backend"):
         return None
     settings = dict(cfg)
     load_rubric(settings.get("rubric", DEFAULT_RUBRIC))  # a missing package fails before a backend is built
-    backend = build_backend(**settings.pop("backend"))
+    backend = build_backend(settings.pop("backend"))
     return Grader(backend, **settings)

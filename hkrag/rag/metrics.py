@@ -1,4 +1,4 @@
-"""Rule-based answer metrics computed beside the LLM judge (DESIGN §8): ANLS, two relaxed accuracies, EM, token F1.
+"""Rule-based answer metrics beside the LLM judge (docs/evaluation.md): ANLS, two relaxed accuracies, EM, token F1.
 
 Every metric compares one prediction with a list of gold answers and keeps the best match (max over
 the gold answers: the answer is right if it matches *any* of them). Definitions:

@@ -34,10 +34,10 @@ class Query:
 class CallRecord:
     """One LVLM call: which agent asked what about which pages, and what came back at what cost.
 
-    ``step`` names the prompt (``pruner``, ``answer``, ``single_pass``, ``salient``, ``fine_print``,
-    ``decouple``, ``verify``, ``integrate``); ``iteration`` is the Decoupler's t (Eqs. 7–8) or the Pruner's
-    n (Eq. 6). A yes/no call (Pruner, Decoupler's "answers the question") records its ``decision`` and,
-    when log-probabilities decided it, the probability mass of the yes-like and no-like first tokens.
+    ``step`` names the prompt (for the agentic generator, a step of ``agents/steps.py:STEPS``, docs/agents.md);
+    ``iteration`` is the Decoupler's t (Eqs. 7–8) or the Pruner's n (Eq. 6). A yes/no call (Pruner,
+    Decoupler's "answers the question") records its ``decision`` and, when log-probabilities decided it,
+    the probability mass of the yes-like and no-like first tokens.
     """
 
     agent: str

@@ -39,7 +39,13 @@ from hkrag.retrieval.metrics import format_table
 from hkrag.stats import bootstrap_interval, cluster_bootstrap_interval, wilson_interval
 
 JUDGE_DISABLED = "disabled (no endpoint)"
+REPORT_FILE, MARKDOWN_FILE = "rag.json", "rag.md"
+"""A RAG run's report, as data and as text (:func:`write_reports`)."""
+RUN_CONFIG_FILE = "rag_config.json"
+"""The settings a RAG run saves beside its trace (``hkrag/tasks/rag.py``), read by :func:`load_sweep`."""
 PAPER_THRESHOLD = 0.8
+"""The paper's Judger threshold h (§4), marked on the sweep plot: a label, not the setting's default, which
+lives in conf/generator/hkrag.yaml."""
 TABLE_METRICS = {"accuracy": "Judged accuracy", "relaxed_accuracy": "Relaxed accuracy (lenient)",
                  "relaxed_correctness": "Relaxed correctness (strict, pix2struct)", "anls": "ANLS"}
 METRIC_HEADERS = {"anls": "ANLS", "relaxed_accuracy": "Relaxed acc. (lenient)",
@@ -324,8 +330,8 @@ def write_reports(out_dir: str | Path, outcomes: Sequence[QueryOutcome], meta: M
     """
     report = build_report(outcomes, meta)
     out_dir = Path(out_dir)
-    write_json(out_dir / "rag.json", report)
-    write_text(out_dir / "rag.md", render_markdown(report))
+    write_json(out_dir / REPORT_FILE, report)
+    write_text(out_dir / MARKDOWN_FILE, render_markdown(report))
     return report
 
 
@@ -364,7 +370,7 @@ def load_sweep(folder: str | Path, threshold_key: str = "generator.threshold") -
     """
     runs: dict[float, list[QueryOutcome]] = {}
     for trace in sorted(Path(folder).rglob(MERGED_FILE)):
-        config = trace.parent / "rag_config.json"
+        config = trace.parent / RUN_CONFIG_FILE
         identity = json.loads(config.read_text()).get("identity", {}) if config.is_file() else {}
         threshold = _dotted(identity, threshold_key)
         if threshold is None:
@@ -462,9 +468,9 @@ def compare_runs(run_dirs: Sequence[str | Path], metric: str = "accuracy") -> st
     """One table with a row per RAG run directory (its ``rag.json``), as the paper's Tables 3, 4 and 6."""
     summaries = {}
     for run_dir in map(Path, run_dirs):
-        report_file = run_dir / "rag.json"
+        report_file = run_dir / REPORT_FILE
         if not report_file.is_file():
-            raise FileNotFoundError(f"{run_dir}: no rag.json (not a finished eval.py task=rag|generation run)")
+            raise FileNotFoundError(f"{run_dir}: no {REPORT_FILE} (not a finished eval.py task=rag|generation run)")
         summaries[run_dir.name] = json.loads(report_file.read_text())
     if metric == "accuracy" and all(s["overall"]["accuracy"] is None for s in summaries.values()):
         raise ValueError("no run was judged (judge: disabled); compare a rule metric, e.g. --metric relaxed_accuracy")

@@ -33,7 +33,8 @@ import numpy as np
 import yaml
 
 from hkrag.io import write_bytes, write_json, write_text
-from hkrag.retrieval.evaluation import PER_QUERY_FILE
+from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, PER_QUERY_FILE
+from hkrag.run_log import METRICS_FILE
 from hkrag.stats import mean_and_std, paired_bootstrap
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ def load_run(job: Path, by: str = "loss", seed_key: str = "trainer.seed") -> Run
     for key in (by, seed_key):
         if key not in chosen:
             raise AblationError(f"{job}: no {key}=... override (overrides: {sorted(chosen)}); pass --by/--seed-key")
-    per_query = job / "eval-after" / PER_QUERY_FILE
+    per_query = job / AFTER_TRAINING_DIR / PER_QUERY_FILE
     if not per_query.is_file():
         raise AblationError(f"{job}: {per_query.relative_to(job)} is missing: did the run finish its evaluation?")
     scores: dict[str, dict[tuple[str, str], tuple[str | None, float]]] = {}
@@ -90,7 +91,7 @@ def load_run(job: Path, by: str = "loss", seed_key: str = "trainer.seed") -> Run
         for pool, by_query in by_pool.items():
             for query_id, entry in by_query.items():
                 scores.setdefault(pool, {})[(dataset, query_id)] = (entry["evidence"], float(entry[METRIC]))
-    metrics = job / "metrics.jsonl"
+    metrics = job / METRICS_FILE
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
     masks = [{"step": row["step"], **{k: row[k] for k in MASK_SHARES}} for row in rows if "mask/one" in row]
     return Run(job, chosen[by], int(chosen[seed_key]), scores, masks)
@@ -108,7 +109,7 @@ def load_multirun(
     jobs = sorted((p for p in folder.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)) \
         if folder.is_dir() else []
     if finished_only:
-        unfinished = [job.name for job in jobs if not (job / "eval-after" / PER_QUERY_FILE).is_file()]
+        unfinished = [job.name for job in jobs if not (job / AFTER_TRAINING_DIR / PER_QUERY_FILE).is_file()]
         if unfinished:
             logger.warning("%s: skipping %d unfinished job(s): %s", folder, len(unfinished), ", ".join(unfinished))
         jobs = [job for job in jobs if job.name not in unfinished]

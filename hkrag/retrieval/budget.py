@@ -4,7 +4,7 @@ Following the budget-controlled evaluation of ArXivDocQA, index size is treated 
 for each index spec we build the index over the same document embeddings, measure its
 serialized size (vectors or codes, inverted lists, codebooks, PCA matrices; doc-id strings
 excluded since they are the same for every spec) divided by the number of documents, and
-evaluate the run. Besides the :class:`~hkrag.index.faiss_index.IndexSpec` kinds (PCA-reduced
+evaluate the run. Besides the :class:`~hkrag.index.spec.IndexSpec` kinds (PCA-reduced
 vectors are ``faiss:PCA256,Flat`` or ``faiss:PCA256,SQ8``), ``binary`` keeps one sign bit per
 dimension searched by Hamming distance, and ``binary:rerank=R`` re-scores its top ``R*k`` by the
 float query against the ±1 codes (no extra bytes). The Pareto frontier (no other spec is both

@@ -1,4 +1,4 @@
-"""Retrieval evaluation (paper Table 2, DESIGN §6): encode, index, search, score.
+"""Retrieval evaluation (paper Table 2, docs/index.md): encode, index, search, score.
 
 One code path serves ``train.py`` (before/after report) and ``eval.py``, so both print the same
 number for the same checkpoint and data. Corpora are embedded through resumable shards
@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 REPORTED_METRICS = ("ndcg@5", "recall@1", "recall@5", "recall@10", "mrr@10")
 PER_QUERY_FILE = "per_query.json"
 QUERIES_DIR = "queries"
+TABLE_FILE = "retrieval.md"
+"""The retrieval table a task writes into its output directory."""
+BEFORE_TRAINING_DIR, AFTER_TRAINING_DIR = "eval-before", "eval-after"
+"""A training run's evaluation work dirs, before and after training (what the ablation reads)."""
 QRELS_FILE = "qrels.json"
 """``{dataset: {pool: {query_id: {"evidence": label or null, "ndcg@5": value}}}}`` in an evaluation's work dir."""
 

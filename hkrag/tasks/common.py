@@ -24,7 +24,14 @@ from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.models.phi3v.loading import save_processor, tiny_phi3v
 from hkrag.retrieval.evaluation import RetrievalEvalConfig
 from hkrag.retriever import LoraSettings, Phi3VRetriever
-from hkrag.training.checkpoint import CheckpointError, checkpoint_state
+from hkrag.training.checkpoint import (
+    ADAPTER_DIR,
+    CHECKPOINTS_DIR,
+    FINAL_CHECKPOINT,
+    STATE_FILE,
+    CheckpointError,
+    checkpoint_state,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +124,9 @@ def check_pools(cfg: RetrievalEvalConfig) -> None:
         check_pool_pages(load_corpus(cfg.corpus_source, pools(dataset)["single"], cfg.split), union)
 
 
-FINAL_ADAPTER = Path("checkpoints", "final", "adapter")
+FINAL_ADAPTER = Path(CHECKPOINTS_DIR, FINAL_CHECKPOINT, ADAPTER_DIR)
+BASE_DIR = "base"
+"""A tiny-model training run's saved base model (the adapter's base)."""
 TRAIN_RUNS = Path("outputs", "train")
 
 
@@ -145,7 +154,7 @@ def trained_model_config(model_cfg: DictConfig, run_dir: str | Path) -> DictConf
     if not adapter.is_dir():
         raise FileNotFoundError(f"{run_dir} has no checkpoints/final/adapter: is it a finished train.py run directory?")
     overrides = {"adapter": str(adapter)}
-    base = run_dir / "base" / "config.json"
+    base = run_dir / BASE_DIR / "config.json"
     if base.is_file():
         overrides.update(kind="phi3v", base=str(base.parent), dtype="float32", num_crops=None)
         return OmegaConf.merge(model_cfg, overrides)
@@ -169,7 +178,7 @@ def trained_model(run_dir: Path) -> dict[str, Any]:
         config = checkpoint_state(final).config
     except CheckpointError as error:
         raise FileNotFoundError(
-            f"run folder {run_dir} is incomplete: it has no base/ and its {final / 'state.json'} cannot tell which "
+            f"run folder {run_dir} is incomplete: it has no base/ and its {final / STATE_FILE} cannot tell which "
             f"base model the adapter belongs to ({error})"
         ) from error
     return {key: value for key, value in config.items() if key.startswith("model.")}

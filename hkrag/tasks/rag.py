@@ -45,9 +45,9 @@ from hkrag.rag.grader import build_grader
 from hkrag.rag.html import write_html
 from hkrag.rag.metrics import rule_metrics
 from hkrag.rag.records import Query, QueryOutcome
-from hkrag.rag.report import flat_metrics, write_reports
-from hkrag.rag.trace import PARTS_DIR, TraceWriter, merge
-from hkrag.retrieval.evaluation import evaluate_retrieval
+from hkrag.rag.report import MARKDOWN_FILE, RUN_CONFIG_FILE, flat_metrics, write_reports
+from hkrag.rag.trace import MERGED_FILE, PARTS_DIR, TraceWriter, merge
+from hkrag.retrieval.evaluation import TABLE_FILE, evaluate_retrieval
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
     build_retriever,
@@ -65,7 +65,6 @@ from hkrag.tasks.validation import ConfigError, validate_config
 logger = logging.getLogger(__name__)
 
 RETRIEVAL_MODES = {"rag": ("retriever",), "generation": ("gold", "none")}
-RUN_CONFIG_FILE = "rag_config.json"
 RUN_LEVEL_ERRORS: tuple[type[BaseException], ...] = (OSError, MemoryError, torch.cuda.OutOfMemoryError, ConfigError)
 """Errors that stop the whole run rather than fail one query (with ``KeyboardInterrupt`` and every other
 non-``Exception``): the disk or the trace (``OSError``, ``WriteError``), memory (a CUDA out-of-memory query is
@@ -135,11 +134,11 @@ def valid_text(value: Any) -> Any:
 
 def resolve_retrieval_mode(cfg: DictConfig) -> None:
     """Set ``cfg.retrieval`` to the task's default (retriever for rag, gold for generation) or check it."""
-    modes = RETRIEVAL_MODES[cfg.task]
+    modes = RETRIEVAL_MODES[cfg.task.name]
     if cfg.get("retrieval") is None:
         cfg.retrieval = modes[0]
     elif cfg.retrieval not in modes:
-        raise ValueError(f"task={cfg.task} takes retrieval={'|'.join(modes)}, got retrieval={cfg.retrieval!r}")
+        raise ValueError(f"task={cfg.task.name} takes retrieval={'|'.join(modes)}, got retrieval={cfg.retrieval!r}")
 
 
 def load_questions(cfg: DictConfig) -> dict[str, list[QAExample]]:
@@ -183,7 +182,7 @@ def retrieve(cfg: DictConfig, accelerator, output_dir: Path) -> dict[str, dict[s
     check_pools(retrieval_cfg)
     result = evaluate_retrieval(retriever, retrieval_cfg, output_dir / "retrieval", identity)
     if accelerator.is_main_process:
-        write_text(output_dir / "retrieval.md", result["table"] + "\n")
+        write_text(output_dir / TABLE_FILE, result["table"] + "\n")
     runs = [result.get("runs")]
     if accelerator.num_processes > 1:
         runs = broadcast_object_list(runs, from_process=0)
@@ -192,10 +191,11 @@ def retrieve(cfg: DictConfig, accelerator, output_dir: Path) -> dict[str, dict[s
 
 
 def run_identity(cfg: DictConfig) -> dict[str, Any]:
-    """What determines the answers: a resumed trace must come from the same settings."""
-    keys = ("task", "retrieval", "model", "data", "lvlm", "generator", "judge", "rag")
-    identity = {key: OmegaConf.to_container(cfg[key], resolve=True) if isinstance(cfg.get(key), DictConfig)
-                else cfg.get(key) for key in keys}
+    """What determines the answers: a resumed trace must come from the same settings (the task by name)."""
+    keys = ("retrieval", "model", "data", "lvlm", "generator", "judge", "rag")
+    identity = {"task": cfg.task.name}
+    identity.update({key: OmegaConf.to_container(cfg[key], resolve=True) if isinstance(cfg.get(key), DictConfig)
+                     else cfg.get(key) for key in keys})
     identity["run_dir"] = str(resolve_run_dir(cfg.run_dir)) if cfg.get("run_dir") else None  # `latest` moves on
     return identity
 
@@ -371,11 +371,10 @@ def run_rag_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any
     the backends and the generator are built (and checked) before any query.
     """
     resolve_retrieval_mode(cfg)
-    validate_config(cfg, extra=run_dir_problems(cfg))
     generator_cfg = OmegaConf.to_container(cfg.generator, resolve=True)
+    validate_config(cfg, extra=run_dir_problems(cfg) + GeneratorConfig.problems(generator_cfg))
     if cfg.retrieval == "none":
         generator_cfg["allow_no_pages"] = True
-    GeneratorConfig.from_config(generator_cfg)
     accelerator = make_accelerator(cfg.get("cpu", False))
     output_dir = shared_output_dir(accelerator, output_dir)
     if accelerator.is_main_process:
@@ -386,7 +385,7 @@ def run_rag_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any
         prepare_run_dir(cfg, output_dir)
     accelerator.wait_for_everyone()
     plan, store = plan_queries(cfg, accelerator, output_dir, qa)
-    backend = build_backend(**OmegaConf.to_container(cfg.lvlm, resolve=True))
+    backend = build_backend(OmegaConf.to_container(cfg.lvlm, resolve=True))
     try:
         judge = build_grader(OmegaConf.to_container(cfg.judge, resolve=True))
         check_concurrency(cfg.rag.concurrency, backend, *([judge.backend] if judge is not None else []))
@@ -406,16 +405,16 @@ def report(cfg: DictConfig, output_dir: Path, plan: list[PlannedQuery], store: P
     """Merge the trace and write ``rag.json``, ``rag.md``, ``rag.html``; log the summary to W&B."""
     outcomes = merge(output_dir, [item.key for item in plan])
     meta = {
-        "config": cfg.get("run_name", "rag"), "task": cfg.task, "retrieval": cfg.retrieval,
-        "generator": cfg.generator.get("name", "hkrag"), "lvlm": {"backend": backend.name, "model": backend.model},
+        "config": cfg.get("run_name", "rag"), "task": cfg.task.name, "retrieval": cfg.retrieval,
+        "generator": cfg.generator.name, "lvlm": {"backend": backend.name, "model": backend.model},
         "judge": judge.describe() if judge is not None else None,
     }
     summary = write_reports(output_dir, outcomes, meta)
-    write_html(output_dir / "rag.html", outcomes, store.image, title=f"HKRAG {cfg.task}: {meta['config']}")
-    print((output_dir / "rag.md").read_text())
+    write_html(output_dir / "rag.html", outcomes, store.image, title=f"HKRAG {cfg.task.name}: {meta['config']}")
+    print((output_dir / MARKDOWN_FILE).read_text())
     run_logger = RunLogger(output_dir, project=cfg.logger.project, wandb_mode=cfg.logger.wandb_mode,
                            config=OmegaConf.to_container(cfg, resolve=True), name=cfg.get("run_name"))
     run_logger.summary(flat_metrics(summary))
     run_logger.finish()
-    logger.info("trace: %s; report: %s", output_dir / "trace.jsonl", output_dir / "rag.md")
+    logger.info("trace: %s; report: %s", output_dir / MERGED_FILE, output_dir / MARKDOWN_FILE)
     return summary

@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from hkrag.io import write_json, write_text
-from hkrag.retrieval.evaluation import evaluate_retrieval
+from hkrag.retrieval.evaluation import TABLE_FILE, evaluate_retrieval
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
     build_retriever,
@@ -42,7 +42,7 @@ def run_retrieval_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[st
     result = evaluate_retrieval(retriever, eval_config(cfg), output_dir, identity)
     if accelerator.is_main_process:
         write_json(output_dir / "retrieval.json", result["results"])
-        write_text(output_dir / "retrieval.md", result["table"] + "\n")
+        write_text(output_dir / TABLE_FILE, result["table"] + "\n")
         print(result["table"])
         run_logger = RunLogger(output_dir, project=cfg.logger.project, wandb_mode=cfg.logger.wandb_mode,
                                config=OmegaConf.to_container(cfg, resolve=True), name=cfg.get("run_name"))

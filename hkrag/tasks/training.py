@@ -1,4 +1,4 @@
-"""``train.py``: train the retriever and report retrieval before and after (DESIGN §9).
+"""``train.py``: train the retriever and report retrieval before and after (docs/training.md).
 
 One shared run directory for all ranks; data (the built-in corpus is generated on first use); retriever
 (tiny random model or the real checkpoint, optionally starting from an existing adapter); loss;
@@ -14,14 +14,16 @@ from typing import Any
 from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 
-from hkrag.data.opendocvqa import load_corpus, load_qa, training_pairs
+from hkrag.data.opendocvqa import load_corpus, load_qa
+from hkrag.data.pairs import training_pairs
 from hkrag.index.shards import config_hash
 from hkrag.io import write_json, write_text
 from hkrag.losses import HybridMaskLoss
-from hkrag.retrieval.evaluation import evaluate_retrieval
+from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, BEFORE_TRAINING_DIR, evaluate_retrieval
 from hkrag.retriever import Phi3VRetriever
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
+    BASE_DIR,
     build_retriever,
     check_pools,
     eval_config,
@@ -31,7 +33,7 @@ from hkrag.tasks.common import (
     shared_output_dir,
 )
 from hkrag.tasks.validation import validate_config
-from hkrag.training.checkpoint import resolve_resume
+from hkrag.training.checkpoint import ADAPTER_DIR, FINAL_CHECKPOINT, resolve_resume
 from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
 
 
@@ -58,9 +60,9 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     evaluate = cfg.eval_before_after and cfg.get("eval") is not None
     if evaluate:
         check_pools(eval_config(cfg))  # before hours of training, not after
-    tiny_base = output_dir / "base" if cfg.model.kind == "tiny" and accelerator.is_main_process else None
+    tiny_base = output_dir / BASE_DIR if cfg.model.kind == "tiny" and accelerator.is_main_process else None
     retriever = build_retriever(cfg.model, texts=[ex.query for ex in train_qa], save_base_to=tiny_base)
-    base = output_dir / "base" if cfg.model.kind == "tiny" else cfg.model.base
+    base = output_dir / BASE_DIR if cfg.model.kind == "tiny" else cfg.model.base
     identity = {"model": str(base), "config": OmegaConf.to_container(cfg.model)}
 
     run_logger = RunLogger(output_dir, project=cfg.logger.project, wandb_mode=cfg.logger.wandb_mode,
@@ -74,11 +76,11 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     if resume:
         trainer.resume(resume)
 
-    before = _evaluate(retriever, cfg, output_dir / "eval-before", identity) if evaluate and not resume else None
+    before = _evaluate(retriever, cfg, output_dir / BEFORE_TRAINING_DIR, identity) if evaluate and not resume else None
     trainer.fit()
-    final = trainer.save("final")
-    identity["adapter"] = str(final / "adapter")
-    after = _evaluate(retriever, cfg, output_dir / "eval-after", identity) if evaluate else None
+    final = trainer.save(FINAL_CHECKPOINT)
+    identity["adapter"] = str(final / ADAPTER_DIR)
+    after = _evaluate(retriever, cfg, output_dir / AFTER_TRAINING_DIR, identity) if evaluate else None
 
     report = {}
     if accelerator.is_main_process:

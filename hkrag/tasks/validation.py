@@ -4,9 +4,10 @@ Hydra checks key names; this checks values. ``train.py`` and ``eval.py`` call :f
 before building anything, so ``trainer.global_batch_size=abc`` or ``loss.tau=0`` fails in a second
 with every problem listed (key, value, allowed range) instead of a traceback minutes later or, worse,
 a run that "succeeds" after 0 steps. Keys absent from the composed config are skipped (each task
-composes only the groups it needs). For ``eval.py task=rag|generation`` the settings that depend on each
-other are checked too (:func:`rag_problems`): names of data sets and pools, flags, and ``rag.top_k``
-against the Pruner's buffer ``generator.top_k``.
+composes only the groups it needs). The ``generator`` group is checked by its own config class, whose
+problems ``eval.py task=rag|generation`` hands in as ``extra`` (see :data:`RULES`). For those tasks the
+settings that depend on each other are checked too (:func:`rag_problems`): names of data sets and
+pools, flags, and ``rag.top_k`` against the Pruner's buffer ``generator.top_k``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from hkrag.lvlm import BACKENDS
-from hkrag.lvlm.uncertainty import ESTIMATORS
+from hkrag.lvlm import backend_class
 
 
 class ConfigError(ValueError):
@@ -87,31 +87,24 @@ RULES: dict[str, Rule] = {
     "rag.top_k": POSITIVE,
     "rag.max_queries": OPTIONAL_POSITIVE,
     "rag.concurrency": POSITIVE,
-    "generator.top_k": POSITIVE,
-    "generator.threshold": FRACTION,
-    "generator.top_logprobs": Rule(int, low=0, high=20),
-    "generator.caps.max_iters": POSITIVE,
-    "generator.caps.max_calls": POSITIVE,
-    "generator.caps.max_total_tokens": POSITIVE,
-    "generator.caps.max_seconds": Rule(float, low=0, low_open=True),
-    "generator.caps.max_new_tokens.yes_no": POSITIVE,
-    "generator.caps.max_new_tokens.answer": POSITIVE,
-    "generator.caps.max_new_tokens.notes": POSITIVE,
 }
-"""Config key -> allowed values. Add a row here when a group gains a numeric setting."""
+"""Config key -> allowed values. Add a row here when a group gains a numeric setting. The ``generator``
+group has no rows: its config class checks it (``agents.pipeline.GeneratorConfig.problems``), and the task
+that builds the generator passes those problems in as ``extra`` (``hkrag.tasks`` names ``agents`` only
+there, ``hkrag/tasks/rag.py``)."""
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "eval.dtype": ("float16", "float32"),
     "model.kind": ("tiny", "phi3v"),
-    "generator.estimator": ESTIMATORS,
-    "lvlm.kind": tuple(BACKENDS),
 }
 
-FLAGS = ("rag.resume", "generator.pruner", "generator.decoupler", "generator.allow_no_pages")
+FLAGS = ("rag.resume",)
 """Keys that take ``true`` or ``false`` only (a string such as ``yes`` is truthy and would be misread)."""
 
 RAG_TASKS = ("rag", "generation")
 POOLS = ("single", "all")
+BACKEND_KEYS = ("lvlm", "judge.backend")
+"""LVLM configs of the RAG tasks; each ``_target_`` must name a backend class (a null ``judge.backend``: no judge)."""
 
 
 def validate_config(cfg: DictConfig, extra: Sequence[str] = ()) -> None:
@@ -131,7 +124,7 @@ def validate_config(cfg: DictConfig, extra: Sequence[str] = ()) -> None:
         present, value = _lookup(cfg, key)
         if present and not isinstance(value, bool):
             problems.append(f"{key}={value!r}: expected true or false")
-    problems += rag_problems(cfg) + list(extra)
+    problems += rag_problems(cfg) + backend_problems(cfg) + list(extra)
     if problems:
         raise ConfigError("invalid config value(s):\n  " + "\n  ".join(problems))
 
@@ -143,7 +136,7 @@ def rag_problems(cfg: DictConfig) -> list[str]:
     ``all``), ``rag.split`` a name, and ``rag.top_k`` at least ``generator.top_k``: the Pruner fills a
     buffer of ``generator.top_k`` pages from the ``rag.top_k`` it is handed, so fewer could never fill it.
     """
-    if cfg.get("task") not in RAG_TASKS:
+    if task_name(cfg) not in RAG_TASKS:
         return []
     problems = [_names_problem(cfg, "rag.datasets"), _names_problem(cfg, "rag.pools", POOLS)]
     present, split = _lookup(cfg, "rag.split")
@@ -157,6 +150,28 @@ def rag_problems(cfg: DictConfig) -> list[str]:
                         f"page(s) but keeps up to {generator_k} (the Pruner's buffer could never fill); set "
                         f"rag.top_k >= {generator_k} or generator.top_k <= {rag_k}")
     return [problem for problem in problems if problem]
+
+
+def backend_problems(cfg: DictConfig) -> list[str]:
+    """Why an LVLM config of :data:`BACKEND_KEYS` names no backend class (RAG tasks only; imports its module)."""
+    if task_name(cfg) not in RAG_TASKS:
+        return []
+    problems = []
+    for key in BACKEND_KEYS:
+        present, value = _lookup(cfg, key)
+        if not present or value is None:
+            continue
+        try:
+            backend_class(value.get("_target_") if OmegaConf.is_dict(value) else None)
+        except ValueError as error:
+            problems.append(f"{key}.{error}")
+    return problems
+
+
+def task_name(cfg: DictConfig) -> str | None:
+    """The ``name`` of ``eval.py``'s task (``conf/task``), or ``None`` (``train.py``)."""
+    present, name = _lookup(cfg, "task.name")
+    return name if present else None
 
 
 def _names_problem(cfg: DictConfig, key: str, allowed: tuple[str, ...] | None = None) -> str | None:

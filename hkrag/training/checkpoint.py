@@ -42,6 +42,11 @@ from safetensors.torch import save as tensors_bytes
 
 from hkrag.io import WriteError, atomic_directory, write_bytes, write_json
 
+CHECKPOINTS_DIR = "checkpoints"
+"""The run directory's folder of checkpoints (``step-<N>`` and ``final``)."""
+FINAL_CHECKPOINT = "final"
+ADAPTER_DIR = "adapter"
+"""A checkpoint's LoRA adapter folder (PEFT's ``save_pretrained``)."""
 STATE_FILE = "state.json"
 TENSORS_FILE = "trainable.safetensors"
 CHECKPOINT_NAME = re.compile(r"step-(\d+)")
@@ -117,7 +122,7 @@ def save_checkpoint(
     """
     directory = Path(directory)
     files: dict[str, Callable[[Path], Any]] = {
-        "adapter": model.save_pretrained,
+        ADAPTER_DIR: model.save_pretrained,
         TENSORS_FILE: lambda path: write_bytes(path, tensors_bytes(trainable_state(model))),
         "optimizer.pt": lambda path: write_bytes(path, _torch_bytes(optimizer.state_dict())),
         "scheduler.pt": lambda path: write_bytes(path, _torch_bytes(scheduler.state_dict())),
@@ -183,8 +188,8 @@ def load_checkpoint(
     """
     directory = Path(directory)
     state = checkpoint_state(directory, config, extendable)
-    _read(directory / "adapter" / "adapter_config.json", json.loads, text=True)
-    _read(directory / "adapter" / "adapter_model.safetensors", _load_tensors)
+    _read(directory / ADAPTER_DIR / "adapter_config.json", json.loads, text=True)
+    _read(directory / ADAPTER_DIR / "adapter_model.safetensors", _load_tensors)
     tensors = _read(directory / TENSORS_FILE, _load_tensors)
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     check_tensors(directory / TENSORS_FILE, tensors, params)
@@ -266,7 +271,7 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     Temporaries (``.step-N.<pid>-<thread>.tmp``, ``step-N.tmp``) and folders without ``state.json`` are skipped.
     """
     steps = {}
-    for path in Path(output_dir, "checkpoints").glob("step-*"):
+    for path in Path(output_dir, CHECKPOINTS_DIR).glob("step-*"):
         match = CHECKPOINT_NAME.fullmatch(path.name)
         if match and (path / STATE_FILE).is_file():
             steps[int(match.group(1))] = path

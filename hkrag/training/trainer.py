@@ -1,4 +1,4 @@
-"""The retriever training loop (paper §3.2 + DESIGN §9).
+"""The retriever training loop (paper §3.2, docs/training.md).
 
 Per optimizer step, each rank embeds its slice of the global batch, the embeddings are all-gathered
 with gradient (cross-device negatives), and the hybrid-mask loss is computed on the global batch.
@@ -34,13 +34,15 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from hkrag.data.images import ImageError
-from hkrag.data.opendocvqa import Corpus, TrainingPair
+from hkrag.data.opendocvqa import Corpus
+from hkrag.data.pairs import TrainingPair
 from hkrag.distributed import gather_with_grad
 from hkrag.losses import HybridMaskLoss, LossOutput
 from hkrag.models.phi3v.image_processing_phi3v import check_image_size
 from hkrag.retriever import Phi3VRetriever
 from hkrag.run_log import RunLogger
 from hkrag.training.checkpoint import (
+    CHECKPOINTS_DIR,
     STATE_FILE,
     CheckpointError,
     TrainState,
@@ -68,7 +70,7 @@ class TrainerConfig:
     ``group_pattern``: a regex whose first group maps a positive doc id to its document (e.g.
     ``^(.*)-p\\d+$``); pages of one document are then batched together as hard negatives.
     ``num_threads``: intra-op CPU threads (``torch.set_num_threads``; null keeps torch's default). On a
-    shared 2-core machine 1 thread ran the demo's step in 0.18 s where 2 contended threads took 7.7 s.
+    shared machine, fewer threads than cores avoids contention (timings: bench/RESULTS.md).
     """
 
     global_batch_size: int = 64
@@ -408,7 +410,7 @@ class RetrieverTrainer:
 
         Every rank's RNG state is gathered to rank 0, which writes the folder atomically.
         """
-        directory = self.output_dir / "checkpoints" / (name or f"step-{self.state.step}")
+        directory = self.output_dir / CHECKPOINTS_DIR / (name or f"step-{self.state.step}")
         check_finite(self.retriever.model)
         rngs = gather_object([rng_state()]) if self.accelerator.num_processes > 1 else [rng_state()]
         if self.accelerator.is_main_process:

@@ -1,4 +1,4 @@
-"""Phi-3-vision, transformers-native (DESIGN §3).
+"""Phi-3-vision, transformers-native (docs/phi3v_fidelity.md).
 
 Importing this package registers the classes with transformers' Auto classes under the original
 ``model_type`` ``phi3_v`` and class names, so code written for the hub's remote code
@@ -18,7 +18,7 @@ from .loading import (
     save_processor,
     tiny_phi3v,
 )
-from .modeling_phi3v import Phi3VForCausalLM, Phi3VModel, default_attn_implementation
+from .modeling_phi3v import Phi3VForCausalLM, Phi3VModel
 from .processing_phi3v import Phi3VProcessor, image_tag
 from .tokenization import build_offline_tokenizer
 
@@ -40,7 +40,6 @@ __all__ = [
     "Phi3VModel",
     "Phi3VProcessor",
     "build_offline_tokenizer",
-    "default_attn_implementation",
     "image_tag",
     "load_phi3v",
     "load_processor",

@@ -1,7 +1,7 @@
 """Phi-3-vision image processor: the HD transform, in plain PIL + torch.
 
 The reference (``image_processing_phi3_v.py``) hard-codes 336-px crops; here every size derives from
-``crop_size`` so a 56-px tiny vision tower runs the same path. Steps (DESIGN §3):
+``crop_size`` so a 56-px tiny vision tower runs the same path. Steps (docs/phi3v_fidelity.md):
 
 1. make the page landscape (``Image.TRANSPOSE``, undone at the end);
 2. pick the largest ``scale`` with ``scale * ceil(scale / ratio) <= num_crops``;

@@ -18,9 +18,11 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import cached_file
 
+from hkrag.models.attention import default_attn_implementation
+
 from .configuration_phi3v import Phi3VConfig, tiny_phi3v_config
 from .image_processing_phi3v import Phi3VImageProcessor
-from .modeling_phi3v import Phi3VForCausalLM, default_attn_implementation
+from .modeling_phi3v import Phi3VForCausalLM
 from .processing_phi3v import PREPROCESSOR_FILE, Phi3VProcessor
 from .tokenization import build_offline_tokenizer
 

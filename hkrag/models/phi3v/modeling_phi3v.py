@@ -5,12 +5,10 @@ Module names mirror the original checkpoint so its tensors load unchanged:
 {img_projection.0, img_projection.2, glb_GN, sub_GN}``, ``model.embed_tokens``, ``model.layers.N.*``,
 ``model.norm`` and ``lm_head``. Image features are CLIP's penultimate hidden states without CLS,
 2x2-merged, laid out as [sub grid + row separators, ``glb_GN``, global grid + row separators] and
-projected by Linear -> GELU -> Linear (DESIGN §3). Every size derives from the vision config.
+projected by Linear -> GELU -> Linear (docs/phi3v_fidelity.md). Every size derives from the vision config.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import torch
 from torch import nn
@@ -19,13 +17,6 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.models.phi3.modeling_phi3 import Phi3Model, Phi3PreTrainedModel
 
 from .configuration_phi3v import Phi3VConfig
-
-
-def default_attn_implementation() -> str:
-    """``flash_attention_2`` when flash-attn is installed and CUDA is present, else ``sdpa``."""
-    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
 
 
 def positions_from_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:

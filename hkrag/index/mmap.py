@@ -1,0 +1,83 @@
+"""Memory-mapped FAISS indexes: which parts stay on disk, and reading re-ranking candidates ahead.
+
+``DocumentIndex.load(dir, mmap=True)`` maps an index's flat code stores from its file; these helpers find
+those stores among the index's parts, copy mapped IVF lists back into memory, and ask the kernel for a
+query's re-ranking candidates all at once (``madvise``); see docs/index.md, "Re-ranking from disk".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+from collections.abc import Iterator
+
+import faiss
+import numpy as np
+
+LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # madvise for prefetching
+
+
+def index_parts(index: faiss.Index) -> Iterator[faiss.Index]:
+    """``index`` and every sub-index it wraps (pre-transform, refine base and refine store, shards), downcast."""
+    index = faiss.downcast_index(index)
+    yield index
+    if isinstance(index, faiss.IndexPreTransform):
+        yield from index_parts(index.index)
+    elif isinstance(index, faiss.IndexRefine):
+        yield from index_parts(index.base_index)
+        yield from index_parts(index.refine_index)
+    elif isinstance(index, (faiss.IndexShards, faiss.IndexReplicas)):
+        for i in range(index.count()):
+            yield from index_parts(index.at(i))
+
+
+def is_mapped_store(part: faiss.Index) -> bool:
+    """Whether ``part`` is a flat code store whose codes are mapped from the index file (loaded with mmap)."""
+    return isinstance(part, faiss.IndexFlatCodes) and not part.codes.is_owned
+
+
+def mapped_refine_store(index: faiss.Index) -> faiss.IndexFlatCodes | None:
+    """The memory-mapped flat store of an index's refine stage (``...,Refine(Flat)`` loaded with mmap), or None."""
+    index = faiss.downcast_index(index)
+    if not isinstance(index, faiss.IndexRefine):
+        return None
+    store = faiss.downcast_index(index.refine_index)
+    return store if is_mapped_store(store) else None
+
+
+def prefetch_candidates(index: faiss.IndexRefine, store: faiss.IndexFlatCodes, queries: np.ndarray, k: int) -> None:
+    """Ask the kernel to read every re-ranking candidate's stored vector now, all at once (``MADV_WILLNEED``).
+
+    FAISS's refine stage then finds them in the page cache. Without this it reads them one page fault at a
+    time (the mapping is ``MADV_RANDOM``: a 12 KB vector is three or four faults). The base search runs
+    twice, a small cost next to the faults saved (timings: bench/RESULTS.md).
+    """
+    _, rows = index.base_index.search(queries, int(k * index.k_factor))
+    start = faiss.rev_swig_ptr(store.codes.data(), 1).ctypes.data
+    for row in np.unique(rows[rows >= 0]):
+        first = start + int(row) * store.code_size
+        aligned = first - first % mmap.PAGESIZE
+        LIBC.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(first + store.code_size - aligned), mmap.MADV_WILLNEED)
+
+
+def own_inverted_lists(index: faiss.Index) -> None:
+    """Copy memory-mapped IVF lists into memory, so that only flat code stores stay on disk.
+
+    ``IO_FLAG_MMAP_IFC`` maps an IVF index's lists too; a cold probe then read its list one page fault at a
+    time, most of a cold query (bench/RESULTS.md), though the lists are the small part meant to be in memory.
+    """
+    for part in index_parts(index):
+        if not isinstance(part, faiss.IndexIVF):
+            continue
+        lists = faiss.downcast_InvertedLists(part.invlists)
+        if not isinstance(lists, faiss.ArrayInvertedLists) or all(
+            lists.codes.at(i).is_owned for i in range(lists.nlist)
+        ):
+            continue
+        owned = faiss.ArrayInvertedLists(lists.nlist, lists.code_size)
+        for i in range(lists.nlist):
+            if lists.list_size(i):
+                owned.add_entries(i, lists.list_size(i), lists.get_ids(i), lists.get_codes(i))
+        part.replace_invlists(owned, True)
+        owned.this.disown()  # the index owns it now
