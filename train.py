@@ -1,18 +1,18 @@
-"""Train the HKRAG retriever: ``python train.py [experiment=...] [key=value ...]``.
+"""Train the HKRAG retriever (or, with ``experiment=generator_*``, the generator): ``python train.py [experiment=...]``.
 
 Runs as is on one CPU/GPU, and as ``accelerate launch [--config_file conf/accelerate/...] train.py ...``
-on several GPUs (DDP or DeepSpeed). All logic lives in :mod:`hkrag.tasks.training`.
+on several GPUs (DDP or DeepSpeed). ``cfg.run`` names the task function (:mod:`hkrag.tasks.training` by
+default, :mod:`hkrag.tasks.generator_training` for the generator); all logic lives there.
 """
 
 import hydra
+from hydra.utils import instantiate
 from omegaconf import DictConfig
-
-from hkrag.tasks.training import run_training
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_training(cfg, cfg.paths.output_dir)
+    instantiate(cfg.run)(cfg, cfg.paths.output_dir)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""The generator's training examples: each training query with its answers and top-k pages (docs/training.md).
+
+VDocGenerator (DESIGN §11) is trained on the top-3 pages a retriever returns for each OpenDocVQA training
+query; :mod:`hkrag.retrieval.generator_pairs` ranks them, this module holds the records and their file:
+one JSON object per line, a first line with the settings that produced it (so a rerun with the same
+settings reuses the file and other settings are refused), written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hkrag.io import write_text
+
+from .opendocvqa import QAExample
+
+PAGE_SOURCES = ("retrieved", "gold")
+
+
+@dataclass(frozen=True)
+class GeneratorPair:
+    """One training query: the question the generator sees, its gold answers, its pages in rank order."""
+
+    query_id: str
+    question: str
+    answers: tuple[str, ...]
+    doc_ids: tuple[str, ...]
+
+
+def gold_pairs(qa: Sequence[QAExample], top_k: int, question: Callable[[QAExample], str]) -> list[GeneratorPair]:
+    """Pairs on each query's first ``top_k`` relevant pages (``pages=gold``: ablation and smoke runs)."""
+    return [pair_of(ex, ex.relevant_doc_ids[:top_k], question) for ex in qa]
+
+
+def pair_of(example: QAExample, doc_ids: Sequence[str], question: Callable[[QAExample], str]) -> GeneratorPair:
+    if not example.answers:
+        raise ValueError(f"training query {example.query_id!r} has no answer: the generator's target is answers[0]")
+    return GeneratorPair(example.query_id, question(example), tuple(example.answers), tuple(doc_ids))
+
+
+def write_pairs(path: str | Path, pairs: Sequence[GeneratorPair], settings: Mapping[str, Any]) -> Path:
+    """``settings`` as the first line, then one pair per line; replaced whole (:func:`hkrag.io.write_text`)."""
+    lines = [json.dumps({"settings": dict(settings)}, sort_keys=True)]
+    lines += [json.dumps(asdict(pair), ensure_ascii=False) for pair in pairs]
+    return write_text(path, "\n".join(lines) + "\n")
+
+
+def read_pairs(path: str | Path, settings: Mapping[str, Any] | None = None) -> list[GeneratorPair]:
+    """The pairs of a :func:`write_pairs` file; with ``settings``, a file made with others is an error naming them."""
+    lines = Path(path).read_text().splitlines()
+    if not lines or "settings" not in json.loads(lines[0]):
+        raise ValueError(f"{path} is not a generator pairs file (its first line must hold the settings)")
+    saved = json.loads(lines[0])["settings"]
+    if settings is not None and saved != json.loads(json.dumps(dict(settings))):
+        differ = sorted(k for k in {*saved, *settings} if saved.get(k) != settings.get(k))
+        raise ValueError(f"{path} was built with other settings ({differ}); delete it or choose another path")
+    rows = [json.loads(line) for line in lines[1:]]
+    return [GeneratorPair(r["query_id"], r["question"], tuple(r["answers"]), tuple(r["doc_ids"])) for r in rows]

@@ -1,0 +1,79 @@
+"""The generator's training top-k from a retriever, like VDocRAG's ``create_train_generator`` (DESIGN §11).
+
+Every training query is ranked over the training corpus and its top-k page ids are kept in rank order
+(``pages=retrieved``, VDocGenerator's recipe), or its relevant pages are kept (``pages=gold``). The corpus
+embeddings are resumable shards (:func:`hkrag.retrieval.evaluation.embed_corpus`); the pairs file is
+written once, atomically, and a rerun with the same settings reads it back (:mod:`hkrag.data.generator_pairs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hkrag.data.generator_pairs import PAGE_SOURCES, GeneratorPair, gold_pairs, pair_of, read_pairs, write_pairs
+from hkrag.data.opendocvqa import Corpus, QAExample
+from hkrag.index.faiss_index import DocumentIndex
+from hkrag.retriever import Phi3VRetriever
+
+from .evaluation import RetrievalEvalConfig, embed_corpus, shard_identity
+
+EMBEDDINGS_DIR = "embeddings-train"
+
+
+def retrieved_pairs(
+    retriever: Phi3VRetriever,
+    qa: Sequence[QAExample],
+    corpus: Corpus,
+    top_k: int,
+    question: Callable[[QAExample], str],
+    work_dir: Path,
+    identity: Mapping[str, Any],
+    batch_sizes: tuple[int, int] = (32, 8),
+) -> list[GeneratorPair]:
+    """Each query's ``top_k`` pages of ``corpus`` by the retriever's cosine score (flat index), best first."""
+    if top_k > len(corpus):
+        raise ValueError(f"top_k={top_k} but the training corpus {corpus.name} has {len(corpus)} pages")
+    was_training = retriever.training
+    retriever.eval()
+    settings = RetrievalEvalConfig("", "", (), query_batch_size=batch_sizes[0], doc_batch_size=batch_sizes[1])
+    ids, vectors = embed_corpus(retriever, corpus, work_dir / EMBEDDINGS_DIR, settings,
+                                shard_identity(retriever, dict(identity)))
+    queries = retriever.encode_queries([ex.query for ex in qa], batch_size=batch_sizes[0],
+                                       ids=[ex.query_id for ex in qa])
+    retriever.train(was_training)
+    run = DocumentIndex.build(ids, vectors, "flat").to_run([ex.query_id for ex in qa], queries.float().numpy(), top_k)
+    ranked = {qid: sorted(scores, key=scores.__getitem__, reverse=True) for qid, scores in run.items()}
+    return [pair_of(ex, ranked[ex.query_id], question) for ex in qa]
+
+
+def build_generator_pairs(
+    path: Path,
+    qa: Sequence[QAExample],
+    corpus: Corpus | None,
+    pages: str,
+    top_k: int,
+    question: Callable[[QAExample], str],
+    retriever: Callable[[], Phi3VRetriever] | None = None,
+    identity: Mapping[str, Any] | None = None,
+) -> list[GeneratorPair]:
+    """The pairs at ``path``, built first if absent (``retriever`` is then called for ``pages=retrieved``).
+
+    ``identity`` names the retriever (base, adapter) and the data; it is stored with the pairs, and an
+    existing file built with other settings raises rather than training on stale pages.
+    """
+    if pages not in PAGE_SOURCES:
+        raise ValueError(f"pages must be one of {PAGE_SOURCES}, got {pages!r}")
+    settings = {"pages": pages, "top_k": top_k, "queries": len(qa),
+                **({"retriever": dict(identity or {})} if pages == "retrieved" else {})}
+    if path.is_file():
+        return read_pairs(path, settings)
+    if pages == "gold":
+        pairs = gold_pairs(qa, top_k, question)
+    else:
+        if retriever is None or corpus is None:
+            raise ValueError("pages=retrieved needs a retriever and the training corpus")
+        pairs = retrieved_pairs(retriever(), qa, corpus, top_k, question, path.parent, identity or {})
+    write_pairs(path, pairs, settings)
+    return pairs

@@ -1,0 +1,115 @@
+"""``python train.py experiment=generator_tiny|generator_vdocrag``: fine-tune the generator (VDocGenerator's
+recipe, DESIGN §11, docs/training.md "Generator fine-tuning (VDocGenerator)").
+
+Data (the built-in corpus is generated on first use); the training top-k of every training query
+(``generator_training.pages``: ``retrieved`` by a retriever as VDocRAG does, or ``gold``), kept in
+``generator_pairs.jsonl``; the base model (the tiny random one is saved in ``base/``) with a fresh
+LoRA; training on the single-pass baseline's own prompt; the final adapter in
+``checkpoints/final/adapter``, which ``lvlm=phi3v lvlm.base=<base> lvlm.adapter=<adapter>`` serves
+(``report.json`` names both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from hkrag.data.opendocvqa import load_corpus, load_qa
+from hkrag.io import write_json
+from hkrag.lvlm import LVLMRequest, PageImage
+from hkrag.lvlm.phi3v import phi3_chat
+from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
+from hkrag.models.phi3v.loading import load_phi3v, load_processor, tiny_phi3v
+from hkrag.retrieval.generator_pairs import build_generator_pairs
+from hkrag.retriever import LoraSettings, Phi3VRetriever
+from hkrag.run_log import RunLogger
+from hkrag.tasks.common import BASE_DIR, build_retriever, prepare_data, save_tiny_base, trained_model_config
+from hkrag.tasks.rag import question_text
+from hkrag.training.checkpoint import ADAPTER_DIR, FINAL_CHECKPOINT
+from hkrag.training.generator import (
+    GeneratorDataset,
+    GeneratorTrainer,
+    GeneratorTrainerConfig,
+    PromptRenderer,
+    causal_lm_lora,
+)
+
+PAIRS_FILE = "generator_pairs.jsonl"
+
+
+def single_pass_prompt(generator_cfg: DictConfig) -> PromptRenderer:
+    """The chat prompt the single-pass baseline sends for a question and its pages: its template
+    (``generator.prompts.single_pass``, filled as ``agents.prompts.Prompts.render`` fills it), one user turn
+    of pages then text (as ``agents.prompts.build_request``) and the backend's Phi-3 rendering (``phi3_chat``).
+    ``agents`` is named only at the composition root, so tests/test_generator_training.py checks this against
+    the request the single-pass generator really sends, byte for byte."""
+    template = str(generator_cfg.prompts.single_pass)
+
+    def render(question: str, pages: Sequence[PageImage]) -> str:
+        return phi3_chat(LVLMRequest.user(*pages, template.format(question=question)).messages)
+
+    return render
+
+
+def generator_base(model_cfg: DictConfig, texts: Sequence[str],
+                   save_to: Path) -> tuple[Phi3VForCausalLM, Phi3VProcessor, str]:
+    """The model to fine-tune, its processor and the base folder/id that serves it (a tiny one is saved)."""
+    if model_cfg.kind == "tiny":
+        model, processor = tiny_phi3v(texts=texts, num_crops=model_cfg.num_crops, seed=model_cfg.seed,
+                                      **model_cfg.get("config", {}))
+        return model, processor, str(save_tiny_base(model, processor, save_to))
+    if model_cfg.kind == "phi3v":
+        model = load_phi3v(model_cfg.base, dtype=getattr(torch, model_cfg.dtype),
+                           attn_implementation=model_cfg.get("attn_implementation"))
+        return model, load_processor(model_cfg.base, model_cfg.num_crops), str(model_cfg.base)
+    raise ValueError(f"model.kind must be 'tiny' or 'phi3v', got {model_cfg.kind!r}")
+
+
+def training_retriever(settings: DictConfig) -> tuple[Phi3VRetriever, dict[str, Any]]:
+    """The retriever ranking the training pages (``generator_training.retriever``: a ``train.py`` ``run_dir``
+    or ``model`` settings) and its identity (base, adapter)."""
+    model_cfg = settings.model
+    if settings.get("run_dir"):
+        model_cfg = trained_model_config(model_cfg, settings.run_dir)
+    identity = {"model": str(model_cfg.get("base", "tiny")), "adapter": model_cfg.get("adapter"),
+                "seed": model_cfg.get("seed")}
+    return build_retriever(model_cfg, trainable=False), identity
+
+
+def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
+    """Build the training top-k, fine-tune the generator's LoRA and save it; returns the report."""
+    output_dir, gen = Path(output_dir), cfg.generator_training
+    torch.manual_seed(gen.optim.seed)
+    prepare_data(cfg.data)
+    qa = load_qa(cfg.data.qa_source, cfg.data.train.qa_config, cfg.data.train.split)[: gen.max_queries or None]
+    corpus = load_corpus(cfg.data.corpus_source, cfg.data.train.corpus_config, cfg.data.train.split)
+    retriever_settings = gen.retriever
+    identity = training_retriever(retriever_settings)[1] if gen.pages == "retrieved" else None
+    pairs = build_generator_pairs(output_dir / PAIRS_FILE, qa, corpus, gen.pages, cfg.generator.top_k, question_text,
+                                  retriever=lambda: training_retriever(retriever_settings)[0], identity=identity)
+    texts = [text for pair in pairs for text in (pair.question, *pair.answers)]
+    model, processor, base = generator_base(cfg.model, texts, output_dir / BASE_DIR)
+    device = torch.device(gen.device if gen.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    model = causal_lm_lora(model, LoraSettings(**cfg.model.lora)).to(device)
+    if cfg.model.get("gradient_checkpointing") and device.type == "cuda":
+        model.get_base_model().gradient_checkpointing_enable()
+        model.enable_input_require_grads()
+    run_logger = RunLogger(output_dir, project=cfg.logger.project, wandb_mode=cfg.logger.wandb_mode,
+                           config=OmegaConf.to_container(cfg, resolve=True), name=cfg.get("run_name"))
+    config = GeneratorTrainerConfig(**OmegaConf.to_container(gen.optim, resolve=True))
+    dataset = GeneratorDataset(pairs, corpus, single_pass_prompt(cfg.generator))
+    trainer = GeneratorTrainer(model, processor, dataset, config, output_dir, run_logger,
+                               run_config={"base": base, "pages": gen.pages, "top_k": cfg.generator.top_k})
+    trainer.fit()
+    final = trainer.save(FINAL_CHECKPOINT)
+    report = {"steps": trainer.state.step, "examples": len(pairs), "pages": gen.pages, "base": base,
+              "adapter": str(final / ADAPTER_DIR),
+              "serve": f"lvlm=phi3v lvlm.base={base} lvlm.adapter={final / ADAPTER_DIR}"}
+    write_json(output_dir / "report.json", report)
+    run_logger.finish()
+    print(f"generator adapter: {final / ADAPTER_DIR}\nserve it with: {report['serve']}")
+    return report

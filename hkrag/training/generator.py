@@ -1,0 +1,226 @@
+"""Generator fine-tuning, VDocGenerator's recipe (DESIGN §11, docs/training.md "Generator fine-tuning").
+
+Phi-3-vision with LoRA learns to answer from the top-k pages of each training query. The input is the
+single-pass baseline's prompt, byte for byte (the caller renders it, :mod:`hkrag.tasks.generator_training`),
+followed by the target ``"{answers[0]}<|end|>\\n<|endoftext|>"``; every prompt token (page placeholders
+included) is labelled −100, so the causal-LM loss is the mean negative log-likelihood of the target tokens
+only. Batches are right-padded (pads labelled −100; positions come from the attention mask, so either
+side is safe). AdamW, ``batch_size`` × ``grad_accum`` examples per optimizer step (paper: 2 × 4), lr 1e-4,
+one epoch; checkpoints are :func:`hkrag.training.checkpoint.save_checkpoint`'s, atomic.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import PeftModel, TaskType, get_peft_model
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from hkrag.data.generator_pairs import GeneratorPair
+from hkrag.data.opendocvqa import Corpus
+from hkrag.lvlm.base import PageImage
+from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
+from hkrag.retriever import LoraSettings
+from hkrag.run_log import RunLogger
+from hkrag.training.checkpoint import CHECKPOINTS_DIR, TrainState, check_finite, rng_state, save_checkpoint
+
+IGNORE_INDEX = -100
+TARGET_SUFFIX = "<|end|>\n<|endoftext|>"
+"""What follows the answer in VDocGenerator's target (the Phi-3 turn end, then end of text)."""
+
+PromptRenderer = Callable[[str, Sequence[PageImage]], str]
+"""``(question, pages) -> prompt``: the full chat prompt the single-pass baseline sends for these pages."""
+
+
+def target_text(answer: str) -> str:
+    """VDocGenerator's supervised text for one query: its first gold answer, ``<|end|>``, ``<|endoftext|>``."""
+    return f"{answer}{TARGET_SUFFIX}"
+
+
+def causal_lm_lora(model: Phi3VForCausalLM, lora: LoraSettings) -> PeftModel:
+    """``model`` with a fresh causal-LM LoRA adapter (the retriever's target names, ``model.lora``)."""
+    config = lora.peft_config()
+    config.task_type = TaskType.CAUSAL_LM
+    return get_peft_model(model, config)
+
+
+def encode_example(processor: Phi3VProcessor, prompt: str, num_img_tokens: Sequence[int],
+                   answer: str) -> tuple[list[int], list[int]]:
+    """Token ids of prompt + target and labels: −100 on every prompt token, the target's ids on the rest.
+
+    The prompt is tokenised as at inference (:meth:`Phi3VProcessor.prompt_ids`), the target alone without
+    special tokens, so the labels are exactly the ids a greedy decoder must produce after the prompt.
+    """
+    prompt_ids = processor.prompt_ids(prompt, num_img_tokens)
+    target_ids = processor.tokenizer(target_text(answer), add_special_tokens=False)["input_ids"]
+    return prompt_ids + target_ids, [IGNORE_INDEX] * len(prompt_ids) + target_ids
+
+
+@dataclass(frozen=True)
+class GeneratorExample:
+    """One training input: the rendered prompt, its pages (in prompt order) and the answer to learn."""
+
+    prompt: str
+    images: list[Image.Image]
+    answer: str
+
+
+class GeneratorDataset(Dataset):
+    """The pairs as :class:`GeneratorExample`: pages read from ``corpus``, prompts from ``render``."""
+
+    def __init__(self, pairs: Sequence[GeneratorPair], corpus: Corpus, render: PromptRenderer) -> None:
+        missing = sorted({d for p in pairs for d in p.doc_ids if d not in corpus})
+        if missing:
+            raise KeyError(f"{len(missing)} training page(s) are not in {corpus.name}, e.g. {missing[:3]}")
+        self.pairs, self.corpus, self.render = list(pairs), corpus, render
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int) -> GeneratorExample:
+        pair = self.pairs[index]
+        images = [self.corpus[doc_id].image for doc_id in pair.doc_ids]
+        pages = [PageImage(image, doc_id) for image, doc_id in zip(images, pair.doc_ids)]
+        return GeneratorExample(self.render(pair.question, pages), images, pair.answers[0])
+
+
+@dataclass
+class GeneratorCollator:
+    """Right-padded batches of :class:`GeneratorExample`: ids, mask, labels and the pages' pixels."""
+
+    processor: Phi3VProcessor
+
+    def __call__(self, examples: Sequence[GeneratorExample]) -> dict[str, torch.Tensor]:
+        images = [image for ex in examples for image in ex.images]
+        vision = self.processor.image_processor(images, return_tensors="pt") if images else None
+        counts = [int(n) for n in vision["num_img_tokens"]] if vision else []
+        ids, labels, start = [], [], 0
+        for ex in examples:
+            row_ids, row_labels = encode_example(self.processor, ex.prompt, counts[start:start + len(ex.images)],
+                                                 ex.answer)
+            ids.append(row_ids)
+            labels.append(row_labels)
+            start += len(ex.images)
+        batch = dict(self.processor.pad(ids, padding_side="right"))
+        longest = batch["input_ids"].shape[1]
+        batch["labels"] = torch.tensor([row + [IGNORE_INDEX] * (longest - len(row)) for row in labels])
+        if vision:
+            batch["pixel_values"], batch["image_sizes"] = vision["pixel_values"], vision["image_sizes"]
+        return batch
+
+
+@dataclass
+class GeneratorTrainerConfig:
+    """Optimisation settings (``generator_training.optim``); paper: 2 × 4 per step, lr 1e-4, one epoch."""
+
+    batch_size: int = 2
+    grad_accum: int = 4
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.0
+    scheduler: str = "linear"
+    max_grad_norm: float | None = 1.0
+    epochs: int = 1
+    max_steps: int | None = None
+    seed: int = 42
+    log_every: int = 1
+    save_every: int = 0
+    num_workers: int = 0
+    precision: str = "bf16"
+    """``bf16`` autocasts on CUDA; the CPU always trains in float32."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "grad_accum", "epochs"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"generator_training.optim.{name} must be a positive integer, got "
+                                 f"{getattr(self, name)!r}")
+
+
+class GeneratorTrainer:
+    """Trains the LoRA adapter of a :class:`PeftModel` causal LM on a :class:`GeneratorDataset`."""
+
+    def __init__(self, model: PeftModel, processor: Phi3VProcessor, dataset: Dataset, config: GeneratorTrainerConfig,
+                 output_dir: str | Path, run_logger: RunLogger, run_config: dict[str, Any] | None = None) -> None:
+        if not len(dataset):
+            raise ValueError("the generator's training set is empty")
+        self.model, self.dataset, self.config = model, dataset, config
+        self.collator = GeneratorCollator(processor)
+        self.output_dir, self.run_logger = Path(output_dir), run_logger
+        self.device = next(p for p in model.parameters() if p.requires_grad).device
+        per_epoch = math.ceil(len(dataset) / (config.batch_size * config.grad_accum))
+        self.total_steps = config.max_steps or per_epoch * config.epochs
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        self.scheduler = get_scheduler(config.scheduler, self.optimizer,
+                                       num_warmup_steps=int(config.warmup_ratio * self.total_steps),
+                                       num_training_steps=self.total_steps)
+        self.state = TrainState(config=dict(run_config or {}))
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean token NLL of the target tokens of ``batch`` (labels −100 elsewhere)."""
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        autocast = self.config.precision == "bf16" and self.device.type == "cuda"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+            return self.model.get_base_model()(**batch, use_cache=False).loss
+
+    def loader(self, epoch: int) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=self.config.batch_size, shuffle=True,
+                          collate_fn=self.collator, num_workers=self.config.num_workers,
+                          generator=torch.Generator().manual_seed(self.config.seed + epoch))
+
+    def fit(self) -> TrainState:
+        """Train for ``epochs`` (or ``max_steps``) optimizer steps of ``grad_accum`` micro-batches each."""
+        self.model.train()
+        bar = tqdm(total=self.total_steps, desc="generator", dynamic_ncols=True)
+        while self.state.step < self.total_steps:
+            batches = iter(self.loader(self.state.epoch))
+            while self.state.step < self.total_steps and self.optimizer_step(batches, bar):
+                pass
+            self.state.epoch += 1
+        bar.close()
+        return self.state
+
+    def optimizer_step(self, batches, bar: tqdm) -> bool:
+        """One step over up to ``grad_accum`` micro-batches (the epoch's last may be short); False at the end."""
+        started, losses = time.perf_counter(), []
+        for batch in batches:
+            loss = self.loss(batch)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"generator loss is {loss.item()} at step {self.state.step}; lower the lr")
+            (loss / self.config.grad_accum).backward()
+            losses.append(loss.item())
+            if len(losses) == self.config.grad_accum:
+                break
+        if not losses:
+            return False
+        norm = None
+        if self.config.max_grad_norm:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+        record = {"loss": sum(losses) / len(losses), "lr": self.scheduler.get_last_lr()[0], "epoch": self.state.epoch,
+                  "seconds": time.perf_counter() - started, **({"grad_norm": norm} if norm is not None else {})}
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.4f}")
+        if self.state.step % self.config.log_every == 0:
+            self.run_logger.log(record, self.state.step)
+        if self.config.save_every and self.state.step % self.config.save_every == 0:
+            self.save()
+        return len(losses) == self.config.grad_accum
+
+    def save(self, name: str | None = None) -> Path:
+        """Checkpoint under ``<output>/checkpoints/<name or step-N>`` (adapter in ``adapter/``), atomically."""
+        check_finite(self.model)
+        directory = self.output_dir / CHECKPOINTS_DIR / (name or f"step-{self.state.step}")
+        return save_checkpoint(directory, self.model, self.optimizer, self.scheduler, self.state, [rng_state()])
