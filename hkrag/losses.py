@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from hkrag.data.collators import IGNORE_INDEX
+
 
 def _at_least_float32(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
@@ -236,3 +238,55 @@ class HybridMaskLoss(nn.Module):
         if self.use_sin:
             masks += split_mask(mask, self.num_sub_masks, _seeded_generator(seed, mask.device))
         return torch.stack([masked_cosine(q, d, m) for m in masks])
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Per-row mean next-token NLL, ``(B,)``: position ``t`` predicts ``labels[t + 1]``; ``-100`` is skipped.
+
+    Each row is its own mean (a row without any label gives 0), so a batch's loss is the mean of its
+    examples' losses whatever their lengths, as VDocRAG's per-device batch of 1 with accumulation gives.
+    """
+    logits, labels = _at_least_float32(logits[:, :-1]), labels[:, 1:]
+    nll = F.cross_entropy(logits.transpose(1, 2), labels.clamp_min(0), reduction="none")
+    counted = labels != IGNORE_INDEX
+    return (nll * counted).sum(dim=1) / counted.sum(dim=1).clamp_min(1)
+
+
+class PretrainingLoss(nn.Module):
+    """VDocRAG's pre-training objective ``L = L_RCR + L_RCG`` (VDocRAG §3.2; DESIGN §11, docs/training.md).
+
+    RCR (representation compression via retrieval) is Eq. 3's InfoNCE with a page's text as the query
+    and the page image as its document (``tau = 0.01``, EOS pooling, L2 norm: the retriever's own
+    embeddings). RCG (representation compression via generation) is the causal-LM loss of the page text
+    generated from the image through the EOS token (:func:`causal_lm_loss`, per-example means); the
+    trainer computes it in a separate forward pass (:meth:`hkrag.retriever.Phi3VRetriever.generation_loss`).
+    :meth:`forward` is RCR with :class:`HybridMaskLoss`'s interface; :meth:`combine` adds RCG, unweighted.
+    """
+
+    generative = True
+
+    def __init__(self, tau: float = 0.01, max_target_length: int = 512) -> None:
+        super().__init__()
+        if max_target_length < 1:
+            raise ValueError(f"loss.max_target_length must be >= 1, got {max_target_length}")
+        self.tau = tau
+        self.max_target_length = max_target_length
+
+    def settings(self) -> dict[str, float | int]:
+        return {"tau": self.tau, "max_target_length": self.max_target_length}
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}={value}" for name, value in self.settings().items())
+
+    def forward(
+        self, q: Tensor, d: Tensor, generator: torch.Generator | None = None, ignore: Tensor | None = None
+    ) -> LossOutput:
+        """RCR of the global batch (``generator`` is unused: nothing is drawn)."""
+        rcr = info_nce(masked_cosine(_at_least_float32(q), _at_least_float32(d)), self.tau, ignore)
+        return LossOutput(loss=rcr, components={"rcr": rcr.detach()})
+
+    @staticmethod
+    def combine(rcr: LossOutput, rcg: Tensor) -> LossOutput:
+        """``L_RCR + L_RCG`` for logging and the finiteness check (each term was back-propagated already)."""
+        rcg = rcg.detach()
+        return LossOutput(loss=rcr.loss.detach() + rcg, components={**rcr.components, "rcg": rcg}, metrics=rcr.metrics)

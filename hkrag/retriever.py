@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from transformers import BatchFeature
 
 from hkrag.data.collators import RetrieverCollator
+from hkrag.losses import causal_lm_loss
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VModel, Phi3VProcessor
 from hkrag.models.phi3v.loading import (
     PHI3V_HUB_ID,
@@ -100,10 +101,48 @@ class Phi3VRetriever(nn.Module):
         return self.backbone.embed_tokens.weight.device
 
     def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
-        """Embeddings (B, hidden) in float32, L2-normalised, from a processor batch."""
+        """Embeddings (B, hidden) in float32, L2-normalised, from a processor batch.
+
+        A batch with ``labels`` (VDocRAG pre-training's RCG batch) gives :meth:`generation_loss` instead, so
+        both passes go through the (possibly DDP-wrapped) module call.
+        """
+        if "labels" in inputs:
+            return self.generation_loss(**inputs)
         outputs = self.backbone(**inputs, use_cache=False)
         pooled = last_token_pool(outputs.last_hidden_state, inputs["attention_mask"])
         return F.normalize(pooled.float(), dim=-1)
+
+    def generation_loss(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        **vision: torch.Tensor,
+    ) -> torch.Tensor:
+        """Per-example causal-LM loss (B,) through the LM head under a custom 4-D mask (VDocRAG's RCG).
+
+        ``attention_mask`` is ``(B, 1, L, L)`` bool, ``True`` = may attend
+        (:func:`hkrag.data.collators.generation_mask`); it becomes an additive float mask in the model's
+        dtype, which transformers 5.x passes to the eager and SDPA kernels as is. FlashAttention-2 takes no
+        custom mask, hence a ``ValueError``.
+        """
+        kernel = self.backbone.config._attn_implementation
+        if kernel == "flash_attention_2":
+            raise ValueError(
+                "RCG needs a custom 4-D attention mask, which FlashAttention-2 cannot take: load the model with "
+                "model.attn_implementation=eager (VDocRAG's setting) or sdpa"
+            )
+        if attention_mask.dim() != 4 or attention_mask.dtype != torch.bool:
+            raise ValueError(f"generation_loss needs a (B, 1, L, L) bool mask, got {attention_mask.dtype} "
+                             f"{tuple(attention_mask.shape)}")
+        dtype = self.backbone.embed_tokens.weight.dtype
+        additive = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
+        additive = additive.masked_fill(~attention_mask, torch.finfo(dtype).min)
+        lm = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+        logits = lm(input_ids=input_ids, attention_mask=additive, position_ids=position_ids, use_cache=False,
+                    **vision).logits
+        return causal_lm_loss(logits, labels)
 
     def query_inputs(self, texts: Sequence[str], ids: Sequence[str] | None = None) -> BatchFeature:
         """Processor batch for raw query texts (over-long ones truncated to the context, with a warning)."""

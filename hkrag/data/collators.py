@@ -10,6 +10,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 from PIL import Image
 from transformers import BatchFeature
 
@@ -17,6 +18,10 @@ from hkrag.models.phi3v import Phi3VProcessor
 
 logger = logging.getLogger(__name__)
 DOCUMENT_PROMPT = "<|image_1|>\nWhat is shown in this image?"
+GENERATION_SUFFIX = "<|end|>\n<|endoftext|>"
+"""What follows the page text in VDocRAG's RCG target (the Phi-3 turn end, then end of text)."""
+IGNORE_INDEX = -100
+"""Label of a token the causal-LM loss skips (prompt tokens, padding)."""
 
 
 def query_prompt(text: str, eos_token: str) -> str:
@@ -69,3 +74,66 @@ class RetrieverCollator:
         """Training batch from ``(query text, positive page)`` pairs: ``{"query": ..., "document": ...}``."""
         texts, images = zip(*pairs)
         return {"query": self.queries(texts), "document": self.documents(images)}
+
+
+def generation_mask(prompt_lengths: Sequence[int], length: int) -> torch.Tensor:
+    """VDocRAG's RCG attention mask, ``(B, 1, L, L)`` bool, ``True`` = may attend (docs/training.md).
+
+    Lower-triangular (causal); a row whose prompt (document prompt + EOS) has ``n`` tokens keeps, for
+    every position ``>= n`` (the target and its padding), only the prompt's last token, the EOS:
+    ``mask[i, 0, n:, :n - 1] = False``. Prompt tokens attend causally among themselves.
+    """
+    mask = torch.tril(torch.ones(length, length, dtype=torch.bool)).repeat(len(prompt_lengths), 1, 1)
+    for row, n in enumerate(prompt_lengths):
+        if not 1 <= n <= length:
+            raise ValueError(f"prompt length {n} of row {row} is outside [1, {length}]")
+        mask[row, n:, : n - 1] = False
+    return mask[:, None]
+
+
+@dataclass
+class PretrainingCollator:
+    """Batches for VDocRAG pre-training (RCR + RCG) from ``(page text, page image)`` pairs.
+
+    ``query``: the page text as a query (``text + EOS``, cut to ``max_query_length`` keeping the EOS);
+    ``document``: the page as the retriever encodes it; ``generation``: the document prompt's tokens
+    (with their EOS) followed by the target ``text<|end|>\\n<|endoftext|>`` (tokenised without special
+    tokens, cut to ``max_target_length``), right-padded, ``labels`` −100 on the prompt and the padding,
+    ``attention_mask`` the 4-D :func:`generation_mask`, ``position_ids`` 0 .. L−1, and the page's pixels.
+    """
+
+    retriever: RetrieverCollator
+    max_query_length: int = 512
+    max_target_length: int = 512
+
+    def __post_init__(self) -> None:
+        processor, max_length = self.retriever.processor, self.retriever.max_length
+        self._text_collator = RetrieverCollator(processor, max_length, self.max_query_length)
+
+    def generation(self, texts: Sequence[str], document: BatchFeature) -> BatchFeature:
+        """The RCG batch of ``texts`` on the pages of ``document`` (a :meth:`RetrieverCollator.documents` batch)."""
+        tokenizer = self.retriever.processor.tokenizer
+        prompts = [row[mask.bool()].tolist() for row, mask in zip(document["input_ids"], document["attention_mask"])]
+        targets = [tokenizer(t + GENERATION_SUFFIX, add_special_tokens=False)["input_ids"][: self.max_target_length]
+                   for t in texts]
+        length = max(len(p) + len(t) for p, t in zip(prompts, targets))
+        pad = tokenizer.pad_token_id or 0
+        ids, labels = [], []
+        for prompt, target in zip(prompts, targets):
+            padding = length - len(prompt) - len(target)
+            ids.append(prompt + target + [pad] * padding)
+            labels.append([IGNORE_INDEX] * len(prompt) + target + [IGNORE_INDEX] * padding)
+        return BatchFeature({
+            "input_ids": torch.tensor(ids),
+            "labels": torch.tensor(labels),
+            "attention_mask": generation_mask([len(p) for p in prompts], length),
+            "position_ids": torch.arange(length).repeat(len(ids), 1),
+            "pixel_values": document["pixel_values"],
+            "image_sizes": document["image_sizes"],
+        })
+
+    def __call__(self, pairs: Sequence[tuple[str, Image.Image]]) -> dict[str, BatchFeature]:
+        texts, images = zip(*pairs)
+        document = self.retriever.documents(images)
+        return {"query": self._text_collator.queries(texts), "document": document,
+                "generation": self.generation(texts, document)}

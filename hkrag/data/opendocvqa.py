@@ -8,7 +8,9 @@ and splits to files. The synthetic corpus and PDF ingestion write that layout wi
 :func:`hkrag.data.writer.save_split`, so the demo runs exactly the loader path of the real data.
 
 QA rows: ``query_id, query, answers, relevant_doc_ids`` (+ optional ``evidence``).
-Corpus rows: ``doc_id, image``. Training uses the default config's ``train`` split (paired by
+Corpus rows: ``doc_id, image`` (+ optional ``text``: the page's text in reading order, written by the
+synthetic corpus and PDF ingestion, read by VDocRAG pre-training, docs/training.md).
+Training uses the default config's ``train`` split (paired by
 :mod:`hkrag.data.pairs`), tests use ``<dataset>`` / ``all`` configs with split ``test`` (see :func:`pools`).
 
 A data set that cannot be used (not loadable, malformed card, empty split, missing column, null or
@@ -57,6 +59,11 @@ QA_FEATURES = datasets.Features(
     }
 )
 CORPUS_FEATURES = datasets.Features({"doc_id": datasets.Value("string"), "image": datasets.Image()})
+TEXT_COLUMN = "text"
+PAGE_TEXT_FEATURES = datasets.Features({**CORPUS_FEATURES, TEXT_COLUMN: datasets.Value("string")})
+"""A corpus whose pages carry their text (optional column: corpora without it load as before)."""
+PRETRAIN_HUB_ID = "NTT-hil-insight/VDocRetriever-Pretrain-DocStruct"
+"""VDocRAG's pre-training pages: ``query`` (the page's OCR text) and ``image``, no ``doc_id``."""
 
 
 class DataError(ValueError):
@@ -127,8 +134,11 @@ def _identifier(value: Any, column: str, row: int, name: str) -> str:
 
 @dataclass(frozen=True)
 class CorpusPage:
+    """A page; ``text`` is its text layer when the corpus has a ``text`` column, else ``None``."""
+
     doc_id: str
     image: Image.Image
+    text: str | None = None
 
 
 class Corpus:
@@ -148,6 +158,7 @@ class Corpus:
         self.name = name
         self.max_pixels = max_pixels
         self.doc_ids = [_identifier(doc_id, "doc_id", row, name) for row, doc_id in enumerate(dataset["doc_id"][:])]
+        self.has_text = TEXT_COLUMN in dataset.column_names
         self._rows: dict[str, int] = {}
         for row, doc_id in enumerate(self.doc_ids):
             if doc_id in self._rows:
@@ -166,8 +177,13 @@ class Corpus:
     def __getitem__(self, key: int | str) -> CorpusPage:
         row = self.index(key) if isinstance(key, str) else key
         doc_id = self.doc_ids[row]
-        image = open_image(self.dataset[row]["image"], doc_id, max_pixels=self.max_pixels)
-        return CorpusPage(doc_id, image)
+        record = self.dataset[row]
+        image = open_image(record["image"], doc_id, max_pixels=self.max_pixels)
+        return CorpusPage(doc_id, image, record.get(TEXT_COLUMN))
+
+    def texts(self) -> list[str | None]:
+        """Every page's text in row order (without decoding images); all ``None`` without a ``text`` column."""
+        return list(self.dataset[TEXT_COLUMN][:]) if self.has_text else [None] * len(self)
 
     def fingerprints(self) -> list[str]:
         """A short hash of each page's stored image (bytes, else path), in row order, without decoding.
@@ -209,6 +225,30 @@ def load_corpus(
     dataset = _load(source, config, split, CORPUS_COLUMNS, load_kwargs)
     corpus = Corpus(dataset, name=_name(source, config, split), max_pixels=max_pixels)
     logger.info("loaded %s", corpus)
+    return corpus
+
+
+def load_pretraining_corpus(
+    source: str | Path = PRETRAIN_HUB_ID,
+    config: str | None = None,
+    split: str = "train",
+    text_column: str = "query",
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    **load_kwargs: Any,
+) -> Corpus:
+    """Pages with their text for VDocRAG pre-training, as a :class:`Corpus` whose pages carry ``text``.
+
+    ``text_column`` names the text (``query`` in VDocRetriever-Pretrain-DocStruct, ``text`` in our
+    corpora); a set without ``doc_id`` gets the row numbers (``"0"``, ``"1"``, ...) as ids.
+    """
+    dataset = _load(source, config, split, (text_column, "image"), load_kwargs)
+    if text_column != TEXT_COLUMN:
+        dataset = dataset.remove_columns([c for c in (TEXT_COLUMN,) if c in dataset.column_names])
+        dataset = dataset.rename_column(text_column, TEXT_COLUMN)
+    if "doc_id" not in dataset.column_names:
+        dataset = dataset.add_column("doc_id", [str(row) for row in range(len(dataset))])
+    corpus = Corpus(dataset, name=_name(source, config, split), max_pixels=max_pixels)
+    logger.info("loaded %s with page texts", corpus)
     return corpus
 
 

@@ -46,3 +46,22 @@ def training_pairs(qa: Iterable[QAExample], corpus: Corpus) -> list[TrainingPair
             skipped,
         )
     return pairs
+
+
+def pretraining_pairs(corpus: Corpus) -> list[TrainingPair]:
+    """VDocRAG pre-training pairs: each page's text as the query, the page itself as its one positive.
+
+    Needs the corpus's ``text`` column (synthetic corpus, PDF ingestion, VDocRetriever-Pretrain-DocStruct);
+    pages with blank text (e.g. scans without a text layer) are skipped, counted in one warning.
+    """
+    if not corpus.has_text:
+        raise ValueError(
+            f"{corpus.name} has no 'text' column, which pre-training reads: regenerate the synthetic corpus, "
+            "re-ingest the PDFs, or use a data set with page texts (data=pretrain_docstruct)"
+        )
+    pairs = [TrainingPair(doc_id, text, (doc_id,)) for doc_id, text in zip(corpus.doc_ids, corpus.texts())
+             if text and text.strip()]
+    if len(pairs) < len(corpus):
+        logger.warning("%d of %d pages of %s have no text and were skipped", len(corpus) - len(pairs), len(corpus),
+                       corpus.name)
+    return pairs

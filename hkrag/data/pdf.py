@@ -1,8 +1,9 @@
-"""Render PDFs into a page corpus in the OpenDocVQA layout (``doc_id, image``), one row per page.
+"""Render PDFs into a page corpus in the OpenDocVQA layout (``doc_id, image, text``), one row per page.
 
     python -m hkrag.data.pdf reports/*.pdf --out data/reports --dpi 144
 
-Page ``n`` (1-based) of ``report.pdf`` becomes ``doc_id = "report.pdf#p{n}"``. A PDF that is
+Page ``n`` (1-based) of ``report.pdf`` becomes ``doc_id = "report.pdf#p{n}"``; ``text`` is the page's text
+layer (pdfium's text page, empty for a scan), which VDocRAG pre-training reads (docs/training.md). A PDF that is
 encrypted, corrupt, empty, page-less, not a file, or whose name collides with an earlier one is
 reported (logged, and summarised at the end) and skipped; the others are still ingested. Each PDF
 is rendered whole before it is written, so a file that fails half-way leaves no partial pages
@@ -29,7 +30,7 @@ import pypdfium2 as pdfium
 from tqdm.auto import tqdm
 
 from hkrag.data.images import DEFAULT_MAX_PIXELS, file_problem
-from hkrag.data.opendocvqa import CORPUS_FEATURES
+from hkrag.data.opendocvqa import PAGE_TEXT_FEATURES
 from hkrag.data.writer import save_split
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,13 @@ def render_pdf(
 
     Pages are capped at ``max_pixels`` (rendered at a lower dpi, logged); ``progress`` advances per page.
     """
+    return [(doc_id, png) for doc_id, png, _ in read_pdf(path, dpi, max_pixels, progress)]
+
+
+def read_pdf(
+    path: str | Path, dpi: int = 144, max_pixels: int = DEFAULT_MAX_PIXELS, progress: tqdm | None = None
+) -> list[tuple[str, bytes, str]]:
+    """:func:`render_pdf`'s pages with each page's text layer: ``(doc_id, png, text)`` in page order."""
     path = Path(path)
     document = _open(path)
     try:
@@ -71,12 +79,25 @@ def render_pdf(
             progress.refresh()
         pages = []
         for i in range(len(document)):
-            pages.append((f"{path.name}#p{i + 1}", _render_page(document, i, dpi, path, max_pixels)))
+            png = _render_page(document, i, dpi, path, max_pixels)
+            pages.append((f"{path.name}#p{i + 1}", png, _page_text(document, i, path)))
             if progress is not None:
                 progress.update(1)
         return pages
     finally:
         document.close()
+
+
+def _page_text(document: pdfium.PdfDocument, index: int, path: Path) -> str:
+    """The page's text layer in pdfium's reading order ("" for a page without one, e.g. a scan)."""
+    try:
+        textpage = document[index].get_textpage()
+        try:
+            return textpage.get_text_range().replace("\r\n", "\n")
+        finally:
+            textpage.close()
+    except pdfium.PdfiumError as error:
+        raise PdfError(path, f"the text of page {index + 1} cannot be read ({error})") from error
 
 
 def _open(path: Path) -> pdfium.PdfDocument:
@@ -143,7 +164,7 @@ def ingest(
     rows = _rows([Path(p) for p in pdfs], dpi, report)
     first = next(rows, None)
     if first is not None:
-        report.output = save_split(itertools.chain([first], rows), out_dir, config, split, CORPUS_FEATURES)
+        report.output = save_split(itertools.chain([first], rows), out_dir, config, split, PAGE_TEXT_FEATURES)
     logger.info("ingested %d pages from %d PDFs into %s", report.pages, report.files, report.output)
     if report.failed:
         summary = "; ".join(f"{path} ({problem})" for path, problem in report.failed.items())
@@ -158,7 +179,7 @@ def _rows(paths: list[Path], dpi: int, report: IngestReport) -> Iterator[dict]:
             try:
                 if path.name in names:
                     raise PdfError(path, f"same file name as {names[path.name]}; doc_ids would collide")
-                pages = render_pdf(path, dpi, progress=progress)
+                pages = read_pdf(path, dpi, progress=progress)
             except PdfError as error:
                 logger.warning("%s", error)
                 report.failed[str(path)] = error.problem
@@ -167,7 +188,8 @@ def _rows(paths: list[Path], dpi: int, report: IngestReport) -> Iterator[dict]:
             report.files += 1
             report.pages += len(pages)
             progress.set_postfix(files=report.files)
-            yield from ({"doc_id": doc_id, "image": {"bytes": png, "path": None}} for doc_id, png in pages)
+            yield from ({"doc_id": doc_id, "image": {"bytes": png, "path": None}, "text": text}
+                        for doc_id, png, text in pages)
 
 
 def main(argv: list[str] | None = None) -> int:

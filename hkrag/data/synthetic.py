@@ -36,7 +36,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont
 from tqdm.auto import tqdm
 
-from hkrag.data.opendocvqa import ALL_POOL, CORPUS_FEATURES, QA_FEATURES, format_query
+from hkrag.data.opendocvqa import ALL_POOL, PAGE_TEXT_FEATURES, QA_FEATURES, format_query
 from hkrag.data.writer import save_split
 from hkrag.io import write_json, write_text
 
@@ -87,6 +87,8 @@ class SyntheticConfig:
     fine_print_size: int = 14
     train_fine_groups: int = 0
     test_fine_groups: int = 0
+    layout: int = 2
+    """Version of what is written (2: corpora carry the ``text`` column), so older folders are regenerated."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.group_size <= min(len(LABELS), len(SOURCES), len(CODES)):
@@ -174,17 +176,18 @@ def generate(out_dir: str | Path, config: SyntheticConfig = SyntheticConfig()) -
     images = {doc_id: _png(image) for doc_id, (image, _) in rendered.items()}
 
     def corpus_rows(specs: list[PageSpec]) -> Iterator[dict]:
-        return ({"doc_id": s.doc_id, "image": {"bytes": images[s.doc_id], "path": None}} for s in specs)
+        return ({"doc_id": s.doc_id, "image": {"bytes": images[s.doc_id], "path": None},
+                 "text": page_text(rendered[s.doc_id][1])} for s in specs)
 
     save_split(queries["train"], paths.qa, "default", "train", QA_FEATURES)
-    save_split(corpus_rows(train), paths.corpus, "default", "train", CORPUS_FEATURES)
-    save_split(corpus_rows(test), paths.corpus, ALL_POOL, "test", CORPUS_FEATURES)
+    save_split(corpus_rows(train), paths.corpus, "default", "train", PAGE_TEXT_FEATURES)
+    save_split(corpus_rows(test), paths.corpus, ALL_POOL, "test", PAGE_TEXT_FEATURES)
     for style in data_sets(config):
         for split, rows in queries.items():
             style_rows = [q for q in rows if q["relevant_doc_ids"][0].startswith(f"{style}-")]
             save_split(style_rows, paths.qa, style, split, QA_FEATURES)
         style_pages = [s for s in test if s.style == style]
-        save_split(corpus_rows(style_pages), paths.corpus, style, "test", CORPUS_FEATURES)
+        save_split(corpus_rows(style_pages), paths.corpus, style, "test", PAGE_TEXT_FEATURES)
     splits = [(split, spec) for split, specs in (("train", train), ("test", test)) for spec in specs]
     lines = [json.dumps({"split": split, **dataclasses.asdict(spec),
                          "items": [dataclasses.asdict(item) for item in rendered[spec.doc_id][1]]})
@@ -202,6 +205,14 @@ def render_page(spec: PageSpec, config: SyntheticConfig = SyntheticConfig()) -> 
     _RENDERERS[spec.renderer](canvas, spec)
     canvas.fine_print(spec)
     return canvas.image, canvas.items
+
+
+def page_text(items: list[TextItem]) -> str:
+    """Every string drawn on a page in reading order (top to bottom, then left to right), one per line.
+
+    The corpus's ``text`` column: the page text VDocRAG's pre-training (RCR, RCG) learns from.
+    """
+    return "\n".join(item.text for item in sorted(items, key=lambda item: (item.box[1], item.box[0])))
 
 
 def _page_specs(rng: random.Random, config: SyntheticConfig, split: str, taken: set[tuple]) -> list[PageSpec]:

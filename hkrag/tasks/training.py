@@ -12,13 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from accelerate.utils import set_seed
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from hkrag.data.opendocvqa import load_corpus, load_qa
-from hkrag.data.pairs import training_pairs
+from hkrag.data.collators import PretrainingCollator
+from hkrag.data.opendocvqa import Corpus, load_corpus, load_pretraining_corpus, load_qa
+from hkrag.data.pairs import TrainingPair, pretraining_pairs, training_pairs
 from hkrag.index.shards import config_hash
 from hkrag.io import write_json, write_text
-from hkrag.losses import HybridMaskLoss
+from hkrag.losses import HybridMaskLoss, PretrainingLoss
 from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, BEFORE_TRAINING_DIR, evaluate_retrieval
 from hkrag.retriever import Phi3VRetriever
 from hkrag.run_log import RunLogger
@@ -54,14 +56,13 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
         prepare_data(cfg.data)
     accelerator.wait_for_everyone()
 
-    train_qa = load_qa(cfg.data.qa_source, cfg.data.train.qa_config, cfg.data.train.split)
-    corpus = load_corpus(cfg.data.corpus_source, cfg.data.train.corpus_config, cfg.data.train.split)
-    pairs = training_pairs(train_qa, corpus)
+    loss_fn = make_loss(cfg.loss)
+    pairs, corpus, vocabulary = training_data(cfg, pretraining=isinstance(loss_fn, PretrainingLoss))
     evaluate = cfg.eval_before_after and cfg.get("eval") is not None
     if evaluate:
         check_pools(eval_config(cfg))  # before hours of training, not after
     tiny_base = output_dir / BASE_DIR if cfg.model.kind == "tiny" and accelerator.is_main_process else None
-    retriever = build_retriever(cfg.model, texts=[ex.query for ex in train_qa], save_base_to=tiny_base)
+    retriever = build_retriever(cfg.model, texts=vocabulary, save_base_to=tiny_base)
     base = output_dir / BASE_DIR if cfg.model.kind == "tiny" else cfg.model.base
     identity = {"model": str(base), "config": OmegaConf.to_container(cfg.model)}
 
@@ -69,9 +70,11 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
                            config=OmegaConf.to_container(cfg, resolve=True), name=cfg.get("run_name"),
                            enabled=accelerator.is_main_process)
     trainer_cfg = trainer_config(cfg)
-    loss_fn = HybridMaskLoss(**cfg.loss)
+    collator = None
+    if isinstance(loss_fn, PretrainingLoss):
+        collator = PretrainingCollator(retriever.collator, loss_fn.max_target_length, loss_fn.max_target_length)
     trainer = RetrieverTrainer(retriever, loss_fn, pairs, corpus, trainer_cfg, accelerator, output_dir, run_logger,
-                               run_config=run_settings(cfg))
+                               run_config=run_settings(cfg), collator=collator)
     resume = resolve_resume(cfg.get("resume"), output_dir)
     if resume:
         trainer.resume(resume)
@@ -89,6 +92,36 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     run_logger.finish()
     accelerator.wait_for_everyone()
     return report
+
+
+def make_loss(loss_cfg: DictConfig) -> HybridMaskLoss | PretrainingLoss:
+    """The ``loss`` group's objective: its ``_target_`` (``hkrag.losses.PretrainingLoss``, conf/loss/pretrain.yaml),
+    else :class:`HybridMaskLoss` with its values."""
+    return instantiate(loss_cfg) if "_target_" in loss_cfg else HybridMaskLoss(**loss_cfg)
+
+
+def training_data(cfg: DictConfig, pretraining: bool) -> tuple[list[TrainingPair], Corpus, list[str]]:
+    """Pairs, their corpus, and the texts the tiny model's offline tokenizer is built from.
+
+    Fine-tuning: OpenDocVQA-style questions and pages (``data.train``). Pre-training (VDocRAG RCR + RCG): the
+    pages of ``data.pretrain`` with their text as queries. The tiny tokenizer is built from the training
+    questions whenever the data set has them, so a tiny pre-trained adapter fine-tunes on the same vocabulary.
+    """
+    questions = None
+    if cfg.data.get("qa_source") and cfg.data.get("train"):
+        questions = load_qa(cfg.data.qa_source, cfg.data.train.qa_config, cfg.data.train.split)
+    if pretraining:
+        source = cfg.data.get("pretrain")
+        if source is None:
+            raise ValueError("loss=pretrain needs data.pretrain (source, config, split, text_column): use "
+                             "data=synthetic or data=pretrain_docstruct")
+        corpus = load_pretraining_corpus(source.source, source.config, source.split, source.text_column)
+        pairs = pretraining_pairs(corpus)
+    else:
+        corpus = load_corpus(cfg.data.corpus_source, cfg.data.train.corpus_config, cfg.data.train.split)
+        pairs = training_pairs(questions, corpus)
+    vocabulary = [ex.query for ex in questions] if questions is not None else [pair.query for pair in pairs]
+    return pairs, corpus, vocabulary
 
 
 RUN_MODEL_KEYS = ("kind", "base", "adapter", "seed", "config", "num_crops", "dtype")

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from hkrag.data.collators import GENERATION_SUFFIX, IGNORE_INDEX
 from hkrag.data.generator_pairs import GeneratorPair
 from hkrag.data.opendocvqa import Corpus
 from hkrag.lvlm.base import PageImage
@@ -33,17 +34,13 @@ from hkrag.retriever import LoraSettings
 from hkrag.run_log import RunLogger
 from hkrag.training.checkpoint import CHECKPOINTS_DIR, TrainState, check_finite, rng_state, save_checkpoint
 
-IGNORE_INDEX = -100
-TARGET_SUFFIX = "<|end|>\n<|endoftext|>"
-"""What follows the answer in VDocGenerator's target (the Phi-3 turn end, then end of text)."""
-
 PromptRenderer = Callable[[str, Sequence[PageImage]], str]
 """``(question, pages) -> prompt``: the full chat prompt the single-pass baseline sends for these pages."""
 
 
 def target_text(answer: str) -> str:
     """VDocGenerator's supervised text for one query: its first gold answer, ``<|end|>``, ``<|endoftext|>``."""
-    return f"{answer}{TARGET_SUFFIX}"
+    return f"{answer}{GENERATION_SUFFIX}"
 
 
 def causal_lm_lora(model: Phi3VForCausalLM, lora: LoraSettings) -> PeftModel:

@@ -37,7 +37,7 @@ from hkrag.data.images import ImageError
 from hkrag.data.opendocvqa import Corpus
 from hkrag.data.pairs import TrainingPair
 from hkrag.distributed import gather_with_grad
-from hkrag.losses import HybridMaskLoss, LossOutput
+from hkrag.losses import HybridMaskLoss, LossOutput, PretrainingLoss
 from hkrag.models.phi3v.image_processing_phi3v import check_image_size
 from hkrag.retriever import Phi3VRetriever
 from hkrag.run_log import RunLogger
@@ -165,12 +165,17 @@ class PairDataset(Dataset):
 
 
 class RetrieverTrainer:
-    """Trains a LoRA retriever with :class:`HybridMaskLoss` under ``accelerate``."""
+    """Trains a LoRA retriever with :class:`HybridMaskLoss` under ``accelerate``.
+
+    With :class:`PretrainingLoss` (VDocRAG's RCR + RCG, docs/training.md) the pairs are (page text, page)
+    and ``collator`` must be a :class:`~hkrag.data.collators.PretrainingCollator`: each step adds the RCG pass
+    (:meth:`generation_step`) to the contrastive one. Pre-training runs on one process only.
+    """
 
     def __init__(
         self,
         retriever: Phi3VRetriever,
-        loss_fn: HybridMaskLoss,
+        loss_fn: HybridMaskLoss | PretrainingLoss,
         pairs: Sequence[TrainingPair],
         corpus: Corpus,
         config: TrainerConfig,
@@ -178,7 +183,13 @@ class RetrieverTrainer:
         output_dir: str | Path,
         run_logger: RunLogger | None = None,
         run_config: Mapping[str, Any] | None = None,
+        collator: Callable[[Sequence[tuple[str, Any]]], dict[str, Any]] | None = None,
     ) -> None:
+        if getattr(loss_fn, "generative", False) and accelerator.num_processes > 1:
+            raise ValueError(
+                f"pre-training (RCR + RCG) runs on one process, got {accelerator.num_processes}: the RCG pass's "
+                "gradient synchronisation under DDP is not verified; launch train.py without accelerate launch"
+            )
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -186,7 +197,7 @@ class RetrieverTrainer:
         self.output_dir = Path(output_dir)
         self.loss_fn = loss_fn
         self.retriever = retriever
-        self.collator = retriever.collator  # the same truncation as encoding
+        self.collator = collator or retriever.collator  # the same truncation as encoding
         self.dataset = PairDataset(pairs, corpus)
         self.pairs = pairs
         self.sampler = GlobalBatchSampler(
@@ -322,13 +333,28 @@ class RetrieverTrainer:
         self._ignore = self.in_batch_positives()
         if self.config.chunk_size:
             size = self.config.chunk_size
-            return grad_cache_step(
+            output = grad_cache_step(
                 self.embed, self.embed, split_batch(dict(query), size), split_batch(dict(document), size),
                 self.global_loss, no_sync=lambda: self.accelerator.no_sync(self.model),
             )
-        output = self.global_loss(self.embed(query), self.embed(document))
-        self.accelerator.backward(output.loss)
+        else:
+            output = self.global_loss(self.embed(query), self.embed(document))
+            self.accelerator.backward(output.loss)
+        if "generation" in batch:
+            output = self.loss_fn.combine(output, self.generation_step(batch["generation"].to(device)))
         return output
+
+    def generation_step(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """VDocRAG's RCG term: the mean of the examples' causal-LM losses, back-propagated (in chunks of
+        ``chunk_size`` rows when set, so memory is that of one chunk); returns it detached."""
+        rows = len(batch["input_ids"])
+        chunks = split_batch(dict(batch), self.config.chunk_size) if self.config.chunk_size else [dict(batch)]
+        total = torch.zeros((), device=self.accelerator.device)
+        for chunk in chunks:
+            loss = self.model(**chunk).sum() / rows
+            self.accelerator.backward(loss)
+            total = total + loss.detach()
+        return total
 
     def optimizer_step(self, output: LossOutput) -> float | None:
         """Clip, step, schedule; refuses to step on a non-finite loss or gradient.
