@@ -13,10 +13,10 @@ import binascii
 import hashlib
 import io
 import math
-import re
 
 from PIL import Image
 
+from hkrag.data.images import DEFAULT_MAX_PIXELS as DECODE_MAX_PIXELS
 from hkrag.data.images import ImageError, open_image
 
 from .base import PageImage
@@ -24,9 +24,6 @@ from .base import PageImage
 FORMATS = {"png": "PNG", "jpeg": "JPEG"}
 DEFAULT_MAX_PIXELS = 1280 * 28 * 28
 """About one megapixel: 1280 visual tokens of 28×28 px for Qwen2.5-VL (its own default reserves 16k)."""
-
-_DATA_URI = re.compile(r"^data:(?P<mime>[^;,]*)(?P<params>[^,]*),(?P<data>.*)$", re.DOTALL)
-
 
 def fit_to_budget(image: Image.Image, max_pixels: int) -> Image.Image:
     """``image`` scaled down (aspect kept, each side >= 1 px) so that ``width * height <= max_pixels``."""
@@ -62,18 +59,29 @@ def encode_page(page: PageImage, max_pixels: int = DEFAULT_MAX_PIXELS, image_for
     return f"data:image/{image_format};base64,{base64.b64encode(buffer.getvalue()).decode('ascii')}"
 
 
-def decode_data_uri(uri: str) -> PageImage:
-    """The page a ``data:`` URI carries, keyed by a hash of its bytes (so the same page gets the same key).
+def decode_data_uri(uri: str, max_pixels: int | None = DECODE_MAX_PIXELS) -> PageImage:
+    """The page a ``data:image/...;base64,`` URI carries, keyed by a hash of its bytes (so the same page gets the
+    same key); URLs are never fetched.
 
-    Raises :class:`hkrag.data.images.ImageError` for anything that is not a decodable base64 image URI.
+    Raises :class:`hkrag.data.images.ImageError` naming the problem: another scheme, a mime type that is not
+    ``image/*``, no base64, a bad payload, an undecodable or truncated image, more than ``max_pixels`` pixels.
     """
+    head, comma, payload = uri.partition(",")
+    scheme = head.split(":", 1)[0].lower() if ":" in head else ""
     preview = uri[:40] + ("..." if len(uri) > 40 else "")
-    match = _DATA_URI.match(uri)
-    if match is None or not match["params"].endswith(";base64"):
-        raise ImageError(preview, "expected a base64 data URI (data:image/...;base64,...); URLs are not fetched")
+    if scheme in ("http", "https", "ftp", "file"):
+        raise ImageError(preview, f"{scheme}:// image URLs are not fetched by this server (URLs are not fetched); "
+                         "send the page inline as data:image/png;base64,...")
+    if scheme != "data" or not comma:
+        raise ImageError(preview, f"expected a data:image/...;base64,... URI, got {uri[:40]!r}")
+    mime, *options = head[len("data:"):].split(";")
+    if not mime.lower().startswith("image/"):
+        raise ImageError(preview, f"the data URI's mime type is {mime!r}, not image/*")
+    if "base64" not in options:
+        raise ImageError(preview, "the data URI is not base64-encoded (expected data:image/...;base64,...)")
     try:
-        data = base64.b64decode(match["data"], validate=True)
+        data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as error:
-        raise ImageError(preview, f"invalid base64 payload ({error})") from error
+        raise ImageError(preview, f"invalid base64 payload ({error})") from None
     key = f"sha256:{hashlib.sha256(data).hexdigest()[:16]}"
-    return PageImage(open_image(data, key), key)
+    return PageImage(open_image(data, key, max_pixels=max_pixels), key)

@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import binascii
-import hashlib
 import ipaddress
 import json
 import logging
@@ -50,10 +47,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from hkrag.data.images import ImageError, open_image
+from hkrag.data.images import ImageError
 
 from . import build_backend
 from .base import GenerationSettings, LVLMBackend, LVLMRequest, LVLMResult, Message, PageImage
+from .data_uri import decode_data_uri
 
 log = logging.getLogger(__name__)
 
@@ -266,29 +264,10 @@ def _content(content: str | list[ContentPart], param: str, max_pixels: int) -> l
 
 
 def decode_image(url: str, param: str, max_pixels: int) -> PageImage:
-    """The page a ``data:image/...;base64,`` URI carries, keyed by a hash of its bytes; the server never
-    fetches a URL. :class:`BadRequest` names ``param`` and the problem (scheme, mime type, base64, format,
-    truncation, more than ``max_pixels`` pixels)."""
-    head, comma, payload = url.partition(",")
-    scheme = head.split(":", 1)[0].lower() if ":" in head else ""
-    if scheme in ("http", "https", "ftp", "file"):
-        raise BadRequest(f"{scheme}:// image URLs are not fetched by this server (URLs are not fetched); send the "
-                         "page inline as data:image/png;base64,...", param, "invalid_image")
-    if scheme != "data" or not comma:
-        raise BadRequest(f"expected a data:image/...;base64,... URI, got {url[:40]!r}", param, "invalid_image")
-    mime, *options = head[len("data:"):].split(";")
-    if not mime.lower().startswith("image/"):
-        raise BadRequest(f"the data URI's mime type is {mime!r}, not image/*", param, "invalid_image")
-    if "base64" not in options:
-        raise BadRequest("the data URI is not base64-encoded (expected data:image/...;base64,...)", param,
-                         "invalid_image")
+    """The page of a ``data:`` URI (:func:`hkrag.lvlm.data_uri.decode_data_uri`); :class:`BadRequest` names
+    ``param`` and the problem."""
     try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as error:
-        raise BadRequest(f"invalid base64 payload ({error})", param, "invalid_image") from None
-    key = f"sha256:{hashlib.sha256(data).hexdigest()[:16]}"
-    try:
-        return PageImage(open_image(data, key, max_pixels=max_pixels), key)
+        return decode_data_uri(url, max_pixels)
     except ImageError as error:
         raise BadRequest(error.problem, param, "invalid_image") from None
 
