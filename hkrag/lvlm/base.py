@@ -234,7 +234,9 @@ class LVLMBackend(ABC):
     Capabilities, read before any call (e.g. to check that an uncertainty estimator can run):
     ``vocab_size`` is the model's vocabulary size when known (``None`` otherwise; the entropy estimators
     need it) and ``exact_entropy`` says whether every token carries its full-distribution entropy
-    (local backends), which the ``entropy_exact`` estimator needs.
+    (local backends), which the ``entropy_exact`` estimator needs. ``context_length`` is the model's context
+    in tokens and :meth:`count_prompt_tokens` a request's prompt length, when the backend can tell (local
+    models); a server refuses a request that does not fit.
 
     The end-token rule: the token that ends generation (EOS / end-of-turn) is not part of the answer.
     A backend never returns it in ``LVLMResult.tokens`` (it still counts in ``completion_tokens``), so it
@@ -246,6 +248,11 @@ class LVLMBackend(ABC):
     thread_safe: bool = False
     vocab_size: int | None = None
     exact_entropy: bool = False
+    context_length: int | None = None
+
+    def count_prompt_tokens(self, request: LVLMRequest) -> int | None:
+        """The prompt's length in tokens, or ``None`` when the backend cannot count it (the default)."""
+        return None
 
     @abstractmethod
     def generate(self, requests: Sequence[LVLMRequest]) -> list[LVLMResult]:

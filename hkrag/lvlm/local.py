@@ -207,6 +207,13 @@ class LocalBackend(LVLMBackend):
         self.end_ids = end_token_ids(tokenizer, end_tokens)
         head = model.get_output_embeddings()
         self.vocab_size = None if head is None else int(head.weight.shape[0])
+        config = model.config
+        self.context_length = getattr(config, "max_position_embeddings", None) or getattr(
+            getattr(config, "text_config", None), "max_position_embeddings", None)
+
+    def count_prompt_tokens(self, request: LVLMRequest) -> int:
+        """The prompt's tokens, page tokens included (:meth:`prepare`: page features, no decoding)."""
+        return self.prepare([request]).prompt_tokens[0]
 
     @property
     def device(self) -> torch.device:

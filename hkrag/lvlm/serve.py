@@ -302,12 +302,14 @@ class ContextWindow:
     Refused rather than capped, as OpenAI and vLLM do: a silently shorter answer would look complete.
     """
 
-    def __init__(self, length: int, count: Callable[[LVLMRequest], int]) -> None:
-        self.length, self.count = length, count
+    def __init__(self, length: int, backend: LVLMBackend) -> None:
+        self.length, self.backend = length, backend
 
     def check(self, request: LVLMRequest) -> None:
         """:class:`BadRequest` naming ``messages`` (the prompt alone is too long) or ``max_tokens``."""
-        prompt, answer = self.count(request), request.settings.max_new_tokens
+        prompt, answer = self.backend.count_prompt_tokens(request), request.settings.max_new_tokens
+        if prompt is None:
+            return
         if prompt >= self.length:
             raise BadRequest(f"the prompt is {prompt} tokens, over the model's context of {self.length} tokens; "
                              "send fewer or smaller pages or less text", "messages", "context_length_exceeded")
@@ -318,29 +320,10 @@ class ContextWindow:
 
     @classmethod
     def of(cls, backend: LVLMBackend, length: int | None = None) -> ContextWindow | None:
-        """The window of ``backend``: ``backend.context_length`` and ``backend.count_prompt_tokens(request)``
-        when it has them, else a local backend's ``max_position_embeddings`` and its prompt ids; ``None``
-        when the prompt cannot be counted (HTTP and scripted backends)."""
-        count = getattr(backend, "count_prompt_tokens", None) or _prompt_ids_counter(backend)
-        length = length or getattr(backend, "context_length", None) or _config_context(backend)
-        return cls(length, count) if count is not None and length else None
-
-
-def _prompt_ids_counter(backend: LVLMBackend) -> Callable[[LVLMRequest], int] | None:
-    """A local backend's prompt length: its ``prepare`` (tokens plus cached page features, no forward pass)."""
-    if not (callable(getattr(backend, "prepare", None)) and hasattr(backend, "lm")):
-        return None
-
-    def count(request: LVLMRequest) -> int:
-        return backend.prepare([request]).prompt_tokens[0]
-
-    return count
-
-
-def _config_context(backend: LVLMBackend) -> int | None:
-    config = getattr(getattr(backend, "lm", None), "config", None)
-    text = getattr(config, "text_config", None)
-    return getattr(config, "max_position_embeddings", None) or getattr(text, "max_position_embeddings", None)
+        """The window of ``backend`` (``length`` overrides its ``context_length``); ``None`` when the context is
+        unknown (HTTP and scripted backends): their prompts are not checked."""
+        length = length or backend.context_length
+        return cls(length, backend) if length else None
 
 
 class Batcher:
