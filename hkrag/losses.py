@@ -8,7 +8,9 @@ embeddings are indexed as they are. See ``docs/losses.md`` for the interpretatio
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,15 +56,24 @@ def hybrid_mask(q: Tensor, d: Tensor, alpha: float, eps: float = 1e-6) -> Tensor
 
 
 @torch.no_grad()
-def split_mask(mask: Tensor, n: int, generator: torch.Generator | None = None) -> list[Tensor]:
+def split_mask(
+    mask: Tensor, n: int, generator: torch.Generator | None = None, balanced: bool = False
+) -> list[Tensor]:
     """Split the support of ``mask`` into ``n`` disjoint random parts (the ``M_H^i`` of Eq. 5).
 
-    Every non-zero entry is assigned to one of the ``n`` parts uniformly at random and keeps
-    its value (½ or 1), so the parts are disjoint, sum to ``mask`` and hold ``|support| / n``
-    entries in expectation (an exactly balanced split would need a sort, much slower at
-    ``B×B×D`` scale). Each call draws a fresh split from ``generator`` (global RNG if ``None``).
+    Every non-zero entry goes to one of the ``n`` parts and keeps its value (½ or 1), so the parts
+    are disjoint and sum to ``mask``. Default: each entry picks its part uniformly at random, so a
+    part holds ``|support| / n`` entries in expectation (one draw, cheap at ``B×B×D`` scale). With
+    ``balanced`` the support of every mask vector (last dimension) is put in a random order and its
+    ``r``-th entry goes to part ``r mod n``: the parts hold exactly ``⌊s/n⌋`` or ``⌈s/n⌉`` of its ``s``
+    entries, the lower-numbered parts taking the remainder (two sorts per call). Each call draws a
+    fresh split from ``generator`` (global RNG if ``None``).
     """
-    part = torch.randint(n, mask.shape, generator=generator, device=mask.device)
+    if balanced:
+        keys = torch.rand(mask.shape, generator=generator, device=mask.device).masked_fill(mask == 0, 2.0)
+        part = keys.argsort(dim=-1, stable=True).argsort(dim=-1, stable=True) % n
+    else:
+        part = torch.randint(n, mask.shape, generator=generator, device=mask.device)
     return [mask * (part == k) for k in range(n)]
 
 
@@ -82,6 +93,25 @@ def masked_cosine(q: Tensor, d: Tensor, mask: Tensor | None = None, eps: float =
     dot = torch.einsum("id,ijd,jd->ij", q, mask, d)
     norm = torch.einsum("ijd,jd->ij", mask * mask, d * d).clamp_min(eps**2).sqrt()
     return dot / norm
+
+
+def masked_dot(q: Tensor, d: Tensor, mask: Tensor | None = None, eps: float = 1e-12) -> Tensor:
+    """Dot products ``q_i · (d_j ⊙ M)`` of the L2-normalised ``q`` and ``d``, shape ``(B_q, B_d)``.
+
+    The other reading of ``sim(q, d ⊙ M)`` (the VDocRAG/Tevatron code scores by dot product): the
+    masked document is *not* re-normalised, so a mask shrinks the similarity by the share of the
+    document's norm it removes. Unmasked it equals :func:`masked_cosine`. ``mask`` as there.
+    """
+    q, d = F.normalize(q, dim=-1, eps=eps), F.normalize(d, dim=-1, eps=eps)
+    if mask is None:
+        return q @ d.T
+    if mask.dim() == 2:
+        return q @ (d * mask).T
+    return torch.einsum("id,ijd,jd->ij", q, mask, d)
+
+
+MASKED_SIMILARITIES = {"cosine": masked_cosine, "dot": masked_dot}
+"""``loss.masked_similarity`` readings of ``sim(q, d ⊙ M)`` (docs/losses.md)."""
 
 
 def info_nce(sim: Tensor, tau: float, ignore: Tensor | None = None) -> Tensor:
@@ -123,29 +153,38 @@ def _seeded_generator(seed: int, device: torch.device) -> torch.Generator:
 class HybridMaskLoss(nn.Module):
     """HKRAG-Ret objective ``L = L_DIN + β·L_SIN`` (Eqs. 4-5) and its Table 5 ablations.
 
-    ======================================  ==================================
-    constructor                             loss
-    ======================================  ==================================
-    ``use_din=True,  use_sin=True``         ``L_DIN + β·L_SIN`` (HKRAG-Ret)
-    ``use_din=True,  use_sin=False``        ``L_DIN`` (w/o L_SIN)
-    ``use_din=False, use_sin=True``         ``L_IN(q, d) + β·L_SIN`` (w/o L_DIN)
-    ``use_din=False, use_sin=False``        ``L_IN(q, d)`` (baseline, Eq. 3)
-    ======================================  ==================================
+    The loss is ``w·L_IN(q, d) + [use_din]·L_DIN + [use_sin]·β·L_SIN`` with ``w = infonce_weight``.
+    ``L_IN(q, d)`` is the one-directional, unmasked query-to-document InfoNCE of Eq. 3, the paper's
+    baseline. ``infonce_weight=None`` keeps the rule of the first version: ``w = 1`` exactly when
+    ``use_din`` is off (the plain term stood in for ``L_DIN``). The Table 5 configs set ``w``
+    explicitly as one family (conf/loss/*.yaml, docs/losses.md):
 
-    ``L_IN(q, d)`` is the one-directional query-to-document InfoNCE of Eq. 3, the paper's
-    baseline. ``alpha = 0.5`` and ``beta = 1.0`` are our defaults (the paper gives neither).
+    ===============================================  ==================================
+    constructor                                      loss
+    ===============================================  ==================================
+    ``use_din=True,  use_sin=True,  w=0``            ``L_DIN + β·L_SIN`` (HKRAG-Ret)
+    ``use_din=True,  use_sin=False, w=0``            ``L_DIN`` (w/o L_SIN)
+    ``use_din=False, use_sin=True,  w=0``            ``β·L_SIN`` (w/o L_DIN)
+    ``use_din=False, use_sin=False, w=1``            ``L_IN(q, d)`` (baseline, Eq. 3)
+    ===============================================  ==================================
+
+    ``alpha = 0.5`` and ``beta = 1.0`` are our defaults (the paper gives neither).
     Because ``C >= 0``, ``Cn`` is bounded below, and for near-isotropic embeddings the lower
     threshold of Eq. 2 drops below every ``Cn`` just under ``alpha = 1``: nothing is ever
     suppressed. ``alpha = 0.5`` populates all three levels (about 25% one, 31% half, 44%
     zero); the ``mask/*`` metrics show the shares actually reached. ``beta = 1`` weights two
-    InfoNCE terms of the same scale equally.
+    InfoNCE terms of the same scale equally. ``masked_similarity`` reads ``sim(q, d ⊙ M)`` as the
+    cosine of the re-normalised masked document (``"cosine"``, Eq. 3's literal reading) or as the
+    dot product with it (``"dot"``, :func:`masked_dot`); ``balanced_split`` makes the sub-masks of
+    Eq. 5 exactly equal in size (:func:`split_mask`).
 
     Masks are pairwise by default: the similarity of query ``i`` and document ``j`` uses
     ``M_H(q_i, d_j)``, computed in chunks of at most ``max_chunk_elements`` mask entries that
     are recomputed in backward, so memory stays bounded for any batch. With
     ``mask_positive_only=True`` document ``j`` is masked by its positive pair's mask
-    ``M_H(q_j, d_j)`` against every query. The sub-mask split is drawn from ``generator``;
-    ranks computing the same global loss must pass identically seeded generators.
+    ``M_H(q_j, d_j)`` against every query (a hard negative by the mask of the query it was mined
+    for). The sub-mask split is drawn from ``generator``; ranks computing the same global loss must
+    pass identically seeded generators.
     """
 
     def __init__(
@@ -159,10 +198,21 @@ class HybridMaskLoss(nn.Module):
         mask_positive_only: bool = False,
         max_chunk_elements: int = 2**24,
         eps: float = 1e-6,
+        infonce_weight: float | None = None,
+        masked_similarity: str = "cosine",
+        balanced_split: bool = False,
     ) -> None:
         super().__init__()
         if num_sub_masks < 1:
             raise ValueError(f"num_sub_masks must be >= 1, got {num_sub_masks}")
+        if masked_similarity not in MASKED_SIMILARITIES:
+            choices = sorted(MASKED_SIMILARITIES)
+            raise ValueError(f"masked_similarity must be one of {choices}, got {masked_similarity!r}")
+        weight = (0.0 if use_din else 1.0) if infonce_weight is None else float(infonce_weight)
+        if weight < 0:
+            raise ValueError(f"infonce_weight must be >= 0, got {infonce_weight}")
+        if not (use_din or use_sin or weight):
+            raise ValueError("the loss has no term: set use_din, use_sin or infonce_weight > 0")
         self.tau = tau
         self.alpha = alpha
         self.beta = beta
@@ -172,62 +222,100 @@ class HybridMaskLoss(nn.Module):
         self.mask_positive_only = mask_positive_only
         self.max_chunk_elements = max_chunk_elements
         self.eps = eps
+        self.infonce_weight = weight
+        self.masked_similarity = masked_similarity
+        self.balanced_split = balanced_split
 
-    def settings(self) -> dict[str, float | int | bool]:
-        """The settings that define the objective (``max_chunk_elements`` only bounds memory)."""
+    def settings(self) -> dict[str, float | int | bool | str]:
+        """The settings that define the objective (``max_chunk_elements`` only bounds memory).
+
+        ``infonce_weight``, ``masked_similarity`` and ``balanced_split`` appear only where they change the
+        objective of the version before them, so checkpoints written then still resume (same run identity).
+        """
         names = ("tau", "alpha", "beta", "num_sub_masks", "use_din", "use_sin", "mask_positive_only", "eps")
-        return {name: getattr(self, name) for name in names}
+        values = {name: getattr(self, name) for name in names}
+        earlier = {"infonce_weight": 0.0 if self.use_din else 1.0, "masked_similarity": "cosine",
+                   "balanced_split": False}
+        values.update({name: getattr(self, name) for name, value in earlier.items() if getattr(self, name) != value})
+        return values
 
     def extra_repr(self) -> str:
         return ", ".join(f"{name}={value}" for name, value in self.settings().items())
 
+    def variant(self, **changes: Any) -> HybridMaskLoss:
+        """A copy with ``changes`` to its settings (e.g. the terms a diagnostic evaluates), checked as at init."""
+        current = {name: getattr(self, name) for name in inspect.signature(HybridMaskLoss).parameters}
+        return HybridMaskLoss(**{**current, **changes})
+
     def forward(
         self, q: Tensor, d: Tensor, generator: torch.Generator | None = None, ignore: Tensor | None = None
     ) -> LossOutput:
-        """Loss of the global batch ``q, d`` (``(B, D)``, positives on the diagonal).
+        """Loss of the global batch: ``q`` ``(B, D)``, ``d`` ``(B·(1 + N), D)``, positives on the diagonal.
 
-        ``ignore`` (``(B, B)`` bool, false on the diagonal) marks query-document pairs that are not
+        ``d``'s first ``B`` rows are the positives; the ``B·N`` rows after them (``N >= 0``) are hard
+        negatives, query-major (rows ``B + i·N … B + i·N + N − 1`` were mined for query ``i``). They join
+        every query-to-document denominator; the document-to-query term of Eq. 4 scores the ``B``
+        positive documents only (a hard negative has no query of its own).
+
+        ``ignore`` (``(B, len(d))`` bool, false on the diagonal) marks query-document pairs that are not
         negatives: ``ignore[i, j]`` when document ``j`` is one of query ``i``'s positives (with several
         positives per query it is not symmetric). Such a pair leaves query ``i``'s softmax in every
         query-to-document term, and query ``i`` leaves document ``j``'s softmax in the
         document-to-query term of Eq. 4, which therefore uses ``ignore.T``.
         """
         q, d = _at_least_float32(q), _at_least_float32(d)
-        positive_mask = hybrid_mask(q, d, self.alpha, self.eps)
+        batch = _check_batch(q, d, ignore)
+        positive_mask = hybrid_mask(q, d[:batch], self.alpha, self.eps)
         sims = self._masked_similarities(q, d, positive_mask, generator)
+        terms = {}
+        if self.infonce_weight:
+            terms["infonce"] = info_nce(masked_cosine(q, d), self.tau, ignore)
         if self.use_din:
-            ignore_t = None if ignore is None else ignore.T
-            loss = (info_nce(sims[0], self.tau, ignore) + info_nce(sims[0].T, self.tau, ignore_t)) / 2
-            components = {"din": loss}
-        else:
-            loss = info_nce(masked_cosine(q, d), self.tau, ignore)
-            components = {"infonce": loss}
+            ignore_t = None if ignore is None else ignore[:, :batch].T
+            backward = info_nce(sims[0][:, :batch].T, self.tau, ignore_t)
+            terms["din"] = (info_nce(sims[0], self.tau, ignore) + backward) / 2
         if self.use_sin:
             sub_losses = [info_nce(sim, self.tau, ignore) for sim in sims[-self.num_sub_masks :]]
-            components["sin"] = torch.stack(sub_losses).mean()
-            loss = loss + self.beta * components["sin"]
+            terms["sin"] = torch.stack(sub_losses).mean()
+        weights = {"infonce": self.infonce_weight, "din": 1.0, "sin": self.beta}
+        loss = sum(weights[name] * value for name, value in terms.items())
         return LossOutput(
             loss=loss,
-            components={name: value.detach() for name, value in components.items()},
-            metrics=mask_statistics(positive_mask),
+            components={name: value.detach() for name, value in terms.items()},
+            metrics=mask_statistics(positive_mask) if sims is not None else {},
         )
+
+    def masked_similarities(self, q: Tensor, d: Tensor, generator: torch.Generator | None = None) -> Tensor | None:
+        """The masked similarities the loss scores, ``(K, B, len(d))``: under ``M_H`` (if DIN), then each
+        sub-mask (if SIN); ``None`` without a masked term. For diagnostics (:mod:`hkrag.training.diagnostics`)."""
+        q, d = _at_least_float32(q), _at_least_float32(d)
+        positive_mask = hybrid_mask(q, d[: _check_batch(q, d, None)], self.alpha, self.eps)
+        return self._masked_similarities(q, d, positive_mask, generator)
 
     def _masked_similarities(
         self, q: Tensor, d: Tensor, positive_mask: Tensor, generator: torch.Generator | None
     ) -> Tensor | None:
-        """Stacked ``(K, B, B)`` similarities under ``M_H`` (if DIN) then each ``M_H^i`` (if SIN)."""
+        """Stacked ``(K, B, len(d))`` similarities under ``M_H`` (if DIN) then each ``M_H^i`` (if SIN)."""
         if not (self.use_din or self.use_sin):
             return None
         device = generator.device if generator is not None else None
         seed = int(torch.randint(2**62, (), generator=generator, device=device))
         if self.mask_positive_only:
-            return self._similarities(q, d, positive_mask, seed)
+            return self._similarities(q, d, self._document_masks(q, d, positive_mask), seed)
         rows = max(1, self.max_chunk_elements // d.numel())
         chunks = [
             checkpoint(self._pairwise_similarities, q_chunk, d, seed + k, use_reentrant=False, preserve_rng_state=False)
             for k, q_chunk in enumerate(q.split(rows))
         ]
         return torch.cat(chunks, dim=1)
+
+    def _document_masks(self, q: Tensor, d: Tensor, positive_mask: Tensor) -> Tensor:
+        """One mask per document: a positive's pair mask, a hard negative's with the query it was mined for."""
+        if len(d) == len(q):
+            return positive_mask
+        negatives_per_query = len(d) // len(q) - 1
+        owners = torch.arange(len(q), device=q.device).repeat_interleave(negatives_per_query)
+        return torch.cat([positive_mask, hybrid_mask(q[owners], d[len(q) :], self.alpha, self.eps)])
 
     def _pairwise_similarities(self, q: Tensor, d: Tensor, seed: int) -> Tensor:
         mask = hybrid_mask(q[:, None], d[None], self.alpha, self.eps)
@@ -236,8 +324,23 @@ class HybridMaskLoss(nn.Module):
     def _similarities(self, q: Tensor, d: Tensor, mask: Tensor, seed: int) -> Tensor:
         masks = [mask] if self.use_din else []
         if self.use_sin:
-            masks += split_mask(mask, self.num_sub_masks, _seeded_generator(seed, mask.device))
-        return torch.stack([masked_cosine(q, d, m) for m in masks])
+            generator = _seeded_generator(seed, mask.device)
+            masks += split_mask(mask, self.num_sub_masks, generator, self.balanced_split)
+        similarity = MASKED_SIMILARITIES[self.masked_similarity]
+        return torch.stack([similarity(q, d, m) for m in masks])
+
+
+def _check_batch(q: Tensor, d: Tensor, ignore: Tensor | None) -> int:
+    """``B``, after checking that ``d`` holds ``B`` positives and ``B·N`` negatives, ``ignore`` ``(B, len(d))``."""
+    batch = len(q)
+    if q.dim() != 2 or d.dim() != 2 or q.shape[1] != d.shape[1] or batch == 0 or len(d) % batch:
+        raise ValueError(
+            f"expected q of shape (B, D) and d of shape (B·(1 + N), D) (positives, then N hard negatives per "
+            f"query), got q {tuple(q.shape)} and d {tuple(d.shape)}"
+        )
+    if ignore is not None and ignore.shape != (batch, len(d)):
+        raise ValueError(f"ignore must have shape (B, len(d)) = {(batch, len(d))}, got {tuple(ignore.shape)}")
+    return batch
 
 
 def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:

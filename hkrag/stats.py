@@ -125,3 +125,78 @@ def mean_and_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (``ddof=1``, e.g. over training seeds); the std of one value is 0."""
     array = _as_array(values, "values")
     return float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else 0.0
+
+
+def _seed_query_matrix(scores: Sequence[Sequence[float]] | np.ndarray, name: str) -> np.ndarray:
+    array = np.asarray(scores, dtype=float)
+    if array.ndim != 2 or 0 in array.shape or not np.isfinite(array).all():
+        raise ValueError(f"{name} must be a finite (seeds, queries) matrix with at least one of each, got shape "
+                         f"{array.shape}")
+    return array
+
+
+def _draw_counts(rng: np.random.Generator, n: int, size: int) -> np.ndarray:
+    """``(size, n)``: how often each of ``n`` items is drawn in each of ``size`` resamples of ``n`` draws."""
+    draws = rng.integers(0, n, size=(size, n)) + n * np.arange(size)[:, None]
+    return np.bincount(draws.ravel(), minlength=size * n).reshape(size, n)
+
+
+def hierarchical_means(scores: np.ndarray, n_resamples: int = 2000, seed: int = 0) -> np.ndarray:
+    """Means of ``n_resamples`` two-level resamples of a ``(seeds, queries)`` score matrix.
+
+    Each resample draws the seeds with replacement and, independently, the queries with replacement,
+    and averages the drawn seeds' scores on the drawn queries. Queries are drawn once per resample for
+    all seeds: every seed was scored on the same test queries (a crossed design), so a query that is
+    drawn twice counts twice in every seed. The statistic is ``w_s · X · w_q / (S·Q)`` with ``w`` the
+    draw counts, computed for :data:`CHUNK` resamples at once. The query draws come from
+    ``default_rng(seed)`` exactly as in :func:`bootstrap_interval`, so with every seed's row equal the
+    resampled means are those of the query bootstrap.
+    """
+    n_seeds, n_queries = scores.shape
+    query_rng, seed_rng = np.random.default_rng(seed), np.random.default_rng([seed, 1])
+    means = []
+    for start in range(0, n_resamples, CHUNK):
+        size = min(CHUNK, n_resamples - start)
+        query_counts = _draw_counts(query_rng, n_queries, size)
+        seed_counts = _draw_counts(seed_rng, n_seeds, size)
+        means.append(np.einsum("cs,sq,cq->c", seed_counts, scores, query_counts) / (n_seeds * n_queries))
+    return np.concatenate(means)
+
+
+def hierarchical_bootstrap(
+    scores: Sequence[Sequence[float]] | np.ndarray, confidence: float = 0.95, n_resamples: int = 2000, seed: int = 0
+) -> dict[str, float]:
+    """Mean score over seeds and queries with a percentile interval that includes seed-to-seed variance.
+
+    ``scores[s, q]`` is training seed ``s``'s score on test query ``q`` (e.g. nDCG@5). Resampling the queries
+    of seed-averaged scores (:func:`bootstrap_interval`) leaves out how much another training seed would
+    move the result; here every resample also redraws the seeds (:func:`hierarchical_means`). With one seed,
+    or identical seeds, it is the query bootstrap. Returns ``{"mean", "low", "high"}``.
+    """
+    _z(confidence)
+    array = _seed_query_matrix(scores, "scores")
+    low, high = np.quantile(hierarchical_means(array, n_resamples, seed), [(1 - confidence) / 2, (1 + confidence) / 2])
+    return {"mean": float(array.mean()), "low": float(low), "high": float(high)}
+
+
+def hierarchical_paired_bootstrap(
+    a: Sequence[Sequence[float]] | np.ndarray, b: Sequence[Sequence[float]] | np.ndarray, confidence: float = 0.95,
+    n_resamples: int = 2000, seed: int = 0,
+) -> dict[str, float]:
+    """The difference ``mean(a) − mean(b)`` of two conditions run with the same seeds on the same queries.
+
+    ``a[s, q]`` and ``b[s, q]`` share seed ``s`` (same data order and warm start) and query ``q``; the
+    differences ``a − b`` are resampled over seeds and queries as in :func:`hierarchical_bootstrap`, so the
+    interval includes seed variance and stays paired. Identical runs give ``[0, 0]``. Returns
+    ``{"diff", "low", "high", "p_value"}``, the p-value as in :func:`paired_bootstrap`.
+    """
+    _z(confidence)
+    a_array, b_array = _seed_query_matrix(a, "a"), _seed_query_matrix(b, "b")
+    if a_array.shape != b_array.shape:
+        raise ValueError(f"paired runs need the same seeds and queries: a has shape {a_array.shape}, "
+                         f"b {b_array.shape}")
+    diffs = hierarchical_means(a_array - b_array, n_resamples, seed)
+    low, high = np.quantile(diffs, [(1 - confidence) / 2, (1 + confidence) / 2])
+    p_value = min(1.0, 2 * min(np.mean(diffs <= 0), np.mean(diffs >= 0)))
+    return {"diff": float((a_array - b_array).mean()), "low": float(low), "high": float(high),
+            "p_value": float(p_value)}

@@ -1,6 +1,7 @@
 """Hybrid-masking losses (paper Eqs. 1-5) against values worked out by hand."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from hkrag.losses import (
     hybrid_mask,
     info_nce,
     masked_cosine,
+    masked_dot,
     split_mask,
 )
 
@@ -270,3 +272,143 @@ def test_multi_positive_exclusion_is_transposed_for_the_document_to_query_term()
     assert din(q, d, ignore=ignore | ignore.T).loss.item() == pytest.approx(symmetric, rel=1e-9)
     baseline = HybridMaskLoss(tau=TAU, use_din=False, use_sin=False)  # Eq. 3 is query-to-document only
     assert baseline(q, d, ignore=ignore).loss.item() == pytest.approx(q_to_d, rel=1e-9)
+
+
+def dot(u, v):
+    return sum(a * b for a, b in zip(u, v, strict=True))
+
+
+def unit(v):
+    return [a / math.sqrt(dot(v, v)) for a in v]
+
+
+def loss_fn_of(**kwargs):
+    return HybridMaskLoss(tau=TAU, alpha=ALPHA, beta=BETA, num_sub_masks=1, **kwargs)
+
+
+@pytest.mark.parametrize("positive_only", [False, True], ids=["pairwise", "positive-only"])
+def test_dot_similarity_does_not_renormalise_the_masked_document(positive_only):
+    q, d = tensors()
+    masks = PAIR_MASKS if not positive_only else [[PAIR_MASKS[j][j] for j in range(2)] for _ in range(2)]
+    sim = [[dot(unit(Q[i]), masked(unit(D[j]), masks[i][j])) for j in range(2)] for i in range(2)]
+    loss_fn = loss_fn_of(use_sin=False, masked_similarity="dot", mask_positive_only=positive_only)
+    expected = (nce(sim, TAU) + nce(transpose(sim), TAU)) / 2
+    assert loss_fn(q, d).loss.item() == pytest.approx(expected, rel=1e-9)
+    assert loss_fn(q, d).loss.item() != pytest.approx(loss_fn_of(use_sin=False)(q, d).loss.item())
+    assert masked_dot(q, d, torch.tensor(masks, dtype=q.dtype)).tolist() == [pytest.approx(r) for r in sim]
+    assert torch.allclose(masked_dot(q, d), masked_cosine(q, d))  # unmasked the readings agree
+
+
+def test_infonce_weight_adds_a_plain_infonce_term():
+    q, d = tensors()
+    din = (nce(PAIRWISE, TAU) + nce(transpose(PAIRWISE), TAU)) / 2
+    out = loss_fn_of(infonce_weight=0.3)(q, d, generator=seeded())
+    assert out.loss.item() == pytest.approx(0.3 * nce(PLAIN, TAU) + din + BETA * nce(PAIRWISE, TAU), rel=1e-9)
+    assert out.components["infonce"].item() == pytest.approx(nce(PLAIN, TAU), rel=1e-9)
+    sin_alone = loss_fn_of(use_din=False, infonce_weight=0.0)(q, d, generator=seeded())
+    assert sin_alone.loss.item() == pytest.approx(BETA * nce(PAIRWISE, TAU), rel=1e-9)
+    assert set(sin_alone.components) == {"sin"}
+
+
+def test_infonce_weight_default_keeps_the_first_versions_objective():
+    assert HybridMaskLoss().infonce_weight == 0.0
+    assert HybridMaskLoss(use_din=False).infonce_weight == 1.0
+    with pytest.raises(ValueError, match="no term"):
+        HybridMaskLoss(use_din=False, use_sin=False, infonce_weight=0.0)
+    with pytest.raises(ValueError, match="infonce_weight must be >= 0, got -1"):
+        HybridMaskLoss(infonce_weight=-1)
+    with pytest.raises(ValueError, match="masked_similarity must be one of \\['cosine', 'dot'\\], got 'l2'"):
+        HybridMaskLoss(masked_similarity="l2")
+
+
+def test_new_settings_enter_the_run_identity_only_when_they_change_the_objective():
+    keys = {"tau", "alpha", "beta", "num_sub_masks", "use_din", "use_sin", "mask_positive_only", "eps"}
+    assert HybridMaskLoss().settings().keys() == keys
+    assert HybridMaskLoss(use_din=False, use_sin=False).settings().keys() == keys
+    changed = HybridMaskLoss(use_din=False, infonce_weight=0, masked_similarity="dot", balanced_split=True)
+    assert changed.settings().keys() - keys == {"infonce_weight", "masked_similarity", "balanced_split"}
+
+
+def compose_loss(name):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        return HybridMaskLoss(**compose(config_name="train", overrides=[f"loss={name}"]).loss)
+
+
+def test_table5_configs_are_one_family_with_the_plain_term_only_in_the_baseline():
+    terms = {}
+    for name in ("hkrag", "no_sin", "no_din", "infonce"):
+        loss_fn = compose_loss(name)
+        terms[name] = (loss_fn.infonce_weight, loss_fn.use_din, loss_fn.use_sin)
+    assert terms == {"hkrag": (0.0, True, True), "no_sin": (0.0, True, False), "no_din": (0.0, False, True),
+                     "infonce": (1.0, False, False)}
+    default = compose_loss("hkrag")
+    assert default.settings() == HybridMaskLoss(tau=default.tau).settings()  # the default objective is unchanged
+
+
+def test_balanced_split_halves_each_support_exactly():
+    mask = torch.tensor([[1.0, 0.5, 0.0, 0.5, 1.0, 0.0, 0.5, 0.0],   # support 5 -> parts of 3 and 2
+                         [0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 0.0, 0.0]])  # support 6 -> 3 and 3
+    parts = split_mask(mask, 2, seeded(), balanced=True)
+    assert torch.equal(parts[0] + parts[1], mask)
+    assert ((parts[0] != 0) & (parts[1] != 0)).sum() == 0
+    assert [[int((p[row] != 0).sum()) for p in parts] for row in range(2)] == [[3, 2], [3, 3]]
+    thirds = split_mask(torch.ones(2, 4, 7), 3, seeded(), balanced=True)
+    assert [int((p != 0).sum(-1).unique()) for p in thirds] == [3, 2, 2]
+    again, other = (split_mask(mask, 2, seeded(seed), balanced=True)[0] for seed in (0, 1))
+    assert torch.equal(again, parts[0]) and not torch.equal(other, parts[0])
+
+
+def test_balanced_split_loss_by_hand():
+    # Two sub-masks that each keep exactly half of every pair mask's support; the loss is the mean of
+    # their two InfoNCE terms with the very masks split_mask draws from the loss's seed.
+    q, d = tensors()
+    loss_fn = HybridMaskLoss(tau=TAU, alpha=ALPHA, use_din=False, infonce_weight=0, balanced_split=True)
+    seed = int(torch.randint(2**62, (), generator=seeded(4)))
+    parts = split_mask(torch.tensor(PAIR_MASKS, dtype=q.dtype), 2, seeded(seed), balanced=True)
+    # pair masks with 4 / 3 non-zero dims (row i, column j): the first part takes the odd one
+    assert [(part != 0).sum(-1).tolist() for part in parts] == [[[2, 2], [2, 2]], [[2, 1], [2, 1]]]
+    sims = [[[cos(Q[i], masked(D[j], part[i][j].tolist())) for j in range(2)] for i in range(2)] for part in parts]
+    expected = sum(nce(sim, TAU) for sim in sims) / 2
+    assert loss_fn(q, d, generator=seeded(4)).loss.item() == pytest.approx(expected, rel=1e-9)
+
+
+def test_mask_shares_are_logged_only_when_a_mask_is_applied():
+    q, d = tensors()
+    assert HybridMaskLoss(use_din=False, use_sin=False)(q, d).metrics == {}
+    for kwargs in ({}, {"use_din": False}, {"use_sin": False}):
+        assert set(HybridMaskLoss(**kwargs)(q, d).metrics) == {"mask/one", "mask/half", "mask/zero"}
+
+
+NEGATIVES = [[1.0, 2.0, 1.0, -1.0], [2.0, 1.0, 0.0, 1.0]]  # one per query, query-major; no |q ⊙ d| constant
+
+
+def test_hard_negatives_join_the_query_to_document_denominators():
+    q, d = tensors(Q, D + NEGATIVES)
+    docs = D + NEGATIVES
+    plain = [[cos(Q[i], docs[j]) for j in range(4)] for i in range(2)]
+    baseline = HybridMaskLoss(tau=TAU, use_din=False, use_sin=False)
+    assert baseline(q, d).loss.item() == pytest.approx(nce(plain, TAU), rel=1e-9)
+    # alpha -> inf: every mask is ½, masked cosines are plain; d->q scores the two positive documents only
+    din = HybridMaskLoss(tau=TAU, alpha=1e6, use_sin=False)
+    square = [row[:2] for row in plain]
+    assert din(q, d).loss.item() == pytest.approx((nce(plain, TAU) + nce(transpose(square), TAU)) / 2, rel=1e-9)
+
+
+def test_positive_only_masks_a_hard_negative_by_the_mask_of_its_query():
+    q, d = tensors(Q, D + NEGATIVES)
+    masks = torch.cat([hybrid_mask(q, d[:2], ALPHA), hybrid_mask(q, d[2:], ALPHA)])  # negative k belongs to query k
+    sim = masked_cosine(q, d, masks)
+    expected = (info_nce(sim, TAU) + info_nce(sim[:, :2].T, TAU)) / 2
+    loss_fn = HybridMaskLoss(tau=TAU, alpha=ALPHA, use_sin=False, mask_positive_only=True)
+    assert loss_fn(q, d).loss.item() == pytest.approx(expected.item(), rel=1e-12)
+
+
+def test_hard_negative_batches_are_checked():
+    q, d = tensors(Q, D + NEGATIVES[:1])
+    with pytest.raises(ValueError, match=r"d of shape \(B·\(1 \+ N\), D\).*got q \(2, 4\) and d \(3, 4\)"):
+        HybridMaskLoss()(q, d)
+    q, d = tensors(Q, D + NEGATIVES)
+    with pytest.raises(ValueError, match=r"ignore must have shape \(B, len\(d\)\) = \(2, 4\), got \(2, 2\)"):
+        HybridMaskLoss()(q, d, ignore=torch.zeros(2, 2, dtype=torch.bool))

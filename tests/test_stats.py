@@ -1,8 +1,16 @@
 """Confidence intervals against hand-computed values (hkrag/stats.py)."""
 
+import numpy as np
 import pytest
 
-from hkrag.stats import bootstrap_interval, paired_bootstrap, wilson_interval
+from hkrag.stats import (
+    bootstrap_interval,
+    hierarchical_bootstrap,
+    hierarchical_means,
+    hierarchical_paired_bootstrap,
+    paired_bootstrap,
+    wilson_interval,
+)
 
 
 def test_wilson_8_of_10_by_hand():
@@ -73,3 +81,48 @@ def test_paired_bootstrap_needs_the_same_queries():
         paired_bootstrap([1, 0, 1], [1, 0])
     with pytest.raises(ValueError, match="non-empty"):
         bootstrap_interval([])
+
+
+def test_hierarchical_bootstrap_with_identical_seeds_is_the_query_bootstrap():
+    per_query = [0.0, 0.2, 0.5, 0.9, 1.0, 0.3, 0.7]
+    result = hierarchical_bootstrap([per_query] * 4, n_resamples=1000, seed=3)
+    assert result["mean"] == pytest.approx(sum(per_query) / len(per_query))
+    assert (result["low"], result["high"]) == pytest.approx(bootstrap_interval(per_query, n_resamples=1000, seed=3))
+
+
+def test_hierarchical_resamples_of_two_seeds_and_one_query_by_hand():
+    # Seeds score 0 and 1 on one query: a resample draws (0,0), (0,1), (1,0) or (1,1), so its mean is
+    # 0, ½ or 1 with probabilities ¼, ½, ¼; the 30 % and 70 % quantiles are both ½.
+    means = hierarchical_means(np.array([[0.0], [1.0]]), n_resamples=8000, seed=0)
+    assert set(np.unique(means)) == {0.0, 0.5, 1.0}
+    assert [np.mean(means == v) for v in (0.0, 0.5, 1.0)] == pytest.approx([0.25, 0.5, 0.25], abs=0.02)
+    result = hierarchical_bootstrap([[0.0], [1.0]], confidence=0.4, n_resamples=8000)
+    assert result == {"mean": 0.5, "low": 0.5, "high": 0.5}
+
+
+def test_hierarchical_interval_includes_the_seed_variance_the_query_bootstrap_leaves_out():
+    rng = np.random.default_rng(0)
+    queries = rng.uniform(size=40)
+    scores = queries + np.array([[-0.2], [0.0], [0.2]])  # the seeds shift every query alike
+    hierarchical = hierarchical_bootstrap(scores, seed=1)
+    low, high = bootstrap_interval(scores.mean(axis=0), seed=1)
+    assert hierarchical["high"] - hierarchical["low"] > 1.5 * (high - low)
+
+
+def test_hierarchical_paired_difference_of_identical_runs_is_zero():
+    scores = np.random.default_rng(1).uniform(size=(5, 30))
+    assert hierarchical_paired_bootstrap(scores, scores) == {"diff": 0.0, "low": 0.0, "high": 0.0, "p_value": 1.0}
+
+
+def test_hierarchical_paired_difference_of_a_constant_shift_is_that_shift():
+    scores = np.random.default_rng(2).uniform(size=(3, 20))
+    result = hierarchical_paired_bootstrap(scores + 0.1, scores)
+    assert (result["diff"], result["low"], result["high"]) == pytest.approx((0.1, 0.1, 0.1))
+    assert result["p_value"] == 0.0
+
+
+def test_hierarchical_bootstrap_rejects_bad_shapes():
+    with pytest.raises(ValueError, match=r"scores must be a finite \(seeds, queries\) matrix"):
+        hierarchical_bootstrap([1.0, 2.0])
+    with pytest.raises(ValueError, match=r"a has shape \(2, 3\), b \(3, 3\)"):
+        hierarchical_paired_bootstrap(np.zeros((2, 3)), np.zeros((3, 3)))

@@ -22,6 +22,8 @@ GENERATION_SUFFIX = "<|end|>\n<|endoftext|>"
 """What follows the page text in VDocRAG's RCG target (the Phi-3 turn end, then end of text)."""
 IGNORE_INDEX = -100
 """Label of a token the causal-LM loss skips (prompt tokens, padding)."""
+TrainingItem = tuple[str, Image.Image, Sequence[Image.Image]]
+"""A training pair with hard negatives: query text, positive page, the negative pages."""
 
 
 def query_prompt(text: str, eos_token: str) -> str:
@@ -70,10 +72,16 @@ class RetrieverCollator:
         prompt = document_prompt(self.processor.eos_token)
         return self.processor([prompt] * len(images), [[im] for im in images], max_length=self.max_length)
 
-    def __call__(self, pairs: Sequence[tuple[str, Image.Image]]) -> dict[str, BatchFeature]:
-        """Training batch from ``(query text, positive page)`` pairs: ``{"query": ..., "document": ...}``."""
-        texts, images = zip(*pairs)
-        return {"query": self.queries(texts), "document": self.documents(images)}
+    def __call__(self, pairs: Sequence[tuple[str, Image.Image] | TrainingItem]) -> dict[str, BatchFeature]:
+        """Training batch from ``(query text, positive page)`` pairs: ``{"query": ..., "document": ...}``.
+
+        A pair may carry a third item, its ``N`` hard-negative pages: the document batch is then the ``B``
+        positives followed by the ``B·N`` negatives, query-major (the layout :class:`~hkrag.losses.HybridMaskLoss`
+        reads).
+        """
+        texts, images = zip(*(pair[:2] for pair in pairs))
+        negatives = tuple(page for pair in pairs for page in (pair[2] if len(pair) > 2 else ()))
+        return {"query": self.queries(texts), "document": self.documents(images + negatives)}
 
 
 def generation_mask(prompt_lengths: Sequence[int], length: int) -> torch.Tensor:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from hkrag.data.opendocvqa import Corpus, QAExample
 
@@ -13,11 +15,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TrainingPair:
-    """A query with its positives that exist in the training corpus (never empty)."""
+    """A query with its positives that exist in the training corpus (never empty), and any hard negatives
+    mined for it (:func:`with_hard_negatives`), batched after the positives (docs/training.md)."""
 
     query_id: str
     query: str
     positives: tuple[str, ...]
+    negatives: tuple[str, ...] = ()
 
     def positive(self, epoch: int = 0) -> str:
         """The positive used in ``epoch``: multi-positive queries rotate through theirs."""
@@ -65,3 +69,43 @@ def pretraining_pairs(corpus: Corpus) -> list[TrainingPair]:
         logger.warning("%d of %d pages of %s have no text and were skipped", len(corpus) - len(pairs), len(corpus),
                        corpus.name)
     return pairs
+
+
+def read_hard_negatives(path: str | Path) -> dict[str, tuple[str, ...]]:
+    """``query_id -> mined doc ids, hardest first`` from a ``python -m hkrag.index.mine`` file."""
+    path = Path(path)
+    try:
+        negatives = json.loads(path.read_text())["negatives"]
+    except FileNotFoundError as error:
+        message = f"hard-negative file {path} does not exist: mine one with python -m hkrag.index.mine"
+        raise FileNotFoundError(message) from error
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{path} is not a hard-negative file of python -m hkrag.index.mine: {error!r}") from error
+    return {query_id: tuple(doc_ids) for query_id, doc_ids in negatives.items()}
+
+
+def with_hard_negatives(
+    pairs: Sequence[TrainingPair], negatives: Mapping[str, Sequence[str]], n: int, corpus: Corpus
+) -> list[TrainingPair]:
+    """``pairs`` with the first ``n`` mined negatives of each query (every query needs ``n``).
+
+    A negative must be a page of the training ``corpus`` (negatives mined from another split's pages
+    would leak them into training) and never one of the query's positives; either is an error naming
+    the query and page.
+    """
+    if n < 1:
+        raise ValueError(f"the number of hard negatives per query must be >= 1, got {n}")
+    out = []
+    for pair in pairs:
+        mined = tuple(negatives.get(pair.query_id, ()))[:n]
+        if len(mined) < n:
+            raise ValueError(f"query {pair.query_id} has {len(mined)} mined hard negatives, {n} are needed: "
+                             "mine deeper (python -m hkrag.index.mine --depth) or lower trainer.hard_negatives")
+        for doc_id in mined:
+            if doc_id not in corpus:
+                raise ValueError(f"hard negative {doc_id} of query {pair.query_id} is not a page of {corpus.name}: "
+                                 "mine from the training split's corpus")
+            if doc_id in pair.positives:
+                raise ValueError(f"hard negative {doc_id} of query {pair.query_id} is one of its positives")
+        out.append(replace(pair, negatives=mined))
+    return out

@@ -35,7 +35,7 @@ from transformers import get_scheduler
 
 from hkrag.data.images import ImageError
 from hkrag.data.opendocvqa import Corpus
-from hkrag.data.pairs import TrainingPair
+from hkrag.data.pairs import TrainingPair, read_hard_negatives, with_hard_negatives
 from hkrag.distributed import gather_with_grad
 from hkrag.losses import HybridMaskLoss, LossOutput, PretrainingLoss
 from hkrag.models.phi3v.image_processing_phi3v import check_image_size
@@ -53,6 +53,7 @@ from hkrag.training.checkpoint import (
     rng_state,
     save_checkpoint,
 )
+from hkrag.training.diagnostics import batch_diagnostics, infonce_sin_gradient_cosine
 from hkrag.training.gradcache import grad_cache_step, split_batch
 from hkrag.training.sampler import GlobalBatchSampler
 
@@ -71,6 +72,9 @@ class TrainerConfig:
     ``^(.*)-p\\d+$``); pages of one document are then batched together as hard negatives.
     ``num_threads``: intra-op CPU threads (``torch.set_num_threads``; null keeps torch's default). On a
     shared machine, fewer threads than cores avoids contention (timings: bench/RESULTS.md).
+    ``hard_negatives``: mined negatives per query from ``negatives_file`` (``python -m hkrag.index.mine``) added
+    to the batch's documents (0: in-batch negatives only). ``diagnostics_every``: log the loss diagnostics
+    (:mod:`hkrag.training.diagnostics`) before every N-th optimizer step, from step 0 (0: off).
     """
 
     global_batch_size: int = 64
@@ -89,6 +93,9 @@ class TrainerConfig:
     save_every: int | None = None
     num_workers: int = 0
     num_threads: int | None = None
+    hard_negatives: int = 0
+    negatives_file: str | None = None
+    diagnostics_every: int = 0
 
 
 OPTIM_KEYS = ("lr", "weight_decay", "betas", "warmup_ratio", "scheduler", "max_grad_norm")
@@ -124,10 +131,11 @@ def schedule_factors(name: str, schedule: Mapping[str, int], steps: int) -> list
 
 
 def data_fingerprint(pairs: Sequence[TrainingPair]) -> str:
-    """Hash of the training pairs (ids, queries, positives): the data the sampler orders."""
+    """Hash of the training pairs (ids, queries, positives, hard negatives if any): the data the sampler orders."""
     digest = hashlib.sha256()
     for pair in pairs:
-        digest.update(json.dumps([pair.query_id, pair.query, list(pair.positives)]).encode())
+        negatives = [list(pair.negatives)] if pair.negatives else []
+        digest.update(json.dumps([pair.query_id, pair.query, list(pair.positives), *negatives]).encode())
     return digest.hexdigest()[:16]
 
 
@@ -142,7 +150,8 @@ def document_groups(pairs: Sequence[TrainingPair], pattern: str) -> list[str]:
 
 
 class PairDataset(Dataset):
-    """``(query text, positive page)`` of a training pair; the page is decoded on access."""
+    """``(query text, positive page)`` of a training pair, plus its hard-negative pages when it has any;
+    pages are decoded on access."""
 
     def __init__(self, pairs: Sequence[TrainingPair], corpus: Corpus) -> None:
         self.pairs = pairs
@@ -152,16 +161,34 @@ class PairDataset(Dataset):
     def __len__(self) -> int:
         return len(self.pairs)
 
-    def __getitem__(self, index: int) -> tuple[str, Any]:
-        """The pair's query and page; a page the image processor would refuse raises :class:`ImageError`
-        naming it here, where its ``doc_id`` is known (the collator only sees images)."""
+    def __getitem__(self, index: int) -> tuple[str, Any] | tuple[str, Any, list[Any]]:
+        """The pair's query and page (and negative pages); a page the image processor would refuse raises
+        :class:`ImageError` naming it here, where its ``doc_id`` is known (the collator only sees images)."""
         pair = self.pairs[index]
-        page = self.corpus[pair.positive(self.epoch)]
+        image = self.image(pair.positive(self.epoch))
+        if pair.negatives:
+            return pair.query, image, [self.image(doc_id) for doc_id in pair.negatives]
+        return pair.query, image
+
+    def image(self, doc_id: str) -> Any:
+        page = self.corpus[doc_id]
         try:
             check_image_size(page.image)
         except ValueError as error:
             raise ImageError(page.doc_id, f"cannot be encoded: {error}") from error
-        return pair.query, page.image
+        return page.image
+
+
+def check_extensions(config: TrainerConfig, loss_fn: Any, num_processes: int) -> None:
+    """Refuse hard negatives and diagnostics where they are not supported, naming the setting."""
+    if config.hard_negatives and not config.negatives_file:
+        raise ValueError(f"trainer.hard_negatives={config.hard_negatives} needs trainer.negatives_file (mine one "
+                         "with python -m hkrag.index.mine)")
+    if (config.hard_negatives or config.diagnostics_every) and not isinstance(loss_fn, HybridMaskLoss):
+        raise ValueError("trainer.hard_negatives and trainer.diagnostics_every work with the contrastive fine-tuning "
+                         f"loss (HybridMaskLoss), not {type(loss_fn).__name__}")
+    if config.diagnostics_every and num_processes > 1:
+        raise ValueError(f"trainer.diagnostics_every runs on one process, got {num_processes}: set it to 0")
 
 
 class RetrieverTrainer:
@@ -195,6 +222,10 @@ class RetrieverTrainer:
             torch.set_num_threads(config.num_threads)
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
+        check_extensions(config, loss_fn, accelerator.num_processes)
+        if config.hard_negatives:
+            pairs = with_hard_negatives(pairs, read_hard_negatives(config.negatives_file), config.hard_negatives,
+                                        corpus)
         self.loss_fn = loss_fn
         self.retriever = retriever
         self.collator = collator or retriever.collator  # the same truncation as encoding
@@ -239,6 +270,8 @@ class RetrieverTrainer:
         """
         settings = asdict(self.config)
         identity = {f"{'optim' if k in OPTIM_KEYS else 'trainer'}.{k}": settings[k] for k in RUN_KEYS}
+        if self.config.hard_negatives:  # absent otherwise: runs without them keep their earlier identity
+            identity.update({f"trainer.{k}": settings[k] for k in ("hard_negatives", "negatives_file")})
         identity.update({f"loss.{k}": v for k, v in self.loss_fn.settings().items()})
         lora = getattr(self.retriever.model, "peft_config", {}).get("default")
         if lora is not None:
@@ -307,24 +340,57 @@ class RetrieverTrainer:
         return self.model(**inputs)
 
     def in_batch_positives(self) -> torch.Tensor:
-        """(B, B) bool mask of the global batch: ``[i, j]`` when row ``j``'s page is *a* positive of query ``i``.
+        """(B, B·(1 + N)) bool mask of the global batch: ``[i, j]`` when document ``j`` is *a* positive of query ``i``.
 
         Such pages are not negatives of query ``i``: every page in its positive set leaves its softmax,
-        not only the one row ``i`` drew this epoch (and, as a special case, a page drawn by two rows).
+        not only the one row ``i`` drew this epoch (and, as a special case, a page drawn by two rows, or
+        another query's hard negative). Columns: the rows' pages, then their ``N`` hard negatives each.
         The diagonal is false. The mask is not symmetric; the loss transposes it for the
         document-to-query term of Eq. 4.
         """
         epoch = self.state.epoch
         rows = [self.pairs[i] for i in self.sampler.global_batch(epoch, self.state.step_in_epoch)]
-        pages = [pair.positive(epoch) for pair in rows]
+        pages = [pair.positive(epoch) for pair in rows] + [doc_id for pair in rows for doc_id in pair.negatives]
         relevant = torch.tensor([[page in pair.positives for page in pages] for pair in rows],
                                 device=self.accelerator.device)
-        return relevant & ~torch.eye(len(rows), dtype=torch.bool, device=relevant.device)
+        return relevant & ~torch.eye(len(rows), len(pages), dtype=torch.bool, device=relevant.device)
+
+    def loss_generator(self, device: torch.device) -> torch.Generator:
+        """The sub-mask split's generator of this step, seeded alike on every rank."""
+        return torch.Generator(device=device).manual_seed(self.config.seed * 100_003 + self.state.step)
 
     def global_loss(self, q: torch.Tensor, d: torch.Tensor) -> LossOutput:
-        """Loss of the gathered global batch; the sub-mask split is seeded by the step on every rank."""
-        generator = torch.Generator(device=q.device).manual_seed(self.config.seed * 100_003 + self.state.step)
-        return self.loss_fn(gather_with_grad(q), gather_with_grad(d), generator=generator, ignore=self._ignore)
+        """Loss of the gathered global batch; the sub-mask split is seeded by the step on every rank.
+
+        A rank's ``d`` holds its rows' pages, then their hard negatives: the two are gathered separately,
+        so the global ``d`` is all positives (in global row order), then all negatives, query-major.
+        """
+        generator = self.loss_generator(q.device)
+        q = gather_with_grad(q)
+        if self.config.hard_negatives:
+            local = len(d) // (1 + self.config.hard_negatives)
+            d = torch.cat([gather_with_grad(d[:local]), gather_with_grad(d[local:])])
+        else:
+            d = gather_with_grad(d)
+        return self.loss_fn(q, d, generator=generator, ignore=self._ignore)
+
+    def diagnostics(self, batch: dict[str, Any]) -> dict[str, float]:
+        """:mod:`hkrag.training.diagnostics` of ``batch`` under the current weights (one process).
+
+        An extra forward of the whole batch with gradient (not chunked) and two gradients of the
+        encoder, none of which touches ``.grad`` or the RNG streams the training step draws from.
+        """
+        device = self.accelerator.device
+        query, document = batch["query"].to(device), batch["document"].to(device)
+        ignore, generator = self.in_batch_positives(), self.loss_generator(device)
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []):
+            q, d = self.retriever(**query), self.retriever(**document)
+            values = batch_diagnostics(q, d, self.loss_fn, generator, ignore)
+            generator = self.loss_generator(device)
+            values["diag/grad_cos_infonce_sin"] = infonce_sin_gradient_cosine(
+                q, d, self.loss_fn, self.retriever.parameters(), generator, ignore
+            )
+        return values
 
     def step(self, batch: dict[str, Any]) -> LossOutput:
         """Forward and backward of one global batch (gradient-cached when ``chunk_size`` is set)."""
@@ -399,15 +465,17 @@ class RetrieverTrainer:
                    disable=not self.accelerator.is_main_process, dynamic_ncols=True)
         while self.state.step < self.total_steps:
             for batch in self.loader(self.state.epoch, self.state.step_in_epoch):
+                every = self.config.diagnostics_every
+                diagnostics = self.diagnostics(batch) if every and self.state.step % every == 0 else {}
                 started = time.perf_counter()
                 output = self.step(batch)
                 norm = self.optimizer_step(output)
                 self.state.step += 1
                 self.state.step_in_epoch += 1
-                record = self._record(output, norm, time.perf_counter() - started)
+                record = {**self._record(output, norm, time.perf_counter() - started), **diagnostics}
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.4f}")
-                if self.state.step % self.config.log_every == 0:
+                if self.state.step % self.config.log_every == 0 or diagnostics:
                     self.run_logger.log(record, self.state.step)
                     if on_log:
                         on_log(record)
