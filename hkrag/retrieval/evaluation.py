@@ -1,6 +1,9 @@
-"""Retrieval evaluation (paper Table 2, docs/index.md): encode, index, search, score.
+"""Retrieval evaluation (paper Table 2, docs/index.md): rank, score, report.
 
-One code path serves ``train.py`` (before/after report) and ``eval.py``, so both print the same
+:func:`evaluate_ranker` scores any :class:`Ranker` (a run per data set and pool) the same way: the visual
+retriever (:class:`DenseRanker`, encode + FAISS), BM25 over page text (:mod:`hkrag.retrieval.bm25`) and their
+fusion (:mod:`hkrag.retrieval.fusion`); docs/evaluation.md, "Baselines". For the visual retriever,
+one code path serves ``train.py`` (before/after report) and ``eval.py``, so both print the same
 number for the same checkpoint and data. Corpora are embedded through resumable shards
 (:func:`hkrag.index.shards.encode_corpus`, data-parallel across ranks); a page shared by several
 pools (a data set's own corpus and ``all``) is encoded once, when its stored image is byte-identical
@@ -15,10 +18,11 @@ scored per label (``salient`` / ``fine_print`` in the built-in corpus). Each que
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -29,7 +33,7 @@ from hkrag.distributed import is_main, rank, world_size
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import config_hash, encode_corpus, load_shards
 from hkrag.io import atomic_directory, write_json
-from hkrag.retrieval.metrics import check_qrels, evaluate_run, format_table
+from hkrag.retrieval.metrics import Run, check_qrels, evaluate_run, format_table
 from hkrag.retriever import Phi3VRetriever, weights_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -179,6 +183,75 @@ def shard_identity(retriever: Phi3VRetriever, identity: dict[str, Any]) -> dict[
             "weights": given["weights"], "config_hash": config_hash(given)}
 
 
+class Ranker(Protocol):
+    """What :func:`evaluate_ranker` evaluates: pages of a corpus ranked for a set of queries.
+
+    ``rank(qa, corpus, depth, corpus_key)`` returns the run ``{query_id: {doc_id: score}}`` of each query's top
+    ``depth`` pages (fewer when it finds fewer); ``corpus_key`` names the corpus (its config, e.g. ``all``) for
+    rankers that keep work on disk (the dense one's embedding shards). ``name`` labels the ranker in reports.
+    Implementations: :class:`DenseRanker`, :class:`hkrag.retrieval.bm25.BM25Ranker`,
+    :class:`hkrag.retrieval.fusion.HybridRanker`. Under ``accelerate launch`` every rank calls ``rank`` and only
+    rank 0's run is scored.
+    """
+
+    name: str
+
+    def rank(self, qa: Sequence[QAExample], corpus: Corpus, depth: int, corpus_key: str) -> Run: ...
+
+
+class DenseRanker:
+    """The visual retriever searched with FAISS (``cfg.index``): page embeddings in resumable shards under
+    ``<work_dir>/embeddings-<corpus_key>`` (shared across pools, :class:`EmbeddingCache`), query embeddings once
+    per query set. Every rank embeds its share; rank 0 searches (other ranks return ``{}``) and writes the
+    queries' embeddings and qrels for the storage-budget study (:func:`save_queries`).
+
+    ``identity`` (model, adapter, ...) and a fingerprint of the retriever's weights go into the shard
+    manifests, so embeddings of another checkpoint are never reused.
+    """
+
+    name = "dense"
+
+    def __init__(self, retriever: Phi3VRetriever, cfg: RetrievalEvalConfig, work_dir: str | Path,
+                 identity: dict[str, Any]):
+        self.retriever, self.cfg, self.work_dir = retriever, cfg, Path(work_dir)
+        self.identity = shard_identity(retriever, identity)
+        self.embeddings = EmbeddingCache()
+        self.queries: dict[tuple[str, ...], torch.Tensor] = {}
+        self.queried: list[tuple[QAExample, np.ndarray]] = []
+
+    def rank(self, qa: Sequence[QAExample], corpus: Corpus, depth: int, corpus_key: str) -> Run:
+        with evaluating(self.retriever):
+            queries = self.encode_queries(qa)
+            vectors = pool_embeddings(self.retriever, corpus, self.work_dir / f"embeddings-{corpus_key}", self.cfg,
+                                      self.identity, self.embeddings)
+        if not is_main():
+            return {}
+        index = DocumentIndex.build(corpus.doc_ids, vectors, self.cfg.index, use_gpu=self.cfg.use_gpu)
+        return index.to_run([ex.query_id for ex in qa], queries.numpy(), depth)
+
+    def encode_queries(self, qa: Sequence[QAExample]) -> torch.Tensor:
+        """The embeddings of ``qa`` (encoded once per query set; a new set is saved with the others)."""
+        key = tuple(ex.query_id for ex in qa)
+        if key not in self.queries:
+            self.queries[key] = self.retriever.encode_queries(
+                [ex.query for ex in qa], batch_size=self.cfg.query_batch_size, ids=list(key))
+            self.queried += zip(qa, self.queries[key].float().numpy())
+            if is_main():
+                save_queries(self.queried, self.work_dir, self.identity)
+        return self.queries[key]
+
+
+@contextmanager
+def evaluating(module: torch.nn.Module) -> Iterator[None]:
+    """``module`` in eval mode, its training flag restored afterwards."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
 def evaluate_retrieval(
     retriever: Phi3VRetriever,
     cfg: RetrievalEvalConfig,
@@ -187,47 +260,44 @@ def evaluate_retrieval(
     load_qa_fn: Callable[..., list[QAExample]] = load_qa,
     load_corpus_fn: Callable[..., Corpus] = load_corpus,
 ) -> dict[str, Any]:
+    """Evaluate the visual retriever (a :class:`DenseRanker`) with :func:`evaluate_ranker`."""
+    return evaluate_ranker(DenseRanker(retriever, cfg, work_dir, identity), cfg, work_dir, load_qa_fn, load_corpus_fn)
+
+
+def evaluate_ranker(
+    ranker: Ranker,
+    cfg: RetrievalEvalConfig,
+    work_dir: str | Path,
+    load_qa_fn: Callable[..., list[QAExample]] = load_qa,
+    load_corpus_fn: Callable[..., Corpus] = load_corpus,
+) -> dict[str, Any]:
     """Evaluate every data set of ``cfg`` in every pool; returns metrics, a Table-2 Markdown and the runs.
 
-    ``runs[dataset][pool][query_id]`` maps the top-k doc ids to scores (what the RAG task reads).
-
-    ``identity`` (model, adapter, ...) and a fingerprint of the retriever's weights go into the shard
-    manifests, so embeddings of another checkpoint are never reused. Only rank 0 searches and scores;
-    other ranks return ``{}``.
+    ``runs[dataset][pool][query_id]`` maps the top-k doc ids to scores (what the RAG task reads). Each query's
+    nDCG@5 goes to ``<work_dir>/per_query.json``. Only rank 0 scores; other ranks return ``{}``.
     """
-    was_training = retriever.training
-    retriever.eval()
     work_dir = Path(work_dir)
-    identity = shard_identity(retriever, identity)
-    embeddings = EmbeddingCache()
     results: dict[str, dict[str, Any]] = {}
-    runs: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    runs: dict[str, dict[str, Run]] = {}
     per_query: dict[str, dict[str, dict[str, Any]]] = {}
-    all_queries: list[tuple[QAExample, np.ndarray]] = []
     for dataset in cfg.datasets:
         qa = load_qa_fn(cfg.qa_source, dataset, cfg.split)
-        queries = retriever.encode_queries([ex.query for ex in qa], batch_size=cfg.query_batch_size,
-                                           ids=[ex.query_id for ex in qa])
-        all_queries += zip(qa, queries.float().numpy())
         for pool in cfg.pools:
             config = pools(dataset)[pool]
             corpus = load_corpus_fn(cfg.corpus_source, config, cfg.split)
-            vectors = pool_embeddings(retriever, corpus, work_dir / f"embeddings-{config}", cfg, identity, embeddings)
+            run = ranker.rank(qa, corpus, cfg.top_k, config)
             if not is_main():
                 continue
-            index = DocumentIndex.build(corpus.doc_ids, vectors, cfg.index, use_gpu=cfg.use_gpu)
             check_qrels(qrels(qa), corpus.doc_ids)  # counted warning: such documents score as misses
-            run = index.to_run([ex.query_id for ex in qa], queries.numpy(), cfg.top_k)
             runs.setdefault(dataset, {})[pool] = run
             results.setdefault(dataset, {})[pool] = score(run, qa)
             per_query.setdefault(dataset, {})[pool] = per_query_scores(run, qa)
             logger.info("%s/%s nDCG@5 %.4f", dataset, pool, results[dataset][pool]["all"]["ndcg@5"])
-    retriever.train(was_training)
-    if is_main():
-        write_json(work_dir / PER_QUERY_FILE, per_query)
-        save_queries(all_queries, work_dir, identity)
+    if not is_main():
+        return {}
+    write_json(work_dir / PER_QUERY_FILE, per_query)
     tables = "\n\n".join(retrieval_table(results, metric) for metric in REPORTED_METRICS)
-    return {"results": results, "table": tables, "runs": runs} if is_main() else {}
+    return {"results": results, "table": tables, "runs": runs}
 
 
 def save_queries(queries: Sequence[tuple[QAExample, np.ndarray]], work_dir: Path, identity: dict[str, Any]) -> None:
@@ -246,10 +316,11 @@ def retrieval_table(results: dict[str, dict[str, Any]], metric: str = "ndcg@5") 
     """Markdown Table 2 (overall) plus one row per evidence label when the data carry labels."""
     keys = {k for by_pool in results.values() for r in by_pool.values() for k in r} - {"all", "num_queries"}
     labels = ["all", *sorted(keys)]
-    rows = {"all queries" if label == "all" else label: _grid(results, label, metric) for label in labels}
+    rows = {"all queries" if label == "all" else label: metric_grid(results, label, metric) for label in labels}
     pools_seen = list(dict.fromkeys(p for by_pool in results.values() for p in by_pool))
     return f"{metric} (x100)\n\n" + format_table(rows, pools=pools_seen)
 
 
-def _grid(results: dict[str, dict[str, Any]], label: str, metric: str) -> dict[str, dict[str, float]]:
+def metric_grid(results: dict[str, dict[str, Any]], label: str, metric: str) -> dict[str, dict[str, float]]:
+    """``{dataset: {pool: metric}}`` over the queries labelled ``label`` (``all``: every query)."""
     return {ds: {p: r[label][metric] for p, r in by_pool.items() if label in r} for ds, by_pool in results.items()}

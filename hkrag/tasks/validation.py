@@ -71,6 +71,8 @@ RULES: dict[str, Rule] = {
     "trainer.save_every": OPTIONAL_POSITIVE,
     "trainer.num_workers": Rule(int, low=0),
     "trainer.num_threads": OPTIONAL_POSITIVE,
+    "trainer.hard_negatives": Rule(int, low=0),
+    "trainer.diagnostics_every": Rule(int, low=0),
     "optim.lr": Rule(float, low=0, low_open=True),
     "optim.weight_decay": Rule(float, low=0),
     "optim.warmup_ratio": FRACTION,
@@ -79,11 +81,19 @@ RULES: dict[str, Rule] = {
     "loss.alpha": Rule(float, low=0),
     "loss.beta": Rule(float, low=0),
     "loss.num_sub_masks": POSITIVE,
+    "loss.infonce_weight": Rule(float, low=0, nullable=True),
     "model.num_crops": OPTIONAL_POSITIVE,
     "eval.top_k": POSITIVE,
     "eval.query_batch_size": POSITIVE,
     "eval.doc_batch_size": POSITIVE,
     "eval.shard_size": POSITIVE,
+    "retriever.k1": Rule(float, low=0),
+    "retriever.b": FRACTION,
+    "retriever.lexical.k1": Rule(float, low=0),
+    "retriever.lexical.b": FRACTION,
+    "retriever.rrf_k": Rule(float, low=0),
+    "retriever.dense_weight": FRACTION,
+    "retriever.fusion_depth": POSITIVE,
     "rag.top_k": POSITIVE,
     "rag.max_queries": OPTIONAL_POSITIVE,
     "rag.concurrency": POSITIVE,
@@ -96,9 +106,11 @@ there, ``hkrag/tasks/rag.py``)."""
 CHOICES: dict[str, tuple[str, ...]] = {
     "eval.dtype": ("float16", "float32"),
     "model.kind": ("tiny", "phi3v"),
+    "retriever.fusion": ("rrf", "sum"),
+    "loss.masked_similarity": ("cosine", "dot"),
 }
 
-FLAGS = ("rag.resume",)
+FLAGS = ("rag.resume", "loss.balanced_split", "retriever.allow_empty", "retriever.lower")
 """Keys that take ``true`` or ``false`` only (a string such as ``yes`` is truthy and would be misread)."""
 
 RAG_TASKS = ("rag", "generation")

@@ -1,0 +1,77 @@
+"""``eval.py task=retrieval retriever=bm25|hybrid`` and ``task=baselines`` end to end on a tiny built-in corpus: the
+same report files and metrics as the dense retriever, and Table 2's layout with one row per retriever."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from hkrag.retrieval.evaluation import PER_QUERY_FILE, TABLE_FILE
+from hkrag.tasks.retrieval import run_baselines, run_retrieval_evaluation
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_DATA = [
+    "data.synthetic.n_train=8", "data.synthetic.n_test=12", "data.synthetic.train_groups_per_style=1",
+    "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=3", "data.eval_datasets=[synchart,syninfo]",
+    "model=tiny", "eval.doc_batch_size=16",
+]
+REPORT = {"retrieval.json", TABLE_FILE, PER_QUERY_FILE}
+
+
+def config(tmp_path: Path, out: str, *overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("eval", [f"paths.data_dir={tmp_path / 'data'}", f"paths.output_dir={tmp_path / out}",
+                                *TINY_DATA, *overrides])
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("baselines")
+    report = run_baselines(config(tmp_path, "run", "task=baselines"), tmp_path / "run")
+    return tmp_path, report
+
+
+def test_baselines_lay_out_table_2_with_one_row_per_retriever(baselines):
+    tmp_path, report = baselines
+    run = tmp_path / "run"
+    table = (run / "baselines.md").read_text()
+    assert table.startswith("ndcg@5 (x100)\n\n| Method | synchart Single | synchart All | syninfo Single |")
+    rows = [line.split(" | ")[0].strip("| ") for line in table.splitlines() if line.startswith("| ")]
+    assert rows[:4] == ["Method", "bm25", "dense", "hybrid"]
+    assert "ndcg@5 (x100), fine_print queries" in table and "| Method | seconds |" in table
+    stored = json.loads((run / "baselines.json").read_text())
+    assert list(stored) == ["bm25", "dense", "hybrid"] and all(row["seconds"] > 0 for row in stored.values())
+    for row in stored:  # each row is what `task=retrieval retriever=<row>` writes, in its own folder
+        assert REPORT <= {path.name for path in (run / row).iterdir()}
+        assert json.loads((run / row / "retrieval.json").read_text()) == stored[row]["results"]
+    assert not any(path.name.startswith("embeddings-") for path in (run / "bm25").iterdir())  # no model needed
+
+
+def test_bm25_writes_the_report_the_dense_retriever_writes(baselines):
+    tmp_path, _ = baselines
+    result = run_retrieval_evaluation(config(tmp_path, "bm25", "retriever=bm25"), tmp_path / "bm25")
+    dense = tmp_path / "run" / "dense"
+    assert REPORT <= {path.name for path in (tmp_path / "bm25").iterdir()}
+    mine, theirs = (json.loads((folder / "retrieval.json").read_text()) for folder in (tmp_path / "bm25", dense))
+    assert mine == result["results"] == json.loads((tmp_path / "run" / "bm25" / "retrieval.json").read_text())
+    assert _shape(mine) == _shape(theirs)  # same data sets, pools, labels and metrics
+    per_query = [json.loads((folder / PER_QUERY_FILE).read_text()) for folder in (tmp_path / "bm25", dense)]
+    assert _shape(per_query[0]) == _shape(per_query[1])
+    assert [line.split(" | ")[0] for line in (tmp_path / "bm25" / TABLE_FILE).read_text().splitlines()] == \
+        [line.split(" | ")[0] for line in (dense / TABLE_FILE).read_text().splitlines()]
+    # the built-in corpus's text column holds the exact drawn strings: BM25 finds every page in its own pool
+    assert mine["synchart"]["single"]["all"]["recall@10"] == 1.0
+
+
+def test_bad_retriever_settings_fail_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match=r"retriever.b=1.5: expected a number >= 0 and <= 1"):
+        run_retrieval_evaluation(config(tmp_path, "o", "retriever=bm25", "retriever.b=1.5"), tmp_path / "o")
+    with pytest.raises(ValueError, match=r"retriever.fusion='max': expected one of \['rrf', 'sum'\]"):
+        run_retrieval_evaluation(config(tmp_path, "o", "retriever=hybrid", "retriever.fusion=max"), tmp_path / "o")
+    assert not (tmp_path / "data").exists()
+
+
+def _shape(tree):
+    """The nested keys of a JSON tree (values dropped)."""
+    return {key: _shape(value) for key, value in tree.items()} if isinstance(tree, dict) else None
