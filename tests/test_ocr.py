@@ -1,0 +1,173 @@
+"""Page text by the real Tesseract: salient words read, cached, resumable, failures named, text layer preferred."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+import hkrag.data.ocr as ocr
+from hkrag.data.ocr import (
+    FAILURES_FILE,
+    OcrSettings,
+    OcrUnavailable,
+    add_page_text,
+    character_accuracy,
+    debian_packages,
+    install_tesseract,
+    ocr_image,
+)
+from hkrag.data.opendocvqa import CORPUS_FEATURES, load_corpus
+from hkrag.data.pdf import ingest
+from hkrag.data.synthetic import PageSpec, SyntheticConfig, generate, render_page
+from hkrag.data.writer import save_split
+
+SPEC = PageSpec(doc_id="synchart-test-d000-p1", style="synchart", title="ENERGY", label="GREEN", value=57,
+                source="KILO", code="R4", year="2019", bars=(30, 50, 70, 40), accent=1, page_no=3)
+
+
+@pytest.fixture(scope="session")
+def tesseract() -> str:
+    """Tesseract's version; installs Debian's packages when missing (as root), else skips saying why."""
+    try:
+        return install_tesseract("eng")
+    except OcrUnavailable as reason:
+        pytest.skip(str(reason))
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory, tesseract):
+    config = SyntheticConfig(n_train=4, n_test=4, train_groups_per_style=1, test_groups_per_style=1, group_size=2)
+    return generate(tmp_path_factory.mktemp("synthetic"), config)
+
+
+REAL_OCR = ocr.ocr_image
+
+
+class Counting:
+    """``ocr_image`` that counts its calls and can stop the run (an interruption) at a given call."""
+
+    def __init__(self, stop_at: int | None = None):
+        self.calls, self.stop_at = 0, stop_at
+
+    def __call__(self, image, settings):
+        self.calls += 1
+        if self.calls == self.stop_at:
+            raise KeyboardInterrupt
+        return REAL_OCR(image, settings)
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    """Replaces ``ocr_image`` (in this process: workers=1) by a fresh :class:`Counting` on each call."""
+    def install(stop_at: int | None = None) -> Counting:
+        counter = Counting(stop_at)
+        monkeypatch.setattr(ocr, "ocr_image", counter)
+        return counter
+
+    return install
+
+
+def test_reads_the_salient_words_of_a_rendered_page(tesseract):
+    image, items = render_page(SPEC)
+    text = ocr_image(image)
+    for word in ("ENERGY", "57%", "GREEN", "KILO", "2019"):
+        assert word in text
+    assert character_accuracy(text, "\n".join(item.text for item in items)) > 0.7
+
+
+def test_character_accuracy_is_one_minus_the_edit_rate():
+    assert character_accuracy("SALES\n42%", "SALES 42%") == 1.0
+    assert character_accuracy("SALFS 42", "SALES 42%") == pytest.approx(1 - 2 / 9)
+    assert character_accuracy("", "ab") == 0.0 and character_accuracy("", " ") == 1.0
+    assert character_accuracy("x" * 50, "ab") == 0.0
+
+
+def test_corpus_gets_an_ocr_column_then_reruns_from_the_cache(synthetic, tmp_path, counting):
+    out = tmp_path / "ocr"
+    report = ocr.main([str(synthetic.corpus), "--out", str(out), "--config", "synchart", "--config", "syninfo",
+                       "--column", "ocr_text", "--text-layer", "none", "--workers", "2"])
+    assert report == 0
+    for config in ("synchart", "syninfo"):
+        source, corpus = load_corpus(synthetic.corpus, config, "test"), load_corpus(out, config, "test")
+        assert corpus.doc_ids == source.doc_ids and corpus.fingerprints() == source.fingerprints()
+        texts = corpus.dataset["ocr_text"][:]
+        assert corpus.texts() == source.texts()  # the drawn strings are kept
+        for text, drawn in zip(texts, source.texts()):
+            assert drawn.splitlines()[0] in text  # the title
+    assert json.loads((out / FAILURES_FILE).read_text()) == []
+    counter = counting()
+    again = add_page_text(synthetic.corpus, out, "ocr_text", text_layer=None, configs=["synchart", "syninfo"])
+    assert counter.calls == 0 and (again.cached, again.ocr, again.pages) == (4, 0, 4)
+    assert load_corpus(out, "syninfo", "test").dataset["ocr_text"][:] == texts
+    other = add_page_text(synthetic.corpus, out, "ocr_text", OcrSettings(upscale=2), None, ["synchart"],
+                          overwrite=True)
+    assert other.ocr == 2  # other settings, other cache entries
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(synthetic, tmp_path, counting):
+    out = tmp_path / "resume"
+    counting(stop_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        add_page_text(synthetic.corpus, out, "ocr_text", text_layer=None, configs=["all"], batch_size=2,
+                      overwrite=True)
+    assert not (out / "all").exists() or not list((out / "all").glob("*.parquet"))
+    counter = counting()
+    report = add_page_text(synthetic.corpus, out, "ocr_text", text_layer=None, configs=["all"], batch_size=2)
+    pages = len(load_corpus(synthetic.corpus, "all", "test"))
+    assert (report.cached, report.ocr, counter.calls) == (2, pages - 2, pages - 2)
+
+
+def test_a_page_that_fails_is_named_and_kept(tesseract, tmp_path, caplog):
+    image, _ = render_page(SPEC)
+    rows = [{"doc_id": "good", "image": image}, {"doc_id": "broken", "image": {"bytes": b"not a png", "path": None}}]
+    save_split(rows, tmp_path / "src", "default", "train", CORPUS_FEATURES)
+    with caplog.at_level(logging.WARNING):
+        report = add_page_text(tmp_path / "src", tmp_path / "out")
+    corpus = load_corpus(tmp_path / "out", max_pixels=None)
+    assert corpus.doc_ids == ["good", "broken"] and corpus.texts()[1] == "" and "ENERGY" in corpus.texts()[0]
+    assert [f["doc_id"] for f in report.failed] == ["broken"] and "ImageError" in report.failed[0]["error"]
+    assert json.loads((tmp_path / "out" / FAILURES_FILE).read_text())[0]["doc_id"] == "broken"
+    assert "default/train:broken" in caplog.text and "1 pages could not be read" in caplog.text
+
+
+def test_pdf_text_layer_is_preferred_over_ocr(tesseract, tmp_path, counting):
+    from matplotlib.backends.backend_pdf import PdfPages
+    from matplotlib.figure import Figure
+
+    with PdfPages(tmp_path / "born_digital.pdf") as pdf:
+        figure = Figure(figsize=(3, 1))
+        figure.text(0.1, 0.5, "LAYER WORDS 2024")
+        pdf.savefig(figure)
+    render_page(SPEC)[0].save(tmp_path / "scan.pdf", "PDF", resolution=72)
+    ingest([tmp_path / "born_digital.pdf", tmp_path / "scan.pdf"], tmp_path / "src", dpi=72)
+    with pytest.raises(ValueError, match="already has a 'text' column: pass overwrite"):
+        add_page_text(tmp_path / "src", tmp_path / "out")
+    counter = counting()
+    report = add_page_text(tmp_path / "src", tmp_path / "out", overwrite=True)
+    texts = dict(zip(*[load_corpus(tmp_path / "out").dataset[c][:] for c in ("doc_id", "text")]))
+    assert texts["born_digital.pdf#p1"].strip() == "LAYER WORDS 2024"
+    assert "ENERGY" in texts["scan.pdf#p1"]
+    assert (report.text_layer, report.ocr, counter.calls) == (1, 1, 1)
+
+
+def test_settings_and_packages_are_checked(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        ocr.main([str(tmp_path), "--out", str(tmp_path / "x"), "--psm", "20"])
+    assert exit_.value.code == 2 and "psm must be a Tesseract page segmentation mode" in capsys.readouterr().err
+    assert debian_packages("eng+chi_sim") == ["tesseract-ocr", "tesseract-ocr-eng", "tesseract-ocr-chi-sim"]
+    for bad, message in [({"psm": 14}, "psm"), ({"upscale": 0}, "upscale"), ({"lang": "eng; rm"}, "lang")]:
+        with pytest.raises(ValueError, match=message):
+            OcrSettings(**bad)
+
+
+def test_bad_requests_are_refused(synthetic, tmp_path):
+    with pytest.raises(ValueError, match="is the source corpus"):
+        add_page_text(synthetic.corpus, synthetic.corpus, "ocr_text")
+    with pytest.raises(ValueError, match=r"no split \['dev'\]"):
+        add_page_text(synthetic.corpus, tmp_path / "x", "ocr_text", splits=["dev"])
+    with pytest.raises(ValueError, match="not a corpus folder"):
+        add_page_text(tmp_path, tmp_path / "x", "ocr_text")
+    with pytest.raises(ValueError, match="neither a corpus folder nor a loadable hub data set"):
+        add_page_text(tmp_path / "missing", tmp_path / "x", "ocr_text")
