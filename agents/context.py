@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hkrag.lvlm import GenerationSettings, LVLMBackend, LVLMError, LVLMResult, PageImage
+from hkrag.lvlm import GenerationSettings, LVLMBackend, LVLMError, LVLMResult
 from hkrag.lvlm.base import ImageError
-from hkrag.rag.records import CallRecord
+from hkrag.rag.records import CallRecord, Page
 
 from .checks import number_problem
 from .prompts import Prompts, build_request, shown
@@ -110,7 +110,7 @@ class QueryContext:
     def ask(
         self,
         step: str,
-        pages: Sequence[PageImage],
+        pages: Sequence[Page],
         *,
         iteration: int | None = None,
         top_logprobs: int = 0,

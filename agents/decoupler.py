@@ -20,7 +20,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hkrag.lvlm import PageImage
+from hkrag.rag.records import Page
 
 from .context import QueryContext
 from .pruner import normalise
@@ -58,7 +58,7 @@ class Decoupler:
 
     max_iters: int
 
-    def decouple(self, ctx: QueryContext, pages: Sequence[PageImage]) -> Decoupled:
+    def decouple(self, ctx: QueryContext, pages: Sequence[Page]) -> Decoupled:
         """I_h, then Eqs. 7–8 until an I′_d(t) answers the question or ``max_iters`` is reached."""
         salient, _ = ctx.ask("salient", pages)
         notes = ""

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hkrag.lvlm import LVLMBackend, LVLMError, PageImage, Uncertainty
+from hkrag.lvlm import LVLMBackend, LVLMError, Uncertainty
 from hkrag.lvlm.uncertainty import uncertainty
+from hkrag.rag.records import Page
 
 from .context import QueryContext, QueryFailure
 
@@ -54,7 +55,7 @@ class Judger:
             if self.top_logprobs < 1:
                 raise ValueError(f"{needs} top_logprobs >= 1, got top_logprobs={self.top_logprobs}")
 
-    def judge(self, ctx: QueryContext, pages: Sequence[PageImage]) -> Judgement:
+    def judge(self, ctx: QueryContext, pages: Sequence[Page]) -> Judgement:
         """LQP when H′ < h, else HQP; the uncertainty is recorded on the call. An answer whose statistics
         cannot be measured (NaN, missing alternatives) fails the query naming the Judger."""
         top = self.top_logprobs if self.estimator in NEEDS_ALTERNATIVES else 0

@@ -23,12 +23,12 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from hkrag.lvlm import LVLMBackend
 from hkrag.lvlm.uncertainty import ESTIMATORS
-from hkrag.rag.records import Query, QueryOutcome
+from hkrag.rag.records import INPUTS, Query, QueryOutcome
 
 from .checks import choice_problem, flag_problem, number_problem
 from .context import Caps, QueryContext, QueryFailure
@@ -49,6 +49,10 @@ FIELD_CHECKS: dict[str, Callable[[str, Any], str | None]] = {
     "estimator": lambda key, value: choice_problem(key, value, ESTIMATORS),
     "top_logprobs": lambda key, value: number_problem(key, value, integer=True, low=0, high=20),  # vLLM's most
     "allow_no_pages": flag_problem,
+    "input": lambda key, value: choice_problem(key, value, INPUTS),
+    "text_column": lambda key, value: None if isinstance(value, str) and value else f"{key}={value!r}: expected a "
+                                                                                     "corpus column name",
+    "max_page_tokens": lambda key, value: number_problem(key, value, integer=True, low=1),
 }
 """The checks of the generator group's settings besides ``caps`` and ``prompts``, by key."""
 
@@ -69,6 +73,9 @@ class GeneratorConfig:
     estimator: str
     top_logprobs: int
     allow_no_pages: bool
+    input: str = "image"
+    text_column: str = "text"
+    max_page_tokens: int = 1024
 
     @classmethod
     def problems(cls, config: Mapping[str, Any]) -> list[str]:
@@ -78,9 +85,9 @@ class GeneratorConfig:
         known = [f.name for f in fields(cls)]
         if unknown := set(config) - set(known):
             return [f"generator config has unknown keys {sorted(unknown)}; expected some of {sorted(known)}"]
-        if missing := set(known) - set(config):
+        if missing := {f.name for f in fields(cls) if f.default is MISSING} - set(config):
             return [f"generator config lacks {sorted(missing)} (see conf/generator/hkrag.yaml)"]
-        problems = [check(f"generator.{key}", config[key]) for key, check in FIELD_CHECKS.items()]
+        problems = [check(f"generator.{key}", config[key]) for key, check in FIELD_CHECKS.items() if key in config]
         problems += Caps.problems(config["caps"])
         try:
             Prompts.from_config(config["prompts"])
@@ -205,7 +212,23 @@ class AgenticGenerator(Generator):
 GENERATORS: dict[str, type[Generator]] = {"agentic": AgenticGenerator, "single_pass": SinglePassGenerator}
 
 
+def context_problem(config: GeneratorConfig, context_length: int | None) -> str | None:
+    """With text pages, ``top_k`` pages of ``max_page_tokens`` words plus the longest reply must fit a backend's
+    declared ``context_length`` (a word is at least one token, so this is the least the prompt needs)."""
+    if config.input != "text" or context_length is None:
+        return None
+    needed = config.top_k * config.max_page_tokens + max(config.caps.max_new_tokens.values())
+    if needed <= context_length:
+        return None
+    return (f"generator.top_k={config.top_k} text pages of generator.max_page_tokens={config.max_page_tokens} plus a "
+            f"reply of {max(config.caps.max_new_tokens.values())} tokens need at least {needed} tokens, more than the "
+            f"backend's context_length={context_length}: lower generator.max_page_tokens")
+
+
 def build_generator(config: Mapping[str, Any], backend: LVLMBackend) -> Generator:
-    """The generator a ``generator`` config describes, answering on ``backend``."""
+    """The generator a ``generator`` config describes, answering on ``backend`` (whose context must hold the
+    text pages, :func:`context_problem`)."""
     checked = GeneratorConfig.from_config(config)
+    if problem := context_problem(checked, backend.context_length):
+        raise ValueError(problem)
     return GENERATORS[checked.kind](checked, backend)

@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hkrag.lvlm import GenerationSettings, LVLMRequest, PageImage
+from hkrag.lvlm import GenerationSettings, LVLMRequest
+from hkrag.rag.records import Page, page_content, page_marker
 
 from .steps import STEPS
 
@@ -69,11 +70,12 @@ def placeholders(template: str, name: str) -> set[str]:
         raise ValueError(f"prompt {name!r} is not a valid format string ({error})") from error
 
 
-def build_request(pages: Sequence[PageImage], text: str, settings: GenerationSettings) -> LVLMRequest:
-    """One user turn: the page images in ranked order, then the prompt text."""
-    return LVLMRequest.user(*pages, text, settings=settings)
+def build_request(pages: Sequence[Page], text: str, settings: GenerationSettings) -> LVLMRequest:
+    """One user turn: the pages in ranked order (images, or text blocks ``"Page n:\n…"``), then the prompt text."""
+    return LVLMRequest.user(*(page_content(page, n) for n, page in enumerate(pages, 1)), text, settings=settings)
 
 
-def shown(pages: Sequence[PageImage], text: str) -> str:
-    """The prompt as the trace records it: each page shown as ``<page:id>``, then the text."""
-    return "".join(f"<page:{page.key}>\n" for page in pages) + text
+def shown(pages: Sequence[Page], text: str) -> str:
+    """The prompt as the trace records it: each page shown as ``<page:id>`` (image) or ``<text:id>``, then the
+    text."""
+    return "".join(page_marker(page) for page in pages) + text

@@ -14,7 +14,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hkrag.lvlm import LVLMResult, PageImage, TokenLogprob
+from hkrag.lvlm import LVLMResult, TokenLogprob
+from hkrag.rag.records import Page
 
 from .context import QueryContext
 
@@ -80,7 +81,7 @@ class Pruner:
     k: int
     top_logprobs: int
 
-    def select(self, ctx: QueryContext, pages: Sequence[PageImage]) -> list[PageImage]:
+    def select(self, ctx: QueryContext, pages: Sequence[Page]) -> list[Page]:
         """The first n < k pages that suffice, else the buffer's (up to) k pages."""
         buffer = list(pages[: self.k])
         for n in range(1, len(buffer)):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hkrag.lvlm import PageImage
+from hkrag.rag.records import Page
 
 from .context import QueryContext
 from .decoupler import Decoupled
@@ -22,12 +22,12 @@ from .decoupler import Decoupled
 class Summarizer:
     """The two paths into the final answer."""
 
-    def verify(self, ctx: QueryContext, pages: Sequence[PageImage]) -> str:
+    def verify(self, ctx: QueryContext, pages: Sequence[Page]) -> str:
         """LQP: the verified answer, from the pages and question alone."""
         result, _ = ctx.ask("verify", pages)
         return result.text.strip()
 
-    def integrate(self, ctx: QueryContext, pages: Sequence[PageImage], knowledge: Decoupled) -> str:
+    def integrate(self, ctx: QueryContext, pages: Sequence[Page], knowledge: Decoupled) -> str:
         """HQP: the answer from salient and fine-print knowledge (and the pages)."""
         result, _ = ctx.ask("integrate", pages, salient=knowledge.salient,
                             fine_print=knowledge.fine_print)

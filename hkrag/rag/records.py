@@ -7,10 +7,56 @@ nothing else, so a trace alone reproduces every number of a run.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hkrag.lvlm.base import LVLMResult, PageImage
+from hkrag.lvlm.base import Content, LVLMResult, PageImage
+
+INPUTS = ("image", "text")
+"""How a page reaches the generator (``generator.input``): its image, or its text (text RAG, Table 3)."""
+WORD = re.compile(r"\S+")
+"""A page-text token for the per-page budget: a whitespace-separated word (a word is one or more model tokens)."""
+
+
+@dataclass(frozen=True)
+class PageText:
+    """A page as text in a prompt (``generator.input=text``): ``text`` from corpus column ``column`` of page
+    ``key`` (its ``doc_id``). A page without text is an error naming both, never an empty page in a prompt."""
+
+    text: str
+    key: str
+    column: str = "text"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise ValueError(f"page {self.key!r} has no text in corpus column {self.column!r} (got {self.text!r}); "
+                             "fill it (python -m hkrag.data.ocr) or set generator.text_column")
+
+    def truncated(self, max_tokens: int) -> PageText:
+        """The page cut after its first ``max_tokens`` words (:data:`WORD`); unchanged when shorter."""
+        words = list(WORD.finditer(self.text))
+        if len(words) <= max_tokens:
+            return self
+        return PageText(self.text[: words[max_tokens - 1].end()], self.key, self.column)
+
+    def prompt(self, position: int) -> str:
+        """The page as the prompt shows it: ``"Page {position}:\n{text}\n\n"`` (``position`` counts from 1)."""
+        return f"Page {position}:\n{self.text}\n\n"
+
+
+Page = PageImage | PageText
+"""A page handed to the generator: its image or its text."""
+
+
+def page_content(page: Page, position: int) -> Content:
+    """What ``page`` adds to a request at ``position`` (from 1): the image itself, or its text block."""
+    return page.prompt(position) if isinstance(page, PageText) else page
+
+
+def page_marker(page: Page) -> str:
+    """How the trace shows ``page`` in a recorded prompt: ``<page:id>`` for an image, ``<text:id>`` for text."""
+    return f"<{'text' if isinstance(page, PageText) else 'page'}:{page.key}>\n"
 
 ROUTES = ("LQP", "HQP", "single_pass", "verify_only", "failed")
 """Low-uncertainty pair (Judger → Summarizer verifies), high-uncertainty pair (→ Decoupler), the single-pass
@@ -20,11 +66,12 @@ its routes end in the same verification), or a query that failed before it was r
 
 @dataclass
 class Query:
-    """A question for the generator with its ranked pages (retrieved, gold, or none) and gold answers."""
+    """A question for the generator with its ranked pages (retrieved, gold, or none; images or texts) and gold
+    answers."""
 
     query_id: str
     question: str
-    pages: list[PageImage]
+    pages: list[Page]
     gold: list[str] = field(default_factory=list)
     dataset: str = ""
     pool: str = ""

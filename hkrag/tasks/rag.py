@@ -18,6 +18,7 @@ run at once, with every finished query already in the trace (docs/errors.md, "Ge
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import broadcast_object_list
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 from tqdm.auto import tqdm
@@ -44,13 +46,12 @@ from hkrag.lvlm import LVLMBackend, PageImage, build_backend
 from hkrag.rag.grader import build_grader
 from hkrag.rag.html import write_html
 from hkrag.rag.metrics import rule_metrics
-from hkrag.rag.records import Query, QueryOutcome
+from hkrag.rag.records import Page, PageText, Query, QueryOutcome
 from hkrag.rag.report import MARKDOWN_FILE, RUN_CONFIG_FILE, flat_metrics, write_reports
 from hkrag.rag.trace import MERGED_FILE, PARTS_DIR, TraceWriter, merge
-from hkrag.retrieval.evaluation import TABLE_FILE, evaluate_retrieval
+from hkrag.retrieval.evaluation import TABLE_FILE, evaluate_ranker
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
-    build_retriever,
     check_pools,
     eval_config,
     evaluated_model,
@@ -60,6 +61,7 @@ from hkrag.tasks.common import (
     shared_output_dir,
     trained_model_config,
 )
+from hkrag.tasks.retrieval import bind_ranker
 from hkrag.tasks.validation import ConfigError, validate_config
 
 logger = logging.getLogger(__name__)
@@ -92,22 +94,38 @@ class PlannedQuery:
 
 
 class PageStore:
-    """Every corpus the run reads, so a page id resolves to its (still encoded) image."""
+    """Every corpus the run reads, so a page id resolves to its (still encoded) image or, with a
+    ``text_column`` (``generator.input=text``), to its text cut to ``max_page_tokens`` words."""
 
-    def __init__(self, corpora: list[Corpus]) -> None:
+    def __init__(self, corpora: list[Corpus], text_column: str | None = None,
+                 max_page_tokens: int = GeneratorConfig.max_page_tokens) -> None:
         self.corpora = corpora
+        self.text_column = text_column
+        self.max_page_tokens = max_page_tokens
+        for corpus in corpora if text_column else ():
+            if text_column not in corpus.dataset.column_names:
+                raise ConfigError(f"generator.text_column={text_column!r}: corpus {corpus.name} has no such column "
+                                  f"(has {corpus.dataset.column_names}); run python -m hkrag.data.ocr")
 
-    def page(self, doc_id: str) -> PageImage:
-        """The page as the generator gets it: decoded lazily, so a broken page fails inside its query."""
+    def row(self, doc_id: str) -> dict[str, Any]:
+        """The page's stored row (its image still encoded)."""
         for corpus in self.corpora:
             if doc_id in corpus:
-                return PageImage(corpus.dataset[corpus.index(doc_id)]["image"], doc_id)
+                return corpus.dataset[corpus.index(doc_id)]
         raise KeyError(f"page {doc_id!r} is in none of the loaded corpora")
+
+    def page(self, doc_id: str) -> Page:
+        """The page as the generator gets it: decoded lazily, so a broken page (or, as text, an empty one)
+        fails inside its query."""
+        row = self.row(doc_id)
+        if self.text_column is None:
+            return PageImage(row["image"], doc_id)
+        return PageText(row[self.text_column], doc_id, self.text_column).truncated(self.max_page_tokens)
 
     def image(self, doc_id: str) -> Image.Image | None:
         """The decoded page for thumbnails, or ``None`` when it cannot be shown."""
         try:
-            return self.page(doc_id).load()
+            return PageImage(self.row(doc_id)["image"], doc_id).load()
         except (KeyError, ValueError, OSError):
             return None
 
@@ -154,7 +172,11 @@ def plan_queries(
     rag = cfg.rag
     qa = load_questions(cfg) if qa is None else qa
     configs = sorted({pools(ds)[p] for ds in rag.datasets for p in rag.pools} | set(rag.datasets))
-    store = PageStore([load_corpus(cfg.data.corpus_source, c, rag.split) for c in configs])
+    generator = cfg.generator
+    text = generator.get("input", GeneratorConfig.input) == "text"
+    store = PageStore([load_corpus(cfg.data.corpus_source, c, rag.split) for c in configs],
+                      generator.get("text_column", GeneratorConfig.text_column) if text else None,
+                      generator.get("max_page_tokens", GeneratorConfig.max_page_tokens))
     if cfg.retrieval == "retriever":
         runs = retrieve(cfg, accelerator, output_dir)
         return [
@@ -173,14 +195,15 @@ def ranked(scores: dict[str, float], k: int) -> list[str]:
 
 
 def retrieve(cfg: DictConfig, accelerator, output_dir: Path) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
-    """Rank every query's pages with the retriever (all ranks encode, rank 0 searches); broadcast the runs."""
-    model_cfg, identity = evaluated_model(cfg)
-    retriever = build_retriever(model_cfg, trainable=False)
-    retriever.model.to(accelerator.device)
+    """Rank every query's pages with the ``retriever`` config (``dense``: all ranks encode, rank 0 searches;
+    ``bm25``, ``hybrid``: as ``task=retrieval`` ranks); broadcast the runs."""
+    factory = instantiate(cfg.retriever)
+    model = evaluated_model(cfg) if isinstance(factory, functools.partial) else None
     retrieval_cfg = eval_config(cfg)
     retrieval_cfg.datasets, retrieval_cfg.pools = list(cfg.rag.datasets), list(cfg.rag.pools)
     check_pools(retrieval_cfg)
-    result = evaluate_retrieval(retriever, retrieval_cfg, output_dir / "retrieval", identity)
+    retriever = bind_ranker(factory, model, retrieval_cfg, output_dir / "retrieval", accelerator.device)
+    result = evaluate_ranker(retriever, retrieval_cfg, output_dir / "retrieval")
     if accelerator.is_main_process:
         write_text(output_dir / TABLE_FILE, result["table"] + "\n")
     runs = [result.get("runs")]
@@ -192,7 +215,7 @@ def retrieve(cfg: DictConfig, accelerator, output_dir: Path) -> dict[str, dict[s
 
 def run_identity(cfg: DictConfig) -> dict[str, Any]:
     """What determines the answers: a resumed trace must come from the same settings (the task by name)."""
-    keys = ("retrieval", "model", "data", "lvlm", "generator", "judge", "rag")
+    keys = ("retrieval", "retriever", "model", "data", "lvlm", "generator", "judge", "rag")
     identity = {"task": cfg.task.name}
     identity.update({key: OmegaConf.to_container(cfg[key], resolve=True) if isinstance(cfg.get(key), DictConfig)
                      else cfg.get(key) for key in keys})
