@@ -101,6 +101,15 @@ def test_a_page_without_text_is_named_unless_allowed():
     assert run["q0"] == pytest.approx(lucene_bm25(["rainfall"], {**TOKENS, "blank": [], "none": []}), rel=1e-6)
 
 
+
+def test_a_corpus_without_any_token_returns_nothing_for_every_query():
+    pages = {"blank": "", "none": None, "short": " x ", "spaces": "   "}  # "x": one letter, not a token
+    with pytest.raises(DataError, match="toy: page 'blank' has no text"):
+        BM25Ranker().rank(queries("rainfall"), corpus_of(pages), 10)
+    ranker = BM25Ranker(allow_empty=True)
+    assert ranker.rank(queries("rainfall", "x", ""), corpus_of(pages), 10) == {"q0": {}, "q1": {}, "q2": {}}
+    assert list(ranker.index(corpus_of(pages)).scores(["rainfall"])) == [0.0] * 4
+
 def test_text_comes_from_the_configured_column():
     corpus = corpus_of(PAGES, column="ocr_text")
     with pytest.raises(DataError, match=r"toy has no 'text' column .*python -m hkrag.data.ocr"):

@@ -4,7 +4,8 @@
 corpus draws on each page and the text layer of PDF ingestion; ``python -m hkrag.data.ocr`` writes OCR text into
 a column named by its config (e.g. ``ocr_text``). A page whose text is missing or blank is an error naming the
 page and the column (:class:`~hkrag.data.opendocvqa.DataError`) unless ``allow_empty`` is set; such a page then
-has no terms and scores 0 for every query (it still counts in N and in the mean page length). A query is read
+has no terms and scores 0 for every query (it still counts in N and in the mean page length). When no page
+of a corpus has a token (heavily degraded pages OCRed to nothing), every query scores 0 and returns no page. A query is read
 without the OpenDocVQA retrieval instruction (:data:`~hkrag.data.opendocvqa.QUERY_PREFIX`).
 
 **Tokens** (``bm25s.tokenize``): lowercased when ``lower``; the matches of ``token_pattern`` (default bm25s's and
@@ -87,19 +88,24 @@ class BM25Ranker:
 
 @dataclass
 class BM25Index:
-    """A ``bm25s.BM25`` over tokenised pages, with their doc ids."""
+    """A ``bm25s.BM25`` over tokenised pages, with their doc ids; ``model`` is ``None`` when no page has a token
+    (every page blank, e.g. OCR of heavily degraded pages read nothing), which bm25s cannot index: every score is 0."""
 
     doc_ids: list[str]
-    model: bm25s.BM25
+    model: bm25s.BM25 | None
 
     @classmethod
     def build(cls, doc_ids: Sequence[str], tokens: Sequence[list[str]], ranker: BM25Ranker) -> BM25Index:
+        if not any(tokens):
+            return cls(list(doc_ids), None)
         model = bm25s.BM25(k1=ranker.k1, b=ranker.b, delta=ranker.delta, method=ranker.method)
         model.index(list(tokens), show_progress=len(tokens) > 10_000)
         return cls(list(doc_ids), model)
 
     def scores(self, tokens: Sequence[str]) -> np.ndarray:
         """Every page's score for a tokenised query, in corpus order."""
+        if self.model is None:
+            return np.zeros(len(self.doc_ids))
         return self.model.get_scores_from_ids(self.model.get_tokens_ids(list(tokens)))
 
     def top(self, tokens: Sequence[str], depth: int) -> dict[str, float]:
