@@ -5,24 +5,16 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from _eval_config import tiny_eval_config
 
 from hkrag.retrieval.evaluation import PER_QUERY_FILE, TABLE_FILE
 from hkrag.tasks.retrieval import run_baselines, run_retrieval_evaluation
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY_DATA = [
-    "data.synthetic.n_train=8", "data.synthetic.n_test=12", "data.synthetic.train_groups_per_style=1",
-    "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=3", "data.eval_datasets=[synchart,syninfo]",
-    "model=tiny", "eval.doc_batch_size=16",
-]
 REPORT = {"retrieval.json", TABLE_FILE, PER_QUERY_FILE}
 
 
 def config(tmp_path: Path, out: str, *overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("eval", [f"paths.data_dir={tmp_path / 'data'}", f"paths.output_dir={tmp_path / out}",
-                                *TINY_DATA, *overrides])
+    return tiny_eval_config(tmp_path, out, *overrides, n_train=8)
 
 
 @pytest.fixture(scope="module")

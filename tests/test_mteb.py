@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from _eval_config import tiny_eval_config
 
 pytest.importorskip("mteb", reason='MTEB is an extra: pip install -e ".[mteb]" (in the dev extra)')
 
@@ -18,19 +18,11 @@ from hkrag.retrieval.mteb_adapter import local_task, model_name, query_text  # n
 from hkrag.tasks.mteb import MTEB_DIR, PREDICTIONS_DIR, SUMMARY_FILE, TABLE_FILE, run_mteb  # noqa: E402
 from hkrag.tasks.retrieval import run_retrieval_evaluation  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY_DATA = [
-    "data.synthetic.n_train=4", "data.synthetic.n_test=12", "data.synthetic.train_groups_per_style=1",
-    "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=3", "data.eval_datasets=[synchart,syninfo]",
-    "model=tiny", "eval.doc_batch_size=16",
-]
 MODEL = "hkrag/tiny-random"
 
 
 def config(tmp_path: Path, out: str, *overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("eval", [f"paths.data_dir={tmp_path / 'data'}", f"paths.output_dir={tmp_path / out}",
-                                *TINY_DATA, *overrides])
+    return tiny_eval_config(tmp_path, out, *overrides, n_train=4)
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ corpus draws on each page and the text layer of PDF ingestion; ``python -m hkrag
 a column named by its config (e.g. ``ocr_text``). A page whose text is missing or blank is an error naming the
 page and the column (:class:`~hkrag.data.opendocvqa.DataError`) unless ``allow_empty`` is set; such a page then
 has no terms and scores 0 for every query (it still counts in N and in the mean page length). When no page
-of a corpus has a token (heavily degraded pages OCRed to nothing), every query scores 0 and returns no page. A query is read
-without the OpenDocVQA retrieval instruction (:data:`~hkrag.data.opendocvqa.QUERY_PREFIX`).
+of a corpus has a token (heavily degraded pages OCRed to nothing), every query scores 0 and returns no page.
+A query is read without the OpenDocVQA retrieval instruction (:data:`~hkrag.data.opendocvqa.QUERY_PREFIX`).
 
 **Tokens** (``bm25s.tokenize``): lowercased when ``lower``; the matches of ``token_pattern`` (default bm25s's and
 scikit-learn's ``(?u)\\b\\w\\w+\\b``: runs of two or more letters/digits, so ``"REF R4 P.3"`` gives ``ref``, ``r4``);
