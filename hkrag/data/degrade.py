@@ -96,16 +96,19 @@ class _Kind:
     low: float
     high: float
     meaning: str
+    study: tuple[float, ...]
+    """Strengths a study runs when given only the name (mild to harsh)."""
     off: tuple[float, ...] = (0.0,)
 
 
 DEGRADATIONS: dict[str, _Kind] = {
-    "gaussian_blur": _Kind(_blur, 0, 50, "standard deviation in pixels"),
-    "jpeg": _Kind(_jpeg, 1, 100, "JPEG quality (0 = off)"),
-    "downscale": _Kind(_downscale, 1, 64, "shrink factor (0 or 1 = off)", off=(0.0, 1.0)),
-    "salt_pepper": _Kind(_salt_pepper, 0, 1, "fraction of pixels"),
-    "rotate": _Kind(_rotate, -45, 45, "degrees counter-clockwise"),
-    "fine_print_blur": _Kind(_fine_print_blur, 0, 50, "standard deviation in pixels, fine print only"),
+    "gaussian_blur": _Kind(_blur, 0, 50, "standard deviation in pixels", (0.5, 1.0, 2.0)),
+    "jpeg": _Kind(_jpeg, 1, 100, "JPEG quality (0 = off)", (20.0, 10.0, 5.0)),
+    "downscale": _Kind(_downscale, 1, 64, "shrink factor (0 or 1 = off)", (1.5, 2.0, 3.0), off=(0.0, 1.0)),
+    "salt_pepper": _Kind(_salt_pepper, 0, 1, "fraction of pixels", (0.005, 0.01, 0.02)),
+    "rotate": _Kind(_rotate, -45, 45, "degrees counter-clockwise", (1.0, 2.0, 5.0)),
+    "fine_print_blur": _Kind(_fine_print_blur, 0, 50, "standard deviation in pixels, fine print only",
+                             (0.5, 1.0, 2.0)),
 }
 """Every degradation by name (module docstring)."""
 

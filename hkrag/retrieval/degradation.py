@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hkrag.data.degrade import Degradation, degrade_corpus
+from hkrag.data.degrade import DEGRADATIONS, Degradation, degrade_corpus
 from hkrag.data.ocr import OcrSettings, add_page_text
 from hkrag.data.opendocvqa import TEXT_COLUMN, pools
 from hkrag.io import write_json, write_text
@@ -46,6 +46,27 @@ class DegradationStudy:
     ocr: OcrSettings = dataclasses.field(default_factory=OcrSettings)
     ocr_workers: int = 1
     metric: str = "ndcg@5"
+
+    @classmethod
+    def from_specs(cls, specs: str | Sequence[str], **settings: Any) -> DegradationStudy:
+        """The study of ``specs``: ``NAME:STRENGTH`` items (``["gaussian_blur:1", "jpeg:20", "jpeg:5"]``), a name
+        alone standing for its default strengths (``DEGRADATIONS[name].study``), in the order given; a bad spec
+        fails naming it. ``settings``: the other fields (``seed``, ``ocr``, ...)."""
+        specs = [specs] if isinstance(specs, str) else list(specs or ())
+        if not specs:
+            raise ValueError("a degradation study needs at least one degradation: NAME or NAME:STRENGTH "
+                             f"(names: {', '.join(DEGRADATIONS)})")
+        strengths: dict[str, list[float]] = {}
+        for spec in map(str, specs):
+            if ":" in spec:
+                point = Degradation.parse(spec)
+                strengths.setdefault(point.name, []).append(point.strength)
+            elif spec.strip() in DEGRADATIONS:
+                strengths.setdefault(spec.strip(), []).extend(DEGRADATIONS[spec.strip()].study)
+            else:
+                raise ValueError(f"bad degradation {spec!r}: expected NAME or NAME:STRENGTH "
+                                 f"(names: {', '.join(DEGRADATIONS)})")
+        return cls(list(strengths), strengths, **settings)
 
     def points(self) -> list[Degradation]:
         """Every (degradation, strength) to evaluate, validated before any work; mildest first (strength 0)."""

@@ -54,14 +54,13 @@ from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
     check_pools,
     eval_config,
-    evaluated_model,
     make_accelerator,
     prepare_data,
     resolve_run_dir,
     shared_output_dir,
     trained_model_config,
 )
-from hkrag.tasks.retrieval import bind_ranker
+from hkrag.tasks.retrieval import VisualModel, bind_ranker
 from hkrag.tasks.validation import ConfigError, validate_config
 
 logger = logging.getLogger(__name__)
@@ -198,11 +197,11 @@ def retrieve(cfg: DictConfig, accelerator, output_dir: Path) -> dict[str, dict[s
     """Rank every query's pages with the ``retriever`` config (``dense``: all ranks encode, rank 0 searches;
     ``bm25``, ``hybrid``: as ``task=retrieval`` ranks); broadcast the runs."""
     factory = instantiate(cfg.retriever)
-    model = evaluated_model(cfg) if isinstance(factory, functools.partial) else None
+    model = VisualModel(cfg, accelerator.device) if isinstance(factory, functools.partial) else None
     retrieval_cfg = eval_config(cfg)
     retrieval_cfg.datasets, retrieval_cfg.pools = list(cfg.rag.datasets), list(cfg.rag.pools)
     check_pools(retrieval_cfg)
-    retriever = bind_ranker(factory, model, retrieval_cfg, output_dir / "retrieval", accelerator.device)
+    retriever = bind_ranker(factory, model, retrieval_cfg, output_dir / "retrieval")
     result = evaluate_ranker(retriever, retrieval_cfg, output_dir / "retrieval")
     if accelerator.is_main_process:
         write_text(output_dir / TABLE_FILE, result["table"] + "\n")

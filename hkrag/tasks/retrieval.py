@@ -16,12 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from hkrag.io import write_json, write_text
 from hkrag.retrieval.baselines import BASELINES_FILE, BASELINES_TABLE, baselines_report
+from hkrag.retrieval.degradation import DegradationStudy, run_study
 from hkrag.retrieval.evaluation import TABLE_FILE, DenseRanker, Ranker, RetrievalEvalConfig, evaluate_ranker
+from hkrag.retriever import Phi3VRetriever
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
     build_retriever,
@@ -33,11 +36,14 @@ from hkrag.tasks.common import (
     prepare_data,
     shared_output_dir,
 )
-from hkrag.tasks.validation import validate_config
+from hkrag.tasks.validation import ConfigError, validate_config
 
 
 def run_retrieval_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
-    """``eval.py task=retrieval``: rank single and all pools with ``cfg.retriever``, write ``retrieval.{json,md}``."""
+    """``eval.py task=retrieval``: rank single and all pools with ``cfg.retriever``, write ``retrieval.{json,md}``;
+    with ``degrade=[...]`` the degraded-pages study of that one retriever (:func:`run_degradation_study`)."""
+    if cfg.get("degrade"):
+        return degradation_study(cfg, output_dir, {cfg.retriever.get("name", DenseRanker.name): cfg.retriever})
     results, _, _ = evaluate_rows(cfg, output_dir, {"retriever": cfg.retriever}, by_row=False)
     return results["retriever"]
 
@@ -55,17 +61,81 @@ def run_baselines(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     return report
 
 
+def run_degradation_study(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
+    """``eval.py task=degradation``: the degraded-pages study (:mod:`hkrag.retrieval.degradation`) of every
+    retriever of ``task.rows`` (dense, BM25 over the re-OCRed text, hybrid) under ``degrade``."""
+    return degradation_study(cfg, output_dir, dict(cfg.task.rows))
+
+
+def degradation_study(cfg: DictConfig, output_dir: str | Path, rows: dict[str, DictConfig]) -> dict[str, Any]:
+    """Every ranker of ``rows`` scored on the evaluation corpus degraded as ``cfg.degrade`` says, at each strength
+    (``cfg.degradation`` holds the seed and OCR settings); writes ``degradation.{json,md}`` into ``output_dir``.
+
+    BM25 reads the OCR text of the degraded pages, which can be empty: its pages without text score 0
+    (``allow_empty`` is set on every lexical ranker). The visual model is loaded once for every point. One process
+    only: the corpus preparation (degrade, OCR) is not shared across ranks.
+    """
+    validate_config(cfg)
+    study = degradation_plan(cfg)
+    accelerator = make_accelerator(cfg.get("cpu", False))
+    if accelerator.num_processes > 1:
+        raise ValueError("the degradation study runs in one process: use `python eval.py`, not `accelerate launch`")
+    factories = {name: instantiate(_with_empty_pages(row)) for name, row in rows.items()}
+    model = VisualModel(cfg, accelerator.device) if _needs_model(factories) else None
+    prepare_data(cfg.data)
+    settings = eval_config(cfg)
+    check_pools(settings)
+
+    def rankers(point_dir: Path) -> dict[str, Ranker]:
+        return {name: bind_ranker(factory, model, settings, point_dir / name) for name, factory in factories.items()}
+
+    output_dir = Path(output_dir)
+    result = run_study(study, rankers, settings, output_dir)
+    print(result["table"])
+    run_logger = RunLogger(output_dir, project=cfg.logger.project, wandb_mode=cfg.logger.wandb_mode,
+                           config=OmegaConf.to_container(cfg, resolve=True), name=cfg.get("run_name"))
+    run_logger.summary({"/".join(str(row[key]) for key in ("degradation", "strength", "retriever", "dataset", "pool",
+                                                           "evidence")) + f"/{study.metric}": row[study.metric]
+                        for row in result["rows"]})
+    run_logger.finish()
+    return result
+
+
+def degradation_plan(cfg: DictConfig) -> DegradationStudy:
+    """The study ``cfg.degrade`` and ``cfg.degradation`` describe; a bad item fails naming it (a ConfigError)."""
+    specs = OmegaConf.to_container(cfg.degrade) if isinstance(cfg.degrade, ListConfig) else cfg.degrade
+    try:
+        return instantiate(cfg.degradation, specs=specs)
+    except InstantiationException as error:
+        cause = error.__cause__ or error
+        raise ConfigError(f"invalid config value(s):\n  degrade={specs!r}: {cause}") from cause
+
+
+def _with_empty_pages(row: DictConfig) -> DictConfig:
+    """``row`` with ``allow_empty: true`` wherever it has the setting (BM25, a hybrid's ``lexical``)."""
+    row = row.copy()
+    for node in (row, row.get("lexical")):
+        if isinstance(node, DictConfig) and "allow_empty" in node:
+            node.allow_empty = True
+    return row
+
+
+def _needs_model(factories: dict[str, Any]) -> bool:
+    return any(isinstance(factory, functools.partial) for factory in factories.values())
+
+
 def evaluate_rows(
     cfg: DictConfig, output_dir: str | Path, rows: dict[str, DictConfig], by_row: bool
 ) -> tuple[dict[str, dict[str, Any]], dict[str, float], Path]:
     """Evaluate the ranker of each ``retriever`` config of ``rows`` into ``output_dir`` (``output_dir/<row>`` when
     ``by_row``), each with its report; returns ``{row: result}`` (``{}`` results on ranks other than 0), each
-    row's wall time in seconds (its model loading, encoding, search and scoring) and the output folder."""
+    row's wall time in seconds (its encoding, search and scoring; the first row that needs the visual model also
+    loads it) and the output folder."""
     validate_config(cfg)
     accelerator = make_accelerator(cfg.get("cpu", False))
     output_dir = shared_output_dir(accelerator, output_dir)
     factories = {name: instantiate(row) for name, row in rows.items()}  # bad settings fail before any work
-    model = evaluated_model(cfg) if any(isinstance(f, functools.partial) for f in factories.values()) else None
+    model = VisualModel(cfg, accelerator.device) if _needs_model(factories) else None
     if accelerator.is_main_process:
         prepare_data(cfg.data)
     accelerator.wait_for_everyone()
@@ -75,26 +145,38 @@ def evaluate_rows(
     for name, factory in factories.items():
         work_dir = output_dir / name if by_row else output_dir
         start = time.perf_counter()
-        results[name] = evaluate_ranker(bind_ranker(factory, model, settings, work_dir, accelerator.device),
-                                        settings, work_dir)
+        results[name] = evaluate_ranker(bind_ranker(factory, model, settings, work_dir), settings, work_dir)
         times[name] = time.perf_counter() - start
         if accelerator.is_main_process:
             write_report(cfg, work_dir, results[name])
     return results, times, output_dir
 
 
+class VisualModel:
+    """The visual retriever an evaluation names (``model`` / ``run_dir``, :func:`~hkrag.tasks.common.evaluated_model`),
+    loaded onto ``device`` on first use and shared by every dense ranker built from it."""
+
+    def __init__(self, cfg: DictConfig, device: torch.device | str):
+        self.model_cfg, self.identity = evaluated_model(cfg)
+        self.device = device
+        self._retriever: Phi3VRetriever | None = None
+
+    def ranker(self, settings: RetrievalEvalConfig, work_dir: Path) -> DenseRanker:
+        """A :class:`DenseRanker` of the model, its embedding shards under ``work_dir``."""
+        if self._retriever is None:
+            self._retriever = build_retriever(self.model_cfg, trainable=False)
+            self._retriever.model.to(self.device)
+        return DenseRanker(self._retriever, settings, work_dir, self.identity)
+
+
 def bind_ranker(
-    factory: Ranker | functools.partial, model: tuple[DictConfig, dict[str, Any]] | None,
-    settings: RetrievalEvalConfig, work_dir: Path, device: torch.device | str,
+    factory: Ranker | functools.partial, model: VisualModel | None, settings: RetrievalEvalConfig, work_dir: Path
 ) -> Ranker:
-    """The ranker of an instantiated ``retriever`` config: itself, or (a partial) given the visual retriever of
-    ``model`` (:func:`hkrag.tasks.common.evaluated_model`) as a :class:`DenseRanker` searching into ``work_dir``."""
+    """The ranker of an instantiated ``retriever`` config: itself, or (a partial) given ``model``'s
+    :class:`DenseRanker` searching into ``work_dir``: as the ranker (``dense``) or handed to it as ``dense``."""
     if not isinstance(factory, functools.partial):
         return factory
-    model_cfg, identity = model
-    retriever = build_retriever(model_cfg, trainable=False)
-    retriever.model.to(device)
-    dense = DenseRanker(retriever, settings, work_dir, identity)
+    dense = model.ranker(settings, work_dir)
     return dense if factory.func is DenseRanker else factory(dense=dense)
 
 
