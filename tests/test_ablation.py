@@ -6,9 +6,9 @@ import math
 import pytest
 import yaml
 
-from hkrag.retrieval.ablation import AblationError, aggregate, main
+from hkrag.retrieval.ablation import AblationError, aggregate, main, verdict
 from hkrag.retrieval.evaluation import PER_QUERY_FILE
-from hkrag.stats import mean_and_std, paired_bootstrap
+from hkrag.stats import hierarchical_paired_bootstrap, mean_and_std
 
 QUERIES = [("synchart", "q1", "salient"), ("synchart", "q2", "fine_print"), ("synfine", "q3", "fine_print")]
 SCORES = {  # (loss, seed) -> nDCG@5 of q1, q2, q3 in the single pool; the all pool scores half of it
@@ -23,18 +23,22 @@ MASKS = {"infonce": (0.2, 0.3, 0.5), "hkrag": (0.4, 0.4, 0.2), "no_sin": (0.25, 
 """(mask/one, mask/half, mask/zero) at step 1; step 2 logs 0.1 more ones and 0.1 fewer zeros."""
 
 
-def write_job(folder, number, loss, seed):
-    job = folder / str(number)
-    (job / ".hydra").mkdir(parents=True)
-    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["experiment=demo", f"loss={loss}",
-                                                                   f"trainer.seed={seed}"]))
+def write_scores(folder, values):
     per_query = {}
-    for (dataset, query_id, evidence), value in zip(QUERIES, SCORES[loss, seed]):
+    for (dataset, query_id, evidence), value in zip(QUERIES, values):
         for pool, scale in (("single", 1.0), ("all", 0.5)):
             per_query.setdefault(dataset, {}).setdefault(pool, {})[query_id] = {"evidence": evidence,
                                                                                  "ndcg@5": value * scale}
-    (job / "eval-after").mkdir()
-    (job / "eval-after" / PER_QUERY_FILE).write_text(json.dumps(per_query))
+    folder.mkdir()
+    (folder / PER_QUERY_FILE).write_text(json.dumps(per_query))
+
+
+def write_job(folder, number, loss, seed, extra=()):
+    job = folder / str(number)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["experiment=demo", f"loss={loss}",
+                                                                   f"trainer.seed={seed}", *extra]))
+    write_scores(job / "eval-after", SCORES[loss, seed])
     one, half, zero = MASKS[loss]
     rows = [{"step": 1, "loss": 1.0, "mask/one": one, "mask/half": half, "mask/zero": zero},
             {"step": 2, "loss": 0.9, "mask/one": one + 0.1, "mask/half": half, "mask/zero": zero - 0.1}]
@@ -60,8 +64,9 @@ def test_means_stds_and_paired_intervals_equal_hand_computed_values(multirun):
     assert single["all"]["hkrag"]["mean"] == pytest.approx(0.625)
     assert single["all"]["hkrag"]["std"] == pytest.approx(math.sqrt(2) * (2 / 3 - 0.625))
     # fine print of infonce: seed 0 (0 + 0.5)/2, seed 1 (0.5 + 0)/2: no spread over seeds
-    assert single["fine_print"]["infonce"] == {"mean": pytest.approx(0.25), "std": pytest.approx(0.0),
-                                               "per_seed": pytest.approx([0.25, 0.25]), "num_queries": 2}
+    assert {k: v for k, v in single["fine_print"]["infonce"].items() if k not in ("low", "high")} == {
+        "mean": pytest.approx(0.25), "std": pytest.approx(0.0), "per_seed": pytest.approx([0.25, 0.25]),
+        "num_queries": 2}
     assert single["salient"]["no_sin"]["mean"] == pytest.approx(0.75)
     assert summary["ndcg@5"]["all"]["salient"]["no_sin"]["mean"] == pytest.approx(0.375)
     # no_sin scores every query as infonce does: difference 0, interval [0, 0], p = 1
@@ -71,11 +76,16 @@ def test_means_stds_and_paired_intervals_equal_hand_computed_values(multirun):
     versus = summary["vs_baseline"]["single"]["fine_print"]["hkrag"]
     assert versus["diff"] == pytest.approx(0.25) and versus["low"] == versus["high"] == pytest.approx(0.25)
     assert versus["p_value"] == 0.0 and versus["seeds"] == [0, 1] and versus["num_queries"] == 2
+    # seeds and queries resampled: per seed x query, hkrag - infonce is (0, .25, .25) and (.25, .25, .25)
     everything = summary["vs_baseline"]["single"]["all"]["hkrag"]
-    expected = paired_bootstrap([0.875, 0.5, 0.5], [0.75, 0.25, 0.25], n_resamples=500)
-    assert everything["diff"] == pytest.approx(0.5 / 3 + 0.125 / 3)
+    expected = hierarchical_paired_bootstrap([SCORES["hkrag", 0], SCORES["hkrag", 1]],
+                                             [SCORES["infonce", 0], SCORES["infonce", 1]], n_resamples=500)
+    assert everything["diff"] == pytest.approx(1.25 / 6)
     assert {k: everything[k] for k in expected} == pytest.approx(expected)
-    assert 0.125 <= everything["low"] <= everything["diff"] <= everything["high"] <= 0.25
+    assert 0.0 <= everything["low"] < everything["diff"] < everything["high"] <= 0.25
+    # each condition's mean carries its own hierarchical interval
+    assert single["all"]["hkrag"]["low"] < 0.625 < single["all"]["hkrag"]["high"]
+    assert single["fine_print"]["infonce"]["low"] <= 0.25 <= single["fine_print"]["infonce"]["high"]
 
 
 def test_mask_shares_and_written_files(multirun):
@@ -107,6 +117,57 @@ def test_cli_errors_name_the_folder(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([str(tmp_path / "nowhere")])
     assert exit_info.value.code == 2 and "nowhere holds no job folders" in capsys.readouterr().err
+
+
+def test_verdicts_on_the_table_5_claims_that_ran(multirun):
+    summary = aggregate(multirun, n_resamples=300)
+    verdicts = {(v["better"], v["worse"], v["evidence"], v["pool"]): v for v in summary["verdicts"]}
+    # no_din did not run: its claims are left out; every other claim is judged in both pools
+    assert {key[:3] for key in verdicts} == {("hkrag", "infonce", "all"), ("hkrag", "no_sin", "all"),
+                                             ("no_sin", "infonce", "all"), ("hkrag", "no_sin", "fine_print")}
+    assert verdicts["no_sin", "infonce", "all", "single"]["verdict"] == "not reproduced"  # identical: [0, 0]
+    fine = verdicts["hkrag", "no_sin", "fine_print", "single"]  # +0.25 on every seed and query
+    assert (fine["low"], fine["high"], fine["verdict"]) == (pytest.approx(0.25), pytest.approx(0.25), "reproduced")
+    text = (multirun / "ablation.md").read_text()
+    assert "## Verdicts on the paper's claims" in text and "| fine_print | single | +25.0 [+25.0, +25.0] | " \
+        "**reproduced** |" in text
+
+
+@pytest.mark.parametrize("low, high, expected", [(0.001, 0.05, "reproduced"), (-0.02, 0.005, "not reproduced"),
+                                                 (-0.05, -0.01, "not reproduced"), (-0.02, 0.03, "inconclusive")])
+def test_verdict_rule(low, high, expected):
+    assert verdict(low, high, margin=0.01) == expected
+
+
+def test_learning_curves_average_seeds_per_step(tmp_path):
+    folder = tmp_path / "sweep"
+    for number, (loss, seed) in enumerate([("infonce", 0), ("infonce", 1), ("hkrag", 0), ("hkrag", 1)]):
+        write_job(folder, number, loss, seed)
+        job = folder / str(number)
+        write_scores(job / "eval-before", (0.0, 0.0, 0.0))
+        write_scores(job / "eval-step-2", [v / 2 for v in SCORES[loss, seed]])
+        write_scores(job / "eval-step-4", SCORES[loss, seed])
+    summary = aggregate(folder, n_resamples=100)
+    curve = summary["curves"]["single"]["all"]["hkrag"]
+    assert curve["steps"] == [0, 2, 4]  # eval-before is step 0
+    assert curve["mean"] == pytest.approx([0.0, 0.3125, 0.625])
+    assert curve["std"][2] == pytest.approx(math.sqrt(2) * (2 / 3 - 0.625))
+    assert curve["last_change"] == pytest.approx(0.3125)
+    assert "| hkrag | 0–4 (3 points) | 0.0 ± 0.0 | 62.5 ± 5.9 | +31.2 |" in (folder / "ablation.md").read_text()
+
+
+def test_conditions_from_several_keys_or_every_varying_override(tmp_path):
+    folder = tmp_path / "grid"
+    jobs = [("infonce", 0, ()), ("hkrag", 0, ("loss.alpha=2",)), ("hkrag", 0, ("loss.alpha=0.5",)),
+            ("infonce", 1, ()), ("hkrag", 1, ("loss.alpha=2",)), ("hkrag", 1, ("loss.alpha=0.5",))]
+    for number, (loss, seed, extra) in enumerate(jobs):
+        write_job(folder, number, loss, seed, extra)
+    labels = ["loss=infonce", "loss=hkrag,loss.alpha=2", "loss=hkrag,loss.alpha=0.5"]
+    keyed = aggregate(folder, by=["loss", "loss.alpha"], baseline="loss=infonce", n_resamples=100)
+    assert keyed["conditions"] == labels and keyed["seeds"]["loss=hkrag,loss.alpha=2"] == [0, 1]
+    assert aggregate(folder, by="auto", baseline="loss=infonce", n_resamples=100)["conditions"] == labels
+    with pytest.raises(AblationError, match="repeats loss=hkrag trainer.seed=0"):
+        aggregate(folder, n_resamples=100)  # by loss alone, the two alphas collide
 
 
 def test_mean_and_std():

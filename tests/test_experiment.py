@@ -148,3 +148,28 @@ def test_evaluation_saves_queries_and_qrels_for_the_storage_budget(tmp_path):
     by_dataset = [results[ds]["all"] for ds in cfg.eval.datasets]  # the all pool, query-weighted
     expected = sum(r["all"]["ndcg@5"] * r["num_queries"] for r in by_dataset) / len(qa)
     assert flat["ndcg@5"] == pytest.approx(expected, abs=1e-4)
+
+
+def test_eval_every_logs_a_learning_curve_ending_at_the_final_evaluation(tmp_path):
+    import json
+
+    from hkrag.retrieval.evaluation import PER_QUERY_FILE
+
+    run = tmp_path / "run"
+    cfg = config("train", [
+        f"paths.data_dir={tmp_path / 'data'}", *SMALL_DATA, f"paths.output_dir={run}", "model.num_crops=4",
+        "trainer.global_batch_size=8", "trainer.max_steps=4", "trainer.save_every=null", "trainer.eval_every=2",
+        "eval.doc_batch_size=16",
+    ])
+    report = run_training(cfg, run)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    curve = {row["step"]: row for row in rows if any(key.startswith("curve/") for key in row)}
+    assert sorted(curve) == [2, 4]
+    assert curve[4]["curve/synchart/single/all/ndcg@5"] == pytest.approx(report["after"]["synchart"]["single"]["all"]
+                                                                         ["ndcg@5"])
+    assert json.loads((run / "eval-step-4" / PER_QUERY_FILE).read_text()) == \
+        json.loads((run / "eval-after" / PER_QUERY_FILE).read_text())  # the last point is the final model
+    assert not list(run.glob("eval-step-*/embeddings-*")) and (run / "eval-step-2" / "retrieval.md").is_file()
+    cfg.eval_before_after = False
+    with pytest.raises(ValueError, match="trainer.eval_every needs the evaluation"):
+        run_training(cfg, tmp_path / "no-eval")

@@ -4,16 +4,23 @@
     python -m hkrag.retrieval.ablation multirun/train/<stamp>              # writes ablation.{md,json,png} there
 
 Each job folder of the multirun holds ``.hydra/overrides.yaml``, ``eval-after/per_query.json`` (every test
-query's nDCG@5 and evidence label, written by :mod:`hkrag.retrieval.evaluation`) and ``metrics.jsonl`` (mask statistics
-per step). A job's condition is the value of its ``--by`` override (default ``loss``), its seed that of
-``--seed-key`` (default ``trainer.seed``). For every pool and evidence type (``salient``, ``fine_print``, and
-all queries), the summary gives:
+query's nDCG@5 and evidence label, written by :mod:`hkrag.retrieval.evaluation`), ``metrics.jsonl`` (mask statistics
+per step) and, with ``trainer.eval_every``, ``eval-step-<n>/per_query.json`` (the learning curve). A job's condition
+is the value of its ``--by`` override (default ``loss``; several keys ``--by loss,loss.alpha`` give labels
+``loss=hkrag,loss.alpha=2`` of the keys a job sets; ``auto``: every override that varies across the jobs), its
+seed that of ``--seed-key`` (default ``trainer.seed``). For every pool and evidence type (``salient``,
+``fine_print``, and all queries), the summary gives:
 
 - **mean ± std over seeds** of the run's nDCG@5, averaged over its queries pooled across the data sets;
-- **the difference to the baseline** (default ``infonce``, the paper's Eq. 3 baseline) with a **paired
-  bootstrap** interval (:func:`hkrag.stats.paired_bootstrap`): queries are the resampled unit, each query's
-  score averaged over the seeds both conditions ran (seeds matched), so the interval reflects which queries
-  a loss wins or loses;
+- **the difference to the baseline** (default ``infonce``, the paper's Eq. 3 baseline) with a **hierarchical
+  paired bootstrap** interval (:func:`hkrag.stats.hierarchical_paired_bootstrap`): seeds, then queries within
+  them, are resampled on the matched seeds, so the interval holds seed-to-seed variance as well as which
+  queries a loss wins or loses;
+- **verdicts** on the paper's Table 5 claims (:data:`TABLE5_CLAIMS`; those whose two conditions ran): for a claim
+  "A beats B", *reproduced* when the interval of A − B lies above 0, *not reproduced* when it lies below
+  ``margin`` (no gain as large as the smallest effect of interest; default 1 nDCG@5 point), else *inconclusive*;
+- **learning curves** (mean ± std over seeds per evaluated step) and the change over their last interval, which
+  says whether the runs reached a plateau;
 - **mask shares** of the positive pairs' hybrid mask (Eq. 2) equal to 1, ½ and 0, averaged over training
   steps and seeds, and their course over training in the plot.
 """
@@ -21,6 +28,8 @@ all queries), the summary gives:
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import io
 import json
 import logging
@@ -33,9 +42,9 @@ import numpy as np
 import yaml
 
 from hkrag.io import write_bytes, write_json, write_text
-from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, PER_QUERY_FILE
+from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, BEFORE_TRAINING_DIR, CURVE_DIR, PER_QUERY_FILE
 from hkrag.run_log import METRICS_FILE
-from hkrag.stats import mean_and_std, paired_bootstrap
+from hkrag.stats import hierarchical_bootstrap, hierarchical_paired_bootstrap, mean_and_std
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +59,28 @@ class AblationError(ValueError):
     """A multirun folder that cannot be aggregated; the message names the folder or job."""
 
 
+@dataclass(frozen=True)
+class Claim:
+    """A claim of the paper: condition ``better`` scores above ``worse`` on ``evidence`` queries."""
+
+    text: str
+    better: str
+    worse: str
+    evidence: str = "all"
+
+
+TABLE5_CLAIMS = (
+    Claim("HKRAG-Ret beats the InfoNCE baseline", "hkrag", "infonce"),
+    Claim("HKRAG-Ret beats Ret w/o L_SIN", "hkrag", "no_sin"),
+    Claim("HKRAG-Ret beats Ret w/o L_DIN", "hkrag", "no_din"),
+    Claim("Ret w/o L_SIN (L_DIN alone) beats the baseline", "no_sin", "infonce"),
+    Claim("Ret w/o L_DIN (L_SIN alone) beats the baseline", "no_din", "infonce"),
+    Claim("L_SIN carries fine print: removing it costs fine-print queries", "hkrag", "no_sin", "fine_print"),
+    Claim("L_DIN carries salient content: removing it costs salient queries", "hkrag", "no_din", "salient"),
+)
+"""The paper's Table 5 claims (and Section 4.3's reading of it) in the condition names of ``loss=``."""
+
+
 @dataclass
 class Run:
     """One finished job of the sweep."""
@@ -61,10 +92,13 @@ class Run:
     """``pool -> (dataset, query_id) -> (evidence, nDCG@5)``."""
     masks: list[dict[str, float]] = field(default_factory=list)
     """``metrics.jsonl`` rows: ``step`` and the three mask shares."""
+    curve: dict[int, dict[str, dict[tuple[str, str], tuple[str | None, float]]]] = field(default_factory=dict)
+    """``step -> scores`` at every evaluated step (0: before training, when evaluated)."""
 
-    def query_scores(self, pool: str, evidence: str) -> dict[tuple[str, str], float]:
-        """nDCG@5 of the queries of ``evidence`` (``all``: every query) in ``pool``."""
-        return {key: value for key, (label, value) in self.scores.get(pool, {}).items()
+    def query_scores(self, pool: str, evidence: str, step: int | None = None) -> dict[tuple[str, str], float]:
+        """nDCG@5 of the queries of ``evidence`` (``all``: every query) in ``pool``, after training or at ``step``."""
+        scores = self.scores if step is None else self.curve[step]
+        return {key: value for key, (label, value) in scores.get(pool, {}).items()
                 if evidence == ALL or label == evidence}
 
 
@@ -77,30 +111,66 @@ def overrides(job: Path) -> dict[str, str]:
     return dict(item.lstrip("+").split("=", 1) for item in items)
 
 
-def load_run(job: Path, by: str = "loss", seed_key: str = "trainer.seed") -> Run:
-    """Read one job folder; raises :class:`AblationError` naming what is missing."""
-    chosen = overrides(job)
-    for key in (by, seed_key):
-        if key not in chosen:
-            raise AblationError(f"{job}: no {key}=... override (overrides: {sorted(chosen)}); pass --by/--seed-key")
-    per_query = job / AFTER_TRAINING_DIR / PER_QUERY_FILE
-    if not per_query.is_file():
-        raise AblationError(f"{job}: {per_query.relative_to(job)} is missing: did the run finish its evaluation?")
+def condition_label(chosen: dict[str, str], by: Sequence[str]) -> str | None:
+    """A job's condition: the value of the one ``by`` key, or ``key=value`` of every ``by`` key the job sets."""
+    if len(by) == 1:
+        return chosen.get(by[0])
+    present = [f"{key}={chosen[key]}" for key in by if key in chosen]
+    return ",".join(present) or None
+
+
+def read_scores(per_query: Path) -> dict[str, dict[tuple[str, str], tuple[str | None, float]]]:
+    """``pool -> (dataset, query_id) -> (evidence, nDCG@5)`` of a ``per_query.json``."""
     scores: dict[str, dict[tuple[str, str], tuple[str | None, float]]] = {}
     for dataset, by_pool in json.loads(per_query.read_text()).items():
         for pool, by_query in by_pool.items():
             for query_id, entry in by_query.items():
                 scores.setdefault(pool, {})[(dataset, query_id)] = (entry["evidence"], float(entry[METRIC]))
+    return scores
+
+
+def read_curve(job: Path) -> dict[int, dict[str, dict[tuple[str, str], tuple[str | None, float]]]]:
+    """The job's learning curve: ``eval-step-<n>`` folders (and ``eval-before`` as step 0) that hold scores."""
+    prefix = CURVE_DIR.format(step="")
+    steps = {path.name[len(prefix):]: path for path in job.glob(f"{prefix}*")}
+    folders = {int(step): path for step, path in steps.items() if step.isdigit()}
+    if folders:
+        folders.setdefault(0, job / BEFORE_TRAINING_DIR)
+    return {step: read_scores(folder / PER_QUERY_FILE) for step, folder in sorted(folders.items())
+            if (folder / PER_QUERY_FILE).is_file()}
+
+
+def load_run(job: Path, by: str | Sequence[str] = "loss", seed_key: str = "trainer.seed") -> Run:
+    """Read one job folder; raises :class:`AblationError` naming what is missing."""
+    chosen = overrides(job)
+    keys = [by] if isinstance(by, str) else list(by)
+    condition = condition_label(chosen, keys)
+    for key, value in ((",".join(keys), condition), (seed_key, chosen.get(seed_key))):
+        if value is None:
+            raise AblationError(f"{job}: no {key}=... override (overrides: {sorted(chosen)}); pass --by/--seed-key")
+    per_query = job / AFTER_TRAINING_DIR / PER_QUERY_FILE
+    if not per_query.is_file():
+        raise AblationError(f"{job}: {per_query.relative_to(job)} is missing: did the run finish its evaluation?")
     metrics = job / METRICS_FILE
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
     masks = [{"step": row["step"], **{k: row[k] for k in MASK_SHARES}} for row in rows if "mask/one" in row]
-    return Run(job, chosen[by], int(chosen[seed_key]), scores, masks)
+    return Run(job, condition, int(chosen[seed_key]), read_scores(per_query), masks, read_curve(job))
+
+
+def varying_keys(jobs: Sequence[Path], seed_key: str) -> list[str]:
+    """The override keys whose values differ across ``jobs`` (``--by auto``), the seed key left out."""
+    chosen = [overrides(job) for job in jobs]
+    keys = dict.fromkeys(key for c in chosen for key in c if key != seed_key)
+    varying = [key for key in keys if len({c.get(key) for c in chosen}) > 1]
+    if not varying:
+        raise AblationError(f"{jobs[0].parent}: no override varies across the jobs but {seed_key}: nothing to compare")
+    return varying
 
 
 def load_multirun(
-    folder: str | Path, by: str = "loss", seed_key: str = "trainer.seed", finished_only: bool = False
+    folder: str | Path, by: str | Sequence[str] = "loss", seed_key: str = "trainer.seed", finished_only: bool = False
 ) -> list[Run]:
-    """Every job folder (``0``, ``1``, …) of a multirun, in job order.
+    """Every job folder (``0``, ``1``, …) of a multirun, in job order; ``by``: a key, keys, or ``auto``.
 
     ``finished_only`` skips (and logs) jobs without ``eval-after/per_query.json``, e.g. of a sweep still
     running; otherwise such a job is an error.
@@ -115,11 +185,14 @@ def load_multirun(
         jobs = [job for job in jobs if job.name not in unfinished]
     if not jobs:
         raise AblationError(f"{folder} holds no job folders (0/, 1/, …): pass a multirun/<run_name>/<stamp> folder")
+    if by == "auto":
+        by = varying_keys(jobs, seed_key)
     runs = [load_run(job, by, seed_key) for job in jobs]
     seen: dict[tuple[str, int], Path] = {}
     for run in runs:
         if (run.condition, run.seed) in seen:
-            raise AblationError(f"{run.path} repeats {by}={run.condition} {seed_key}={run.seed} of "
+            what = f"{by}={run.condition}" if isinstance(by, str) else run.condition
+            raise AblationError(f"{run.path} repeats {what} {seed_key}={run.seed} of "
                                 f"{seen[run.condition, run.seed]}")
         seen[run.condition, run.seed] = run.path
     return runs
@@ -136,20 +209,22 @@ def run_mean(run: Run, pool: str, evidence: str) -> float:
     return float(np.mean(list(scores.values()))) if scores else float("nan")
 
 
-def seed_averaged(runs: Sequence[Run], pool: str, evidence: str) -> dict[tuple[str, str], float]:
-    """Each query's score averaged over ``runs`` (one condition, the matched seeds)."""
-    per_run = [run.query_scores(pool, evidence) for run in runs]
-    keys = per_run[0].keys()
+def score_matrix(runs: Sequence[Run], pool: str, evidence: str, step: int | None = None) -> tuple[list, np.ndarray]:
+    """The query keys and the ``(seeds, queries)`` nDCG@5 matrix of ``runs`` (one condition, in seed order)."""
+    per_run = [run.query_scores(pool, evidence, step) for run in runs]
+    keys = sorted(per_run[0])
     for run, scores in zip(runs, per_run):
-        if scores.keys() != keys:
+        if scores.keys() != set(keys):
             raise AblationError(f"{run.path} scored other {pool}/{evidence} queries than {runs[0].path}")
-    return {key: float(np.mean([scores[key] for scores in per_run])) for key in keys}
+    return keys, np.array([[scores[key] for key in keys] for scores in per_run], dtype=float)
 
 
 def summarize(
-    runs: Sequence[Run], baseline: str = "infonce", confidence: float = 0.95, n_resamples: int = 2000, seed: int = 0
+    runs: Sequence[Run], baseline: str = "infonce", confidence: float = 0.95, n_resamples: int = 2000, seed: int = 0,
+    claims: Sequence[Claim] = TABLE5_CLAIMS, margin: float = 0.01,
 ) -> dict[str, Any]:
-    """Means, stds, paired-bootstrap differences to ``baseline`` and mask shares (see the module docstring)."""
+    """Means, stds, intervals, differences to ``baseline``, verdicts on ``claims``, learning curves and mask
+    shares (see the module docstring)."""
     conditions = list(dict.fromkeys(run.condition for run in runs))
     if baseline not in conditions:
         raise AblationError(f"baseline {baseline!r} is not among the conditions {conditions}; pass --baseline")
@@ -160,35 +235,77 @@ def summarize(
     evidence = evidence_types(runs)
     summary: dict[str, Any] = {"baseline": baseline, "conditions": conditions, "pools": pools, "evidence": evidence,
                                "seeds": {c: [r.seed for r in rs] for c, rs in by_condition.items()},
-                               "confidence": confidence, "n_resamples": n_resamples, METRIC: {}, "vs_baseline": {}}
+                               "confidence": confidence, "n_resamples": n_resamples, "margin": margin,
+                               METRIC: {}, "vs_baseline": {}, "curves": {}}
+    compare = functools.partial(_versus, confidence=confidence, n_resamples=n_resamples, seed=seed)
     for pool in pools:
         for label in evidence:
             for condition, group in by_condition.items():
-                per_seed = [run_mean(run, pool, label) for run in group]
-                mean, std = mean_and_std(per_seed)
-                summary[METRIC].setdefault(pool, {}).setdefault(label, {})[condition] = {
-                    "mean": mean, "std": std, "per_seed": per_seed,
-                    "num_queries": len(group[0].query_scores(pool, label))}
+                summary[METRIC].setdefault(pool, {}).setdefault(label, {})[condition] = _condition_score(
+                    group, pool, label, confidence, n_resamples, seed)
                 if condition != baseline:
-                    summary["vs_baseline"].setdefault(pool, {}).setdefault(label, {})[condition] = _versus(
-                        group, by_condition[baseline], pool, label, confidence, n_resamples, seed)
+                    summary["vs_baseline"].setdefault(pool, {}).setdefault(label, {})[condition] = compare(
+                        group, by_condition[baseline], pool, label)
+            summary["curves"].setdefault(pool, {})[label] = {
+                c: curve for c, group in by_condition.items() if (curve := curve_summary(group, pool, label))}
+    summary["verdicts"] = []
+    for claim in claims:
+        if claim.better not in by_condition or claim.worse not in by_condition or claim.evidence not in evidence:
+            continue  # a claim about conditions this sweep did not run
+        if not {r.seed for r in by_condition[claim.better]} & {r.seed for r in by_condition[claim.worse]}:
+            logger.warning("claim %r not judged: %s and %s share no seed", claim.text, claim.better, claim.worse)
+            continue
+        for pool in pools:
+            result = compare(by_condition[claim.better], by_condition[claim.worse], pool, claim.evidence)
+            summary["verdicts"].append({**dataclasses.asdict(claim), "pool": pool, **result,
+                                        "verdict": verdict(result["low"], result["high"], margin)})
     summary["masks"] = {c: mask_summary(rs) for c, rs in by_condition.items()}
     return summary
 
 
+def verdict(low: float, high: float, margin: float) -> str:
+    """``reproduced`` (the interval of better − worse lies above 0), ``not reproduced`` (below ``margin``: no gain
+    as large as the smallest effect of interest) or ``inconclusive``."""
+    if low > 0:
+        return "reproduced"
+    return "not reproduced" if high < margin else "inconclusive"
+
+
+def _condition_score(runs: Sequence[Run], pool: str, evidence: str, confidence: float, n_resamples: int,
+                     seed: int) -> dict[str, Any]:
+    """Mean ± std over seeds of the runs' query means, and the hierarchical interval of the mean."""
+    keys, matrix = score_matrix(runs, pool, evidence)
+    per_seed = [run_mean(run, pool, evidence) for run in runs]
+    mean, std = mean_and_std(per_seed)
+    interval = hierarchical_bootstrap(matrix, confidence, n_resamples, seed) if keys else {}
+    return {"mean": mean, "std": std, "per_seed": per_seed, "num_queries": len(keys),
+            **{k: interval[k] for k in ("low", "high") if k in interval}}
+
+
 def _versus(runs: Sequence[Run], base: Sequence[Run], pool: str, evidence: str, confidence: float,
             n_resamples: int, seed: int) -> dict[str, Any]:
-    """Paired bootstrap of ``runs`` against ``base`` over queries, on the seeds both have."""
+    """Hierarchical paired bootstrap of ``runs`` against ``base`` over the seeds both have and their queries."""
     seeds = sorted({r.seed for r in runs} & {r.seed for r in base})
     if not seeds:
         raise AblationError(f"{runs[0].condition} and {base[0].condition} share no seed")
-    a = seed_averaged([r for r in runs if r.seed in seeds], pool, evidence)
-    b = seed_averaged([r for r in base if r.seed in seeds], pool, evidence)
-    if a.keys() != b.keys():
+    keys_a, a = score_matrix([r for r in runs if r.seed in seeds], pool, evidence)
+    keys_b, b = score_matrix([r for r in base if r.seed in seeds], pool, evidence)
+    if keys_a != keys_b:
         raise AblationError(f"{runs[0].condition} and {base[0].condition} scored other {pool}/{evidence} queries")
-    keys = sorted(a)
-    result = paired_bootstrap([a[k] for k in keys], [b[k] for k in keys], confidence, n_resamples, seed)
-    return {**result, "seeds": seeds, "num_queries": len(keys)}
+    result = hierarchical_paired_bootstrap(a, b, confidence, n_resamples, seed)
+    return {**result, "seeds": seeds, "num_queries": len(keys_a)}
+
+
+def curve_summary(runs: Sequence[Run], pool: str, evidence: str) -> dict[str, Any]:
+    """The learning curve of one condition: per step every seed ran, the mean and std over seeds of the run's
+    query mean; ``last_change``: the mean's change over the last interval (near 0: a plateau). ``{}`` without one."""
+    steps = sorted(set.intersection(*(set(run.curve) for run in runs))) if runs else []
+    if len(steps) < 2:
+        return {}
+    per_step = [[float(np.mean(list(run.query_scores(pool, evidence, step).values()))) for run in runs]
+                for step in steps]
+    means, stds = zip(*(mean_and_std(values) for values in per_step))
+    return {"steps": steps, "mean": list(means), "std": list(stds), "last_change": means[-1] - means[-2]}
 
 
 def mask_summary(runs: Sequence[Run]) -> dict[str, Any]:
@@ -219,8 +336,8 @@ def markdown(summary: dict[str, Any], title: str) -> str:
         counts = ", ".join(f"{e}: {table[e][baseline]['num_queries']}" for e in evidence)
         lines += [f"\nQueries: {counts}.\n"]
         confidence = round(100 * summary["confidence"])
-        lines += [f"Difference to `{baseline}` ×100 [paired bootstrap {confidence}% interval over queries, "
-                  f"scores averaged over matched seeds] (two-sided bootstrap p):\n", _header(["loss", *evidence])]
+        lines += [f"Difference to `{baseline}` ×100 [hierarchical paired bootstrap {confidence}% interval: seeds, "
+                  f"then queries, on matched seeds] (two-sided bootstrap p):\n", _header(["loss", *evidence])]
         for condition in summary["conditions"][1:]:
             cells = []
             for e in evidence:
@@ -229,12 +346,44 @@ def markdown(summary: dict[str, Any], title: str) -> str:
                              f"(p={d['p_value']:.2f})")
             lines.append(f"| {condition} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += _verdict_lines(summary) + _curve_lines(summary)
     lines += ["## Mask shares of the positive pairs over training (Eq. 2), mean over steps and seeds\n",
               _header(["loss", *(f"M_H = {v}" for v in MASK_SHARES.values())])]
     for condition, masks in summary["masks"].items():
         cells = [f"{masks['mean'][k]:.3f}" for k in MASK_SHARES] if masks else ["–"] * len(MASK_SHARES)
         lines.append(f"| {condition} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _verdict_lines(summary: dict[str, Any]) -> list[str]:
+    if not summary["verdicts"]:
+        return []
+    confidence = round(100 * summary["confidence"])
+    lines = ["## Verdicts on the paper's claims\n", f"Difference better − worse ×100 [{confidence}% hierarchical "
+             f"paired interval]; *reproduced*: the interval lies above 0; *not reproduced*: it lies below "
+             f"{100 * summary['margin']:g} (the smallest effect of interest); else *inconclusive*.\n",
+             _header(["claim", "queries", "pool", "difference", "verdict"])]
+    for v in summary["verdicts"]:
+        lines.append(f"| {v['text']} (`{v['better']}` vs `{v['worse']}`) | {v['evidence']} | {v['pool']} | "
+                     f"{100 * v['diff']:+.1f} [{100 * v['low']:+.1f}, {100 * v['high']:+.1f}] | **{v['verdict']}** |")
+    return [*lines, ""]
+
+
+def _curve_lines(summary: dict[str, Any]) -> list[str]:
+    lines = []
+    for pool, by_evidence in summary["curves"].items():
+        curves = by_evidence.get(ALL, {})
+        if not curves:
+            continue
+        lines += [f"## Learning curves, pool `{pool}`, all queries (nDCG@5 ×100, mean ± std over seeds)\n",
+                  _header(["loss", "steps", "first", "last", "change over the last interval"])]
+        for condition, curve in curves.items():
+            lines.append(f"| {condition} | {curve['steps'][0]}–{curve['steps'][-1]} ({len(curve['steps'])} points) | "
+                         f"{100 * curve['mean'][0]:.1f} ± {100 * curve['std'][0]:.1f} | "
+                         f"{100 * curve['mean'][-1]:.1f} ± {100 * curve['std'][-1]:.1f} | "
+                         f"{100 * curve['last_change']:+.1f} |")
+        lines.append("")
+    return lines
 
 
 def _header(columns: Sequence[str]) -> str:
@@ -250,7 +399,7 @@ def plot(summary: dict[str, Any], pool: str = "single") -> bytes:
 
     pool = pool if pool in summary["pools"] else summary["pools"][0]
     conditions, evidence = summary["conditions"], summary["evidence"]
-    figure, (bars, curves) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, (bars, curves, learning) = plt.subplots(1, 3, figsize=(16, 4))
     width = 0.8 / len(conditions)
     for i, condition in enumerate(conditions):
         values = [summary[METRIC][pool][e][condition] for e in evidence]
@@ -271,6 +420,15 @@ def plot(summary: dict[str, Any], pool: str = "single") -> bytes:
     curves.set_ylabel("share of mask entries (positive pairs)")
     curves.set_title("hybrid mask over training")
     curves.legend(fontsize=6, ncol=2)
+    for i, (condition, curve) in enumerate(summary["curves"].get(pool, {}).get(ALL, {}).items()):
+        mean, std = 100 * np.array(curve["mean"]), 100 * np.array(curve["std"])
+        learning.plot(curve["steps"], mean, color=f"C{i}", label=condition)
+        learning.fill_between(curve["steps"], mean - std, mean + std, color=f"C{i}", alpha=0.2)
+    learning.set_xlabel("training step")
+    learning.set_ylabel("nDCG@5 ×100 (mean ± std over seeds)")
+    learning.set_title(f"learning curves, pool {pool}")
+    if summary["curves"].get(pool, {}).get(ALL):
+        learning.legend(fontsize=8)
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=120)
@@ -278,12 +436,13 @@ def plot(summary: dict[str, Any], pool: str = "single") -> bytes:
     return buffer.getvalue()
 
 
-def aggregate(folder: str | Path, out_dir: str | Path | None = None, by: str = "loss", seed_key: str = "trainer.seed",
-              baseline: str = "infonce", n_resamples: int = 2000, finished_only: bool = False) -> dict[str, Any]:
+def aggregate(folder: str | Path, out_dir: str | Path | None = None, by: str | Sequence[str] = "loss",
+              seed_key: str = "trainer.seed", baseline: str = "infonce", n_resamples: int = 2000,
+              finished_only: bool = False, margin: float = 0.01) -> dict[str, Any]:
     """Summarise ``folder`` into ``ablation.json``, ``ablation.md`` and ``ablation.png`` (in ``out_dir``, default
     ``folder``); returns the summary."""
     runs = load_multirun(folder, by, seed_key, finished_only)
-    summary = summarize(runs, baseline, n_resamples=n_resamples)
+    summary = summarize(runs, baseline, n_resamples=n_resamples, margin=margin)
     out = Path(out_dir or folder)
     write_json(out / "ablation.json", summary)
     text = markdown(summary, str(folder))
@@ -297,15 +456,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path, help="a multirun folder: multirun/<run_name>/<stamp>")
     parser.add_argument("--out", type=Path, default=None, help="folder for ablation.{md,json,png} (default: folder)")
-    parser.add_argument("--by", default="loss", help="override that names the condition (default: loss)")
+    parser.add_argument("--by", default="loss", help="override(s) that name the condition: a key, keys joined by "
+                        "commas (loss,loss.alpha), or auto (every override that varies but the seed; default: loss)")
     parser.add_argument("--seed-key", default="trainer.seed", help="override that names the seed")
     parser.add_argument("--baseline", default="infonce", help="condition the others are compared with")
     parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples (default: 2000)")
     parser.add_argument("--finished-only", action="store_true", help="skip jobs that have not finished (listed)")
+    parser.add_argument("--margin", type=float, default=0.01,
+                        help="smallest effect of interest in nDCG@5 for a 'not reproduced' verdict (default: 0.01)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        aggregate(args.folder, args.out, args.by, args.seed_key, args.baseline, args.resamples, args.finished_only)
+        by = args.by if args.by == "auto" or "," not in args.by else args.by.split(",")
+        aggregate(args.folder, args.out, by, args.seed_key, args.baseline, args.resamples, args.finished_only,
+                  args.margin)
     except AblationError as error:
         parser.exit(2, f"error: {error}\n")
 

@@ -192,11 +192,12 @@ def evaluated_model(cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:
 
 
 def flat_summary(report: dict[str, Any]) -> dict[str, float]:
-    out = {}
-    for when in ("before", "after"):
-        for dataset, by_pool in (report.get(when) or {}).items():
-            for pool, result in by_pool.items():
-                for label, metrics in result.items():
-                    if isinstance(metrics, dict):
-                        out[f"{when}/{dataset}/{pool}/{label}/ndcg@5"] = metrics["ndcg@5"]
-    return out
+    """``{"<before|after>/<dataset>/<pool>/<evidence>/ndcg@5": value}`` of a training report's results."""
+    return {key: value for when in ("before", "after") for key, value in flat_metrics(report.get(when), when).items()}
+
+
+def flat_metrics(results: dict[str, Any] | None, prefix: str) -> dict[str, float]:
+    """``{"<prefix>/<dataset>/<pool>/<evidence>/ndcg@5": value}`` of one evaluation's results."""
+    return {f"{prefix}/{dataset}/{pool}/{label}/ndcg@5": metrics["ndcg@5"]
+            for dataset, by_pool in (results or {}).items() for pool, result in by_pool.items()
+            for label, metrics in result.items() if isinstance(metrics, dict)}

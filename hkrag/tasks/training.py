@@ -8,9 +8,12 @@ retrieval evaluation before training; training; a final checkpoint; evaluation a
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from accelerate import Accelerator
 from accelerate.utils import set_seed
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -21,7 +24,13 @@ from hkrag.data.pairs import TrainingPair, pretraining_pairs, training_pairs
 from hkrag.index.shards import config_hash
 from hkrag.io import write_json, write_text
 from hkrag.losses import HybridMaskLoss, PretrainingLoss
-from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, BEFORE_TRAINING_DIR, evaluate_retrieval
+from hkrag.retrieval.evaluation import (
+    AFTER_TRAINING_DIR,
+    BEFORE_TRAINING_DIR,
+    CURVE_DIR,
+    TABLE_FILE,
+    evaluate_retrieval,
+)
 from hkrag.retriever import Phi3VRetriever
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
@@ -29,6 +38,7 @@ from hkrag.tasks.common import (
     build_retriever,
     check_pools,
     eval_config,
+    flat_metrics,
     flat_summary,
     make_accelerator,
     prepare_data,
@@ -61,6 +71,8 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     evaluate = cfg.eval_before_after and cfg.get("eval") is not None
     if evaluate:
         check_pools(eval_config(cfg))  # before hours of training, not after
+    if cfg.trainer.get("eval_every") and not evaluate:
+        raise ValueError("trainer.eval_every needs the evaluation: set eval_before_after=true (and an eval group)")
     tiny_base = output_dir / BASE_DIR if cfg.model.kind == "tiny" and accelerator.is_main_process else None
     retriever = build_retriever(cfg.model, texts=vocabulary, save_base_to=tiny_base)
     base = output_dir / BASE_DIR if cfg.model.kind == "tiny" else cfg.model.base
@@ -80,7 +92,7 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
         trainer.resume(resume)
 
     before = _evaluate(retriever, cfg, output_dir / BEFORE_TRAINING_DIR, identity) if evaluate and not resume else None
-    trainer.fit()
+    trainer.fit(on_eval=learning_curve(retriever, cfg, output_dir, identity, accelerator) if evaluate else None)
     final = trainer.save(FINAL_CHECKPOINT)
     identity["adapter"] = str(final / ADAPTER_DIR)
     after = _evaluate(retriever, cfg, output_dir / AFTER_TRAINING_DIR, identity) if evaluate else None
@@ -141,6 +153,23 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(tree, dict) or not tree:
         return {prefix.rstrip("."): tree} if prefix else {}
     return {k: v for key, value in tree.items() for k, v in _flatten(value, f"{prefix}{key}.").items()}
+
+
+def learning_curve(
+    retriever: Phi3VRetriever, cfg: DictConfig, output_dir: Path, identity: dict, accelerator: Accelerator
+) -> Callable[[int], dict[str, float]]:
+    """The trainer's ``on_eval``: the retrieval evaluation at a step into ``eval-step-<n>/`` (report and per-query
+    scores; the page embeddings are removed, one set per point would fill the disk), as ``curve/...`` metrics."""
+    def evaluate(step: int) -> dict[str, float]:
+        work_dir = output_dir / CURVE_DIR.format(step=step)
+        result = _evaluate(retriever, cfg, work_dir, {**identity, "step": step})
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            for shards in work_dir.glob("embeddings-*"):
+                shutil.rmtree(shards)
+            write_text(work_dir / TABLE_FILE, result["table"] + "\n")
+        return flat_metrics(result and result["results"], "curve")
+    return evaluate
 
 
 def _evaluate(retriever: Phi3VRetriever, cfg: DictConfig, work_dir: Path, identity: dict) -> dict | None:

@@ -73,6 +73,7 @@ RULES: dict[str, Rule] = {
     "trainer.num_threads": OPTIONAL_POSITIVE,
     "trainer.hard_negatives": Rule(int, low=0),
     "trainer.diagnostics_every": Rule(int, low=0),
+    "trainer.eval_every": Rule(int, low=0),
     "optim.lr": Rule(float, low=0, low_open=True),
     "optim.weight_decay": Rule(float, low=0),
     "optim.warmup_ratio": FRACTION,

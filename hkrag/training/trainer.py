@@ -75,6 +75,8 @@ class TrainerConfig:
     ``hard_negatives``: mined negatives per query from ``negatives_file`` (``python -m hkrag.index.mine``) added
     to the batch's documents (0: in-batch negatives only). ``diagnostics_every``: log the loss diagnostics
     (:mod:`hkrag.training.diagnostics`) before every N-th optimizer step, from step 0 (0: off).
+    ``eval_every``: call :meth:`RetrieverTrainer.fit`'s ``on_eval`` after every N-th optimizer step and log what it
+    returns (the learning curve; 0: off).
     """
 
     global_batch_size: int = 64
@@ -96,6 +98,7 @@ class TrainerConfig:
     hard_negatives: int = 0
     negatives_file: str | None = None
     diagnostics_every: int = 0
+    eval_every: int = 0
 
 
 OPTIM_KEYS = ("lr", "weight_decay", "betas", "warmup_ratio", "scheduler", "max_grad_norm")
@@ -458,8 +461,12 @@ class RetrieverTrainer:
             generator=torch.Generator().manual_seed(self.config.seed + epoch),
         )
 
-    def fit(self, on_log: Callable[[dict[str, Any]], None] | None = None) -> TrainState:
-        """Train until ``epochs`` or ``max_steps``; returns the final state."""
+    def fit(
+        self, on_log: Callable[[dict[str, Any]], None] | None = None,
+        on_eval: Callable[[int], Mapping[str, float]] | None = None,
+    ) -> TrainState:
+        """Train until ``epochs`` or ``max_steps``; returns the final state. ``on_eval(step)`` (on every rank, the
+        model in train mode before and after) runs every ``eval_every`` steps; its metrics are logged at that step."""
         self.model.train()
         bar = tqdm(total=self.total_steps, initial=self.state.step, desc="train",
                    disable=not self.accelerator.is_main_process, dynamic_ncols=True)
@@ -479,6 +486,8 @@ class RetrieverTrainer:
                     self.run_logger.log(record, self.state.step)
                     if on_log:
                         on_log(record)
+                if on_eval and self.config.eval_every and self.state.step % self.config.eval_every == 0:
+                    self.run_logger.log(dict(on_eval(self.state.step)), self.state.step)
                 if self.config.save_every and self.state.step % self.config.save_every == 0:
                     self.save()
                 if self.state.step >= self.total_steps:
