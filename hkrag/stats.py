@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from statistics import NormalDist
 
 import numpy as np
@@ -200,3 +201,23 @@ def hierarchical_paired_bootstrap(
     p_value = min(1.0, 2 * min(np.mean(diffs <= 0), np.mean(diffs >= 0)))
     return {"diff": float((a_array - b_array).mean()), "low": float(low), "high": float(high),
             "p_value": float(p_value)}
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claim of the paper: condition ``better`` scores above ``worse`` (on ``evidence`` queries, where a table
+    tells evidence types apart)."""
+
+    text: str
+    better: str
+    worse: str
+    evidence: str = "all"
+
+
+def verdict(low: float, high: float, margin: float) -> str:
+    """A claim "better beats worse" judged by the interval ``[low, high]`` of better − worse: ``reproduced`` when
+    it lies above 0, ``not reproduced`` when it lies below ``margin`` (no gain as large as the smallest effect of
+    interest), else ``inconclusive``."""
+    if low > 0:
+        return "reproduced"
+    return "not reproduced" if high < margin else "inconclusive"

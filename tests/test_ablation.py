@@ -6,9 +6,9 @@ import math
 import pytest
 import yaml
 
-from hkrag.retrieval.ablation import AblationError, aggregate, main, verdict
+from hkrag.retrieval.ablation import AblationError, aggregate, main
 from hkrag.retrieval.evaluation import PER_QUERY_FILE
-from hkrag.stats import hierarchical_paired_bootstrap, mean_and_std
+from hkrag.stats import hierarchical_paired_bootstrap, mean_and_std, verdict
 
 QUERIES = [("synchart", "q1", "salient"), ("synchart", "q2", "fine_print"), ("synfine", "q3", "fine_print")]
 SCORES = {  # (loss, seed) -> nDCG@5 of q1, q2, q3 in the single pool; the all pool scores half of it

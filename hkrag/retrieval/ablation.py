@@ -44,7 +44,7 @@ import yaml
 from hkrag.io import write_bytes, write_json, write_text
 from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, BEFORE_TRAINING_DIR, CURVE_DIR, PER_QUERY_FILE
 from hkrag.run_log import METRICS_FILE
-from hkrag.stats import hierarchical_bootstrap, hierarchical_paired_bootstrap, mean_and_std
+from hkrag.stats import Claim, hierarchical_bootstrap, hierarchical_paired_bootstrap, mean_and_std, verdict
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +57,6 @@ MASK_SHARES = {"mask/one": "1", "mask/half": "½", "mask/zero": "0"}
 
 class AblationError(ValueError):
     """A multirun folder that cannot be aggregated; the message names the folder or job."""
-
-
-@dataclass(frozen=True)
-class Claim:
-    """A claim of the paper: condition ``better`` scores above ``worse`` on ``evidence`` queries."""
-
-    text: str
-    better: str
-    worse: str
-    evidence: str = "all"
 
 
 TABLE5_CLAIMS = (
@@ -261,14 +251,6 @@ def summarize(
                                         "verdict": verdict(result["low"], result["high"], margin)})
     summary["masks"] = {c: mask_summary(rs) for c, rs in by_condition.items()}
     return summary
-
-
-def verdict(low: float, high: float, margin: float) -> str:
-    """``reproduced`` (the interval of better − worse lies above 0), ``not reproduced`` (below ``margin``: no gain
-    as large as the smallest effect of interest) or ``inconclusive``."""
-    if low > 0:
-        return "reproduced"
-    return "not reproduced" if high < margin else "inconclusive"
 
 
 def _condition_score(runs: Sequence[Run], pool: str, evidence: str, confidence: float, n_resamples: int,

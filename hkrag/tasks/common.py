@@ -36,6 +36,10 @@ from hkrag.training.checkpoint import (
 logger = logging.getLogger(__name__)
 
 
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+"""The project's Hydra configs (``train.py`` and ``eval.py`` read them from here)."""
+
+
 def make_accelerator(cpu: bool, **kwargs: Any) -> Accelerator:
     """An Accelerator on the CPU when asked or when CUDA is absent.
 

@@ -26,10 +26,9 @@ from omegaconf import DictConfig
 from hkrag.data.opendocvqa import load_corpus
 from hkrag.index.shards import pending_shards
 from hkrag.retrieval.evaluation import encode_shards, shard_identity
-from hkrag.tasks.common import build_retriever, eval_config, evaluated_model
+from hkrag.tasks.common import CONF_DIR, build_retriever, eval_config, evaluated_model
 from hkrag.tasks.validation import validate_config
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 logger = logging.getLogger(__name__)
 
 

@@ -1,0 +1,290 @@
+"""The paper's Tables 5 and 6 at CPU scale in one resumable command, with verdicts (docs/training.md, "The replica").
+
+    python -m hkrag.replica --out outputs/replica          # 5 seeds: Table 5 rows, alpha x beta grid, dot, Table 6
+    python -m hkrag.replica --out outputs/replica --quick  # 2 seeds: Table 5 rows and Table 6 only
+
+1. **Warm start**: one ``train.py`` run (the CPU demo, ``loss=infonce``, seed 0) into ``<out>/warmstart``; every
+   job continues from its adapter, so every row starts from the same InfoNCE-fine-tuned retriever (the
+   warm start's evaluation is each job's step 0).
+2. **Jobs**: every condition x seed continues the warm start for the same number of steps (``--steps``), evaluated
+   every ``--eval-every`` steps (``trainer.eval_every``: the learning curves), into ``<out>/jobs/<condition>-s<seed>``
+   with the ``.hydra/overrides.yaml`` a Hydra multirun writes. Conditions: the Table 5 rows (``loss=infonce``,
+   ``hkrag``, ``no_sin``, ``no_din``), the alpha x beta grid of ``loss=hkrag`` and the dot-product reading of the
+   masked similarity (``loss.masked_similarity=dot``).
+3. **Table 6**: the tiny generator fine-tuned on gold pages (``experiment=generator_tiny``, ``--generator-steps``)
+   into ``<out>/generator``; ``eval.py`` with each generator configuration (``single_pass``, ``no_pruner``,
+   ``no_decoupler``, ``hkrag``) on the gold pages (``task=generation``) and on the warm start's retrieved pages
+   (``task=rag``), into ``<out>/table6/<pages>-<generator>``; and the Judger-threshold sweep over h on gold pages.
+4. **Report**: ``<out>/replica.{md,json}`` and one plot per table: for the retriever tables
+   (:func:`hkrag.retrieval.ablation.summarize`) hierarchical seed x query intervals, a verdict on each Table 5 claim,
+   learning curves; for Table 6 (:func:`hkrag.rag.ablation.generator_ablation`) paired intervals over queries,
+   routes, cost per query and a verdict on each claim; the compute each part took.
+
+A finished job (its ``report.json`` written) is skipped by a rerun; an unfinished one is started again from scratch.
+Jobs run in this process, one after the other (``python train.py`` semantics, Hydra's composition included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from tqdm.auto import tqdm
+
+from hkrag.io import write_bytes, write_json, write_text
+from hkrag.rag import ablation as generator_table
+from hkrag.rag.report import REPORT_FILE as RAG_REPORT
+from hkrag.rag.report import sweep_summary
+from hkrag.rag.trace import MERGED_FILE, load_trace
+from hkrag.retrieval.ablation import TABLE5_CLAIMS, load_run, markdown, plot, summarize
+from hkrag.tasks import run_eval_task
+from hkrag.tasks.common import BASE_DIR, CONF_DIR, FINAL_ADAPTER
+
+logger = logging.getLogger(__name__)
+
+REPORT_FILE = "report.json"
+"""What a finished ``train.py`` run writes last: a job holding it is done."""
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One row: a name and the ``train.py`` overrides that make it."""
+
+    name: str
+    overrides: tuple[str, ...]
+
+
+TABLE5 = (Condition("infonce", ("loss=infonce",)), Condition("hkrag", ("loss=hkrag",)),
+          Condition("no_sin", ("loss=no_sin",)), Condition("no_din", ("loss=no_din",)))
+"""Table 5's rows (conf/loss/*.yaml; docs/losses.md gives the mapping)."""
+DEFAULT_ALPHA, DEFAULT_BETA = 0.5, 1.0
+"""``loss=hkrag``'s alpha and beta (conf/loss/hkrag.yaml): the grid's cell that is Table 5's ``hkrag`` row."""
+
+
+def grid(alphas: Sequence[float], betas: Sequence[float]) -> tuple[Condition, ...]:
+    """``loss=hkrag`` at every alpha x beta but the default (Table 5's ``hkrag`` row)."""
+    return tuple(Condition(f"hkrag a={a:g} b={b:g}", ("loss=hkrag", f"loss.alpha={a:g}", f"loss.beta={b:g}"))
+                 for a in alphas for b in betas if (a, b) != (DEFAULT_ALPHA, DEFAULT_BETA))
+
+
+DOT = Condition("hkrag dot", ("loss=hkrag", "loss.masked_similarity=dot"))
+"""The other reading of Eq. 3's masked similarity (docs/losses.md)."""
+GENERATORS = ("single_pass", "no_pruner", "no_decoupler", "hkrag")
+"""Table 6's rows (conf/generator), the baseline first."""
+PAGES = {"gold": ("task=generation",), "retrieved": ("task=rag",)}
+"""Table 6's page settings: the gold pages, or the warm-start retriever's top-k (``run_dir=`` is added)."""
+PAPER_THRESHOLD = 0.8
+
+
+@dataclass
+class ReplicaConfig:
+    """What the replica runs; ``overrides`` go to every ``train.py`` run (e.g. ``paths.data_dir=...``)."""
+
+    out: Path
+    seeds: Sequence[int] = (0, 1, 2, 3, 4)
+    steps: int = 324
+    eval_every: int = 54
+    warm_overrides: Sequence[str] = ("loss=infonce", "trainer.seed=0")
+    alphas: Sequence[float] = (0.5, 1.0, 2.0)
+    betas: Sequence[float] = (0.25, 1.0)
+    similarity: bool = True
+    generator_steps: int | None = 2600
+    """Generator fine-tuning steps for Table 6 (None: no Table 6)."""
+    thresholds: Sequence[float] = (0.2, 0.5, 0.8, 0.95)
+    overrides: Sequence[str] = ()
+    eval_overrides: Sequence[str] = ()
+    """``eval.py`` overrides for every Table 6 run (e.g. ``paths.data_dir=...``, ``rag.max_queries=...``)."""
+    n_resamples: int = 2000
+    margin: float = 0.01
+    tables: dict[str, tuple[Condition, ...]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.seeds or self.steps < 1 or not 0 <= self.eval_every:
+            raise ValueError(f"the replica needs seeds, steps >= 1 and eval_every >= 0: got seeds={list(self.seeds)}, "
+                             f"steps={self.steps}, eval_every={self.eval_every}")
+        self.out = Path(self.out)
+        self.tables = {"table5": TABLE5}
+        if len(self.alphas) * len(self.betas) > 1:
+            self.tables["grid"] = (TABLE5[0], TABLE5[1], *grid(self.alphas, self.betas))
+        if self.similarity:
+            self.tables["similarity"] = (TABLE5[0], TABLE5[1], DOT)
+
+    def conditions(self) -> list[Condition]:
+        """Every condition once, in table order."""
+        return list(dict.fromkeys(c for table in self.tables.values() for c in table))
+
+
+def job_folder(out: Path, condition: Condition, seed: int) -> Path:
+    return out / "jobs" / f"{condition.name.replace(' ', '_').replace('=', '')}-s{seed}"
+
+
+def run_job(folder: Path, overrides: Sequence[str], config: str = "train", done: str = REPORT_FILE) -> float:
+    """``train.py`` (``eval.py`` with ``config="eval"``) with ``overrides`` into ``folder`` unless it finished there
+    (``done`` exists); returns the seconds it took (0: skipped)."""
+    if (folder / done).is_file():
+        return 0.0
+    shutil.rmtree(folder, ignore_errors=True)
+    start = time.perf_counter()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config, [*overrides, f"paths.output_dir={folder}"])
+    (folder / ".hydra").mkdir(parents=True)
+    write_text(folder / ".hydra" / "overrides.yaml", yaml.safe_dump(list(overrides)))
+    if config == "train":
+        instantiate(cfg.run)(cfg, folder)  # what train.py does: the retriever's or the generator's training
+    else:
+        run_eval_task(cfg, folder)
+    return time.perf_counter() - start
+
+
+def run_replica(config: ReplicaConfig) -> dict[str, Any]:
+    """Run (or resume) every job, then write ``replica.{md,json}`` and the plots; returns the report's JSON."""
+    out = config.out
+    timings = _read_json(out / "timings.json")
+    warm = out / "warmstart"
+    timings["warmstart"] = run_job(warm, [*config.warm_overrides, *config.overrides]) or timings.get("warmstart", 0.0)
+    write_json(out / "timings.json", timings)
+    jobs = [(c, seed) for c in config.conditions() for seed in config.seeds]
+    for condition, seed in tqdm(jobs, desc="replica jobs", unit="job"):
+        folder = job_folder(out, condition, seed)
+        overrides = [*condition.overrides, f"trainer.seed={seed}", f"model.adapter={warm / FINAL_ADAPTER}",
+                     f"trainer.max_steps={config.steps}", "trainer.epochs=1000",
+                     f"trainer.eval_every={config.eval_every}", *config.overrides]
+        _timed(timings, out, folder.name, run_job(folder, overrides))
+    if config.generator_steps:
+        run_table6(config, timings)
+    return write_report(config, timings)
+
+
+def run_table6(config: ReplicaConfig, timings: dict[str, float]) -> None:
+    """Fine-tune the tiny generator, then every Table 6 run and the threshold sweep (skipping finished ones)."""
+    generator = config.out / "generator"
+    _timed(timings, config.out, "generator", run_job(generator, [
+        "experiment=generator_tiny", f"generator_training.optim.max_steps={config.generator_steps}",
+        *config.overrides]))
+    serve = ["lvlm=phi3v", f"lvlm.base={generator / BASE_DIR}", f"lvlm.adapter={generator / FINAL_ADAPTER}"]
+    for name, folder, overrides in table6_runs(config):
+        _timed(timings, config.out, name, run_job(folder, [*overrides, *serve, *config.eval_overrides], "eval",
+                                                  RAG_REPORT))
+
+
+def table6_runs(config: ReplicaConfig) -> list[tuple[str, Path, list[str]]]:
+    """``(name, folder, overrides)`` of every Table 6 run: each page setting x generator, then the other h."""
+    runs = []
+    for pages, task in PAGES.items():
+        retriever = [f"run_dir={config.out / 'warmstart'}"] if pages == "retrieved" else []
+        runs += [(f"{pages}-{g}", config.out / "table6" / f"{pages}-{g}", [*task, f"generator={g}", *retriever])
+                 for g in GENERATORS]
+    runs += [(f"gold-hkrag-h{h:g}", config.out / "table6" / f"gold-hkrag-h{h:g}",
+              [*PAGES["gold"], "generator=hkrag", f"generator.threshold={h:g}"])
+             for h in config.thresholds if h != PAPER_THRESHOLD]
+    return runs
+
+
+def _timed(timings: dict[str, float], out: Path, name: str, seconds: float) -> None:
+    """Record a part's compute (a skipped part keeps the time it took when it ran)."""
+    if seconds:
+        timings[name] = seconds
+        write_json(out / "timings.json", timings)
+
+
+def write_report(config: ReplicaConfig, timings: dict[str, float]) -> dict[str, Any]:
+    """Summaries of every table into ``replica.{md,json}`` and ``<table>.png`` in ``config.out``."""
+    report: dict[str, Any] = {"settings": _settings(config), "timings": timings, "tables": {}}
+    sections = [_header(config, timings)]
+    for name, conditions in config.tables.items():
+        runs = [replace(load_run(job_folder(config.out, c, seed)), condition=c.name)
+                for c in conditions for seed in config.seeds]
+        summary = summarize(runs, "infonce", n_resamples=config.n_resamples, margin=config.margin,
+                            claims=TABLE5_CLAIMS if name == "table5" else ())
+        report["tables"][name] = summary
+        sections.append(markdown(summary, TITLES[name]).replace("# Ablation: ", "## ", 1)
+                        .replace("\n## ", "\n### ") + f"\n![{name}]({name}.png)\n")
+        write_bytes(config.out / f"{name}.png", plot(summary))
+    if config.generator_steps:
+        report["table6"], section = table6_report(config)
+        sections.append(section)
+    write_json(config.out / "replica.json", report)
+    write_text(config.out / "replica.md", "\n".join(sections))
+    print(sections[0])
+    return report
+
+
+def table6_report(config: ReplicaConfig) -> tuple[dict[str, Any], str]:
+    """Table 6 per page setting (:func:`hkrag.rag.ablation.generator_ablation`) and the sweep over h."""
+    table6 = config.out / "table6"
+    trace = {name: load_trace(folder / MERGED_FILE) for name, folder, _ in table6_runs(config)}
+    summaries = {pages: generator_table.generator_ablation({g: trace[f"{pages}-{g}"] for g in GENERATORS},
+                                                           n_resamples=config.n_resamples, margin=config.margin)
+                 for pages in PAGES}
+    lines = ["## Table 6: the generator ablation\n",
+             f"The tiny generator fine-tuned for {config.generator_steps} steps on gold pages "
+             "(`experiment=generator_tiny`); every configuration answers the same test queries.\n"]
+    lines += [generator_table.markdown(summary, f"{pages} pages") for pages, summary in summaries.items()]
+    sweep = sweep_summary({h: trace["gold-hkrag" if h == PAPER_THRESHOLD else f"gold-hkrag-h{h:g}"]
+                           for h in config.thresholds}, table6)
+    lines += ["### Judger threshold h (gold pages, `generator=hkrag`)\n", sweep["table"], "",
+              "![sweep](table6/sweep.png)\n"]
+    return {"tables": summaries, "sweep": sweep["rows"]}, "\n".join(lines)
+
+
+TITLES = {"table5": "Table 5: the loss ablation", "grid": "alpha x beta grid of loss=hkrag (vs InfoNCE)",
+          "similarity": "masked similarity: cosine (hkrag) against dot (hkrag dot)"}
+
+
+def _header(config: ReplicaConfig, timings: dict[str, float]) -> str:
+    total = sum(timings.values())
+    return (f"# Replica of the paper's Table 5 at CPU scale\n\n"
+            f"Every job continues the warm start (`{' '.join(config.warm_overrides)}`, the CPU demo) for "
+            f"{config.steps} steps, evaluated every {config.eval_every}; seeds {list(config.seeds)}; extra "
+            f"overrides {list(config.overrides) or 'none'}. Compute: {total / 60:.1f} min in all "
+            f"(warm start {timings.get('warmstart', 0) / 60:.1f} min, {len(timings) - 1} jobs timed in this folder; "
+            f"`timings.json`).\n")
+
+
+def _settings(config: ReplicaConfig) -> dict[str, Any]:
+    return {"seeds": list(config.seeds), "steps": config.steps, "eval_every": config.eval_every,
+            "warm_overrides": list(config.warm_overrides), "overrides": list(config.overrides),
+            "conditions": {c.name: list(c.overrides) for c in config.conditions()}, "margin": config.margin,
+            "n_resamples": config.n_resamples, "generator_steps": config.generator_steps,
+            "thresholds": list(config.thresholds), "eval_overrides": list(config.eval_overrides)}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder of the replica (resumed when it exists)")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per condition (default: 5)")
+    parser.add_argument("--steps", type=int, default=324, help="steps per job after the warm start (default: 324, "
+                        "the demo's 6 epochs)")
+    parser.add_argument("--eval-every", type=int, default=54, help="learning-curve interval in steps (default: 54)")
+    parser.add_argument("--quick", action="store_true", help="2 seeds, Table 5 rows and Table 6, no grid or dot")
+    parser.add_argument("--generator-steps", type=int, default=2600,
+                        help="generator fine-tuning steps for Table 6, 3 epochs of batch 2 (0: none; default: 2600)")
+    parser.add_argument("--eval", action="append", default=[], dest="eval_overrides", metavar="OVERRIDE",
+                        help="an eval.py override for every Table 6 run (repeat), e.g. --eval rag.max_queries=10")
+    parser.add_argument("--margin", type=float, default=0.01, help="smallest effect of interest (nDCG@5, 0.01)")
+    parser.add_argument("overrides", nargs="*", help="train.py overrides for every run (e.g. paths.data_dir=...)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    quick = {"seeds": range(2), "alphas": (DEFAULT_ALPHA,), "betas": (DEFAULT_BETA,), "similarity": False}
+    settings = {"seeds": range(args.seeds), **(quick if args.quick else {})}
+    run_replica(ReplicaConfig(args.out, steps=args.steps, eval_every=args.eval_every, margin=args.margin,
+                              overrides=args.overrides, eval_overrides=args.eval_overrides,
+                              generator_steps=args.generator_steps or None, **settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""``python -m hkrag.replica`` on a tiny corpus: every job continues the one warm start, the report judges the
+Table 5 claims, and a rerun skips finished jobs and redoes unfinished ones."""
+
+import json
+
+import pytest
+import yaml
+
+import hkrag.tasks.training as training
+from hkrag.replica import GENERATORS, TABLE5, ReplicaConfig, job_folder, run_replica
+from hkrag.retrieval.evaluation import PER_QUERY_FILE
+
+DATA = ["data.synthetic.n_train=16", "data.synthetic.n_test=8", "data.synthetic.train_groups_per_style=1",
+        "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "data.eval_datasets=[synchart]"]
+TINY = [*DATA, "model.num_crops=4", "trainer.global_batch_size=8", "trainer.max_steps=2", "eval.doc_batch_size=16",
+        "eval.pools=[single]"]
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    out = tmp_path_factory.mktemp("replica")
+    data_dir = f"paths.data_dir={out / 'data'}"
+    config = ReplicaConfig(out / "run", seeds=(0, 1), steps=2, eval_every=1, alphas=(0.5,), betas=(1.0,),
+                           similarity=False, overrides=[data_dir, *TINY], n_resamples=200, generator_steps=2,
+                           thresholds=(0.5, 0.8), eval_overrides=[data_dir, *DATA, "rag.max_queries=3"])
+    return config, run_replica(config)
+
+
+def test_every_job_continues_the_warm_start(done):
+    config, report = done
+    warm = json.loads((config.out / "warmstart" / "eval-after" / PER_QUERY_FILE).read_text())
+    for condition in TABLE5:
+        for seed in config.seeds:
+            job = job_folder(config.out, condition, seed)
+            assert json.loads((job / "eval-before" / PER_QUERY_FILE).read_text()) == warm  # the same start
+            chosen = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())
+            assert f"trainer.seed={seed}" in chosen and condition.overrides[0] in chosen
+            assert (job / "eval-step-1").is_dir() and (job / "eval-step-2").is_dir()  # the learning curve
+    jobs = {job_folder(config.out, c, s).name for c in TABLE5 for s in config.seeds}
+    table6 = {f"{pages}-{g}" for pages in ("gold", "retrieved") for g in GENERATORS} | {"gold-hkrag-h0.5"}
+    assert set(report["timings"]) == {"warmstart", "generator", *jobs, *table6}
+
+
+def test_table_6_compares_the_generators_on_the_same_queries(done):
+    config, report = done
+    tables = report["table6"]["tables"]
+    assert list(tables) == ["gold", "retrieved"]
+    for pages, queries in (("gold", 3), ("retrieved", 6)):  # 3 queries; retrieved in the single and all pools
+        summary = tables[pages]
+        assert list(summary["rows"]) == list(GENERATORS) and summary["num_queries"] == queries
+        assert len(summary["verdicts"]) == 5
+    assert [row["threshold"] for row in report["table6"]["sweep"]] == [0.5, 0.8]
+    served = yaml.safe_load((config.out / "table6" / "gold-hkrag" / ".hydra" / "overrides.yaml").read_text())
+    assert f"lvlm.adapter={config.out / 'generator' / 'checkpoints' / 'final' / 'adapter'}" in served
+    retrieved = yaml.safe_load((config.out / "table6" / "retrieved-hkrag" / ".hydra" / "overrides.yaml").read_text())
+    assert f"run_dir={config.out / 'warmstart'}" in retrieved
+    text = (config.out / "replica.md").read_text()
+    assert "## Table 6: the generator ablation" in text and "### Judger threshold h" in text
+
+
+def test_the_report_judges_the_table_5_claims(done):
+    config, report = done
+    summary = report["tables"]["table5"]
+    assert list(report["tables"]) == ["table5"] and summary["conditions"] == ["infonce", "hkrag", "no_sin", "no_din"]
+    assert len(summary["verdicts"]) == 7  # every claim, one pool
+    assert {v["verdict"] for v in summary["verdicts"]} <= {"reproduced", "not reproduced", "inconclusive"}
+    assert summary["curves"]["single"]["all"]["hkrag"]["steps"] == [0, 1, 2]
+    text = (config.out / "replica.md").read_text()
+    assert text.startswith("# Replica of the paper's Table 5 at CPU scale") and "### Verdicts" in text
+    assert (config.out / "table5.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_rerun_skips_finished_jobs_and_redoes_unfinished_ones(done, monkeypatch):
+    config, report = done
+    ran = []
+    train = training.run_training
+    monkeypatch.setattr(training, "run_training", lambda cfg, folder: ran.append(folder.name) or train(cfg, folder))
+    unfinished = job_folder(config.out, TABLE5[2], 1)
+    (unfinished / "report.json").unlink()
+    again = run_replica(config)
+    assert ran == [unfinished.name]
+    assert again["tables"]["table5"]["ndcg@5"] == report["tables"]["table5"]["ndcg@5"]  # deterministic rerun
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="the replica needs seeds, steps >= 1"):
+        ReplicaConfig("out", seeds=(), steps=2)
