@@ -226,3 +226,37 @@ def test_train_py_dispatches_on_run_target():
     assert paper.generator.prompts.single_pass == "{question}\n Answer briefly." and paper.generator.top_k == 3
     assert paper.generator_training.optim.batch_size * paper.generator_training.optim.grad_accum == 8
     assert paper.model.base == "microsoft/Phi-3-vision-128k-instruct"
+
+
+def test_a_killed_generator_run_resumes_to_the_same_adapter(tmp_path):
+    from safetensors.torch import load_file
+
+    from hkrag.tasks.generator_training import run_generator_training
+    from hkrag.training.checkpoint import CheckpointError
+
+    run = tmp_path / "run"
+    settings = [f"paths.data_dir={tmp_path / 'data'}", f"paths.output_dir={run}", "experiment=generator_tiny",
+                "data.synthetic.n_train=16", "data.synthetic.n_test=4", "data.synthetic.train_groups_per_style=1",
+                "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "model.num_crops=4",
+                "generator_training.max_queries=10", "generator_training.optim.grad_accum=2",
+                "generator_training.optim.max_steps=4", "generator_training.optim.save_every=1"]
+
+    def train(*overrides):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return run_generator_training(compose(config_name="train", overrides=[*settings, *overrides]), run)
+
+    def adapter():
+        return load_file(run / "checkpoints" / "final" / "adapter" / "adapter_model.safetensors")
+
+    train()  # 10 examples in micro-batches of 2, 2 per step: 2.5 steps per epoch, so step 3 starts epoch 1
+    whole = adapter()
+    (run / "report.json").unlink()
+    resumed = train(f"resume={run / 'checkpoints' / 'step-3'}")
+    assert resumed["steps"] == 4
+    assert all(torch_equal(whole[name], tensor) for name, tensor in adapter().items())
+    with pytest.raises(CheckpointError, match="optim.lr"):
+        train(f"resume={run / 'checkpoints' / 'step-2'}", "generator_training.optim.lr=0.5")
+
+
+def torch_equal(a, b) -> bool:
+    return a.shape == b.shape and bool((a == b).all())

@@ -29,7 +29,7 @@ from hkrag.retriever import LoraSettings, Phi3VRetriever
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import BASE_DIR, build_retriever, prepare_data, save_tiny_base, trained_model_config
 from hkrag.tasks.rag import question_text
-from hkrag.training.checkpoint import ADAPTER_DIR, FINAL_CHECKPOINT
+from hkrag.training.checkpoint import ADAPTER_DIR, FINAL_CHECKPOINT, resolve_resume
 from hkrag.training.generator import (
     GeneratorDataset,
     GeneratorTrainer,
@@ -80,6 +80,10 @@ def training_retriever(settings: DictConfig) -> tuple[Phi3VRetriever, dict[str, 
     return build_retriever(model_cfg, trainable=False), identity
 
 
+RESUMABLE_KEYS = ("log_every", "save_every", "num_workers")
+"""Optimizer settings a resumed run may change (the others fix the data order and the optimisation)."""
+
+
 def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     """Build the training top-k, fine-tune the generator's LoRA and save it; returns the report."""
     output_dir, gen = Path(output_dir), cfg.generator_training
@@ -102,8 +106,13 @@ def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str,
                            config=OmegaConf.to_container(cfg, resolve=True), name=cfg.get("run_name"))
     config = GeneratorTrainerConfig(**OmegaConf.to_container(gen.optim, resolve=True))
     dataset = GeneratorDataset(pairs, corpus, single_pass_prompt(cfg.generator))
-    trainer = GeneratorTrainer(model, processor, dataset, config, output_dir, run_logger,
-                               run_config={"base": base, "pages": gen.pages, "top_k": cfg.generator.top_k})
+    run_config = {"base": base, "pages": gen.pages, "top_k": cfg.generator.top_k, "examples": len(pairs),
+                  **{f"optim.{k}": v for k, v in OmegaConf.to_container(gen.optim, resolve=True).items()
+                     if k not in RESUMABLE_KEYS}}
+    trainer = GeneratorTrainer(model, processor, dataset, config, output_dir, run_logger, run_config=run_config)
+    resume = resolve_resume(cfg.get("resume"), output_dir)
+    if resume:
+        trainer.resume(resume)
     trainer.fit()
     final = trainer.save(FINAL_CHECKPOINT)
     report = {"steps": trainer.state.step, "examples": len(pairs), "pages": gen.pages, "base": base,

@@ -32,7 +32,14 @@ from hkrag.lvlm.base import PageImage
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.retriever import LoraSettings
 from hkrag.run_log import RunLogger
-from hkrag.training.checkpoint import CHECKPOINTS_DIR, TrainState, check_finite, rng_state, save_checkpoint
+from hkrag.training.checkpoint import (
+    CHECKPOINTS_DIR,
+    TrainState,
+    check_finite,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+)
 
 PromptRenderer = Callable[[str, Sequence[PageImage]], str]
 """``(question, pages) -> prompt``: the full chat prompt the single-pass baseline sends for these pages."""
@@ -169,22 +176,32 @@ class GeneratorTrainer:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
             return self.model.get_base_model()(**batch, use_cache=False).loss
 
-    def loader(self, epoch: int) -> DataLoader:
-        return DataLoader(self.dataset, batch_size=self.config.batch_size, shuffle=True,
-                          collate_fn=self.collator, num_workers=self.config.num_workers,
-                          generator=torch.Generator().manual_seed(self.config.seed + epoch))
+    def loader(self, epoch: int, start: int = 0) -> DataLoader:
+        """The epoch's micro-batches (a permutation seeded by ``seed + epoch``) from optimizer step ``start`` on."""
+        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.config.seed + epoch))
+        batches = [order[i:i + self.config.batch_size].tolist() for i in range(0, len(order), self.config.batch_size)]
+        return DataLoader(self.dataset, batch_sampler=batches[start * self.config.grad_accum:],
+                          collate_fn=self.collator, num_workers=self.config.num_workers)
 
     def fit(self) -> TrainState:
         """Train for ``epochs`` (or ``max_steps``) optimizer steps of ``grad_accum`` micro-batches each."""
         self.model.train()
-        bar = tqdm(total=self.total_steps, desc="generator", dynamic_ncols=True)
+        bar = tqdm(total=self.total_steps, initial=self.state.step, desc="generator", dynamic_ncols=True)
         while self.state.step < self.total_steps:
-            batches = iter(self.loader(self.state.epoch))
+            batches = iter(self.loader(self.state.epoch, self.state.step_in_epoch))
             while self.state.step < self.total_steps and self.optimizer_step(batches, bar):
                 pass
-            self.state.epoch += 1
+            if self.state.step < self.total_steps or not self.state.step_in_epoch:
+                self.state.epoch, self.state.step_in_epoch = self.state.epoch + 1, 0
         bar.close()
         return self.state
+
+    def resume(self, checkpoint: str | Path) -> None:
+        """Continue exactly where ``checkpoint`` stopped (adapter, optimizer, scheduler, RNG, data position); a
+        checkpoint of a run with other settings is refused naming them (:class:`~hkrag.training.checkpoint.
+        CheckpointError`)."""
+        state = load_checkpoint(checkpoint, self.model, self.optimizer, self.scheduler, 0, self.state.config)
+        self.state = state
 
     def optimizer_step(self, batches, bar: tqdm) -> bool:
         """One step over up to ``grad_accum`` micro-batches (the epoch's last may be short); False at the end."""
@@ -206,6 +223,7 @@ class GeneratorTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
+        self.state.step_in_epoch += 1
         record = {"loss": sum(losses) / len(losses), "lr": self.scheduler.get_last_lr()[0], "epoch": self.state.epoch,
                   "seconds": time.perf_counter() - started, **({"grad_norm": norm} if norm is not None else {})}
         bar.update(1)
