@@ -10,7 +10,8 @@
    every ``--eval-every`` steps (``trainer.eval_every``: the learning curves), into ``<out>/jobs/<condition>-s<seed>``
    with the ``.hydra/overrides.yaml`` a Hydra multirun writes. Conditions: the Table 5 rows (``loss=infonce``,
    ``hkrag``, ``no_sin``, ``no_din``), the alpha x beta grid of ``loss=hkrag`` and the dot-product reading of the
-   masked similarity (``loss.masked_similarity=dot``).
+   masked similarity (``loss.masked_similarity=dot``); with ``--hard-negatives N``, InfoNCE and HKRAG-Ret trained
+   with N hard negatives per query mined from the warm start (``<out>/hard_negatives.json``).
 3. **Table 6**: the tiny generator fine-tuned on gold pages (``experiment=generator_tiny``, ``--generator-steps``)
    into ``<out>/generator``; ``eval.py`` with each generator configuration (``single_pass``, ``no_pruner``,
    ``no_decoupler``, ``hkrag``) on the gold pages (``task=generation``) and on the warm start's retrieved pages
@@ -41,12 +42,14 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from tqdm.auto import tqdm
 
+from hkrag.index import mine
 from hkrag.io import write_bytes, write_json, write_text
 from hkrag.rag import ablation as generator_table
 from hkrag.rag.report import REPORT_FILE as RAG_REPORT
 from hkrag.rag.report import sweep_summary
 from hkrag.rag.trace import MERGED_FILE, load_trace
 from hkrag.retrieval.ablation import TABLE5_CLAIMS, load_run, markdown, plot, summarize
+from hkrag.stats import Claim
 from hkrag.tasks import run_eval_task
 from hkrag.tasks.common import BASE_DIR, CONF_DIR, FINAL_ADAPTER
 
@@ -54,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 REPORT_FILE = "report.json"
 """What a finished ``train.py`` run writes last: a job holding it is done."""
+RETRIEVAL_REPORT = "retrieval.json"
+"""What a finished ``eval.py task=retrieval`` writes last."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,12 @@ def grid(alphas: Sequence[float], betas: Sequence[float]) -> tuple[Condition, ..
 
 DOT = Condition("hkrag dot", ("loss=hkrag", "loss.masked_similarity=dot"))
 """The other reading of Eq. 3's masked similarity (docs/losses.md)."""
+HARD_NEGATIVES_FILE = "hard_negatives.json"
+HARD_NEGATIVE_CLAIMS = (
+    Claim("With mined hard negatives, HKRAG-Ret beats InfoNCE", "hkrag hn", "infonce hn"),
+    Claim("With mined hard negatives, HKRAG-Ret beats InfoNCE on fine print", "hkrag hn", "infonce hn", "fine_print"),
+)
+"""Ours, not the paper's: where fine-print sensitivity should matter most (issue 20)."""
 GENERATORS = ("single_pass", "no_pruner", "no_decoupler", "hkrag")
 """Table 6's rows (conf/generator), the baseline first."""
 PAGES = {"gold": ("task=generation",), "retrieved": ("task=rag",)}
@@ -98,6 +109,8 @@ class ReplicaConfig:
     alphas: Sequence[float] = (0.5, 1.0, 2.0)
     betas: Sequence[float] = (0.25, 1.0)
     similarity: bool = True
+    hard_negatives: int = 0
+    """Mined hard negatives per query for the hard-negative table (0: no such table; ``--hard-negatives``)."""
     generator_steps: int | None = 2600
     """Generator fine-tuning steps for Table 6 (None: no Table 6)."""
     thresholds: Sequence[float] = (0.2, 0.5, 0.8, 0.95)
@@ -118,6 +131,11 @@ class ReplicaConfig:
             self.tables["grid"] = (TABLE5[0], TABLE5[1], *grid(self.alphas, self.betas))
         if self.similarity:
             self.tables["similarity"] = (TABLE5[0], TABLE5[1], DOT)
+        if self.hard_negatives:
+            mined = [f"trainer.hard_negatives={self.hard_negatives}",
+                     f"trainer.negatives_file={self.out / HARD_NEGATIVES_FILE}"]
+            self.tables["hard_negatives"] = (Condition("infonce hn", ("loss=infonce", *mined)),
+                                             Condition("hkrag hn", ("loss=hkrag", *mined)))
 
     def conditions(self) -> list[Condition]:
         """Every condition once, in table order."""
@@ -153,6 +171,8 @@ def run_replica(config: ReplicaConfig) -> dict[str, Any]:
     warm = out / "warmstart"
     timings["warmstart"] = run_job(warm, [*config.warm_overrides, *config.overrides]) or timings.get("warmstart", 0.0)
     write_json(out / "timings.json", timings)
+    if config.hard_negatives:
+        mine_hard_negatives(config, timings)
     jobs = [(c, seed) for c in config.conditions() for seed in config.seeds]
     for condition, seed in tqdm(jobs, desc="replica jobs", unit="job"):
         folder = job_folder(out, condition, seed)
@@ -163,6 +183,21 @@ def run_replica(config: ReplicaConfig) -> dict[str, Any]:
     if config.generator_steps:
         run_table6(config, timings)
     return write_report(config, timings)
+
+
+def mine_hard_negatives(config: ReplicaConfig, timings: dict[str, float]) -> Path:
+    """The warm start's hard negatives for every training query (:mod:`hkrag.index.mine`, depth 30, 8 kept): its
+    retrieval evaluation on the training split (``<out>/mining``), then the mined file ``<out>/hard_negatives.json``."""
+    mining, out = config.out / "mining", config.out / HARD_NEGATIVES_FILE
+    train_split = ["task=retrieval", f"run_dir={config.out / 'warmstart'}", "eval.split=train", "eval.pools=[single]",
+                   "data.eval_datasets=[${data.train.qa_config}]"]
+    _timed(timings, config.out, "mining", run_job(mining, [*config.eval_overrides, *train_split], "eval",
+                                                  RETRIEVAL_REPORT))
+    if not out.is_file():
+        corpus = next(mining.glob("embeddings-*"))
+        mine.main(["--queries", str(mining / "queries"), "--corpus", str(corpus), "--qrels", str(mining / "qrels.json"),
+                   "--out", str(out)])
+    return out
 
 
 def run_table6(config: ReplicaConfig, timings: dict[str, float]) -> None:
@@ -204,8 +239,9 @@ def write_report(config: ReplicaConfig, timings: dict[str, float]) -> dict[str, 
     for name, conditions in config.tables.items():
         runs = [replace(load_run(job_folder(config.out, c, seed)), condition=c.name)
                 for c in conditions for seed in config.seeds]
-        summary = summarize(runs, "infonce", n_resamples=config.n_resamples, margin=config.margin,
-                            claims=TABLE5_CLAIMS if name == "table5" else ())
+        claims = {"table5": TABLE5_CLAIMS, "hard_negatives": HARD_NEGATIVE_CLAIMS}.get(name, ())
+        summary = summarize(runs, conditions[0].name, n_resamples=config.n_resamples, margin=config.margin,
+                            claims=claims)
         report["tables"][name] = summary
         sections.append(markdown(summary, TITLES[name]).replace("# Ablation: ", "## ", 1)
                         .replace("\n## ", "\n### ") + f"\n![{name}]({name}.png)\n")
@@ -237,7 +273,9 @@ def table6_report(config: ReplicaConfig) -> tuple[dict[str, Any], str]:
     return {"tables": summaries, "sweep": sweep["rows"]}, "\n".join(lines)
 
 
-TITLES = {"table5": "Table 5: the loss ablation", "grid": "alpha x beta grid of loss=hkrag (vs InfoNCE)",
+TITLES = {"table5": "Table 5: the loss ablation",
+          "hard_negatives": "mined hard negatives (trainer.hard_negatives): HKRAG-Ret against InfoNCE",
+          "grid": "alpha x beta grid of loss=hkrag (vs InfoNCE)",
           "similarity": "masked similarity: cosine (hkrag) against dot (hkrag dot)"}
 
 
@@ -256,7 +294,8 @@ def _settings(config: ReplicaConfig) -> dict[str, Any]:
             "warm_overrides": list(config.warm_overrides), "overrides": list(config.overrides),
             "conditions": {c.name: list(c.overrides) for c in config.conditions()}, "margin": config.margin,
             "n_resamples": config.n_resamples, "generator_steps": config.generator_steps,
-            "thresholds": list(config.thresholds), "eval_overrides": list(config.eval_overrides)}
+            "thresholds": list(config.thresholds), "eval_overrides": list(config.eval_overrides),
+            "hard_negatives": config.hard_negatives}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -275,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="generator fine-tuning steps for Table 6, 3 epochs of batch 2 (0: none; default: 2600)")
     parser.add_argument("--eval", action="append", default=[], dest="eval_overrides", metavar="OVERRIDE",
                         help="an eval.py override for every Table 6 run (repeat), e.g. --eval rag.max_queries=10")
+    parser.add_argument("--hard-negatives", type=int, default=0,
+                        help="add a table with N mined hard negatives per query (InfoNCE and HKRAG-Ret; default: 0)")
     parser.add_argument("--margin", type=float, default=0.01, help="smallest effect of interest (nDCG@5, 0.01)")
     parser.add_argument("overrides", nargs="*", help="train.py overrides for every run (e.g. paths.data_dir=...)")
     args = parser.parse_args(argv)
@@ -283,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = {"seeds": range(args.seeds), **(quick if args.quick else {})}
     run_replica(ReplicaConfig(args.out, steps=args.steps, eval_every=args.eval_every, margin=args.margin,
                               overrides=args.overrides, eval_overrides=args.eval_overrides,
+                              hard_negatives=args.hard_negatives,
                               generator_steps=args.generator_steps or None, **settings))
 
 

@@ -22,6 +22,7 @@ def done(tmp_path_factory):
     data_dir = f"paths.data_dir={out / 'data'}"
     config = ReplicaConfig(out / "run", seeds=(0, 1), steps=2, eval_every=1, alphas=(0.5,), betas=(1.0,),
                            similarity=False, overrides=[data_dir, *TINY], n_resamples=200, generator_steps=2,
+                           hard_negatives=2,
                            thresholds=(0.5, 0.8), eval_overrides=[data_dir, *DATA, "rag.max_queries=3"])
     return config, run_replica(config)
 
@@ -36,9 +37,24 @@ def test_every_job_continues_the_warm_start(done):
             chosen = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())
             assert f"trainer.seed={seed}" in chosen and condition.overrides[0] in chosen
             assert (job / "eval-step-1").is_dir() and (job / "eval-step-2").is_dir()  # the learning curve
-    jobs = {job_folder(config.out, c, s).name for c in TABLE5 for s in config.seeds}
+    jobs = {job_folder(config.out, c, s).name for c in config.conditions() for s in config.seeds}
     table6 = {f"{pages}-{g}" for pages in ("gold", "retrieved") for g in GENERATORS} | {"gold-hkrag-h0.5"}
-    assert set(report["timings"]) == {"warmstart", "generator", *jobs, *table6}
+    assert set(report["timings"]) == {"warmstart", "mining", "generator", *jobs, *table6}
+
+
+def test_hard_negatives_are_mined_from_the_warm_start_and_never_positives(done):
+    from hkrag.data.opendocvqa import load_qa
+
+    config, report = done
+    mined = json.loads((config.out / "hard_negatives.json").read_text())["negatives"]
+    qa = load_qa(config.out.parent / "data" / "synthetic" / "qa", "default", "train")
+    assert set(mined) == {ex.query_id for ex in qa}
+    assert all(len(mined[ex.query_id]) == 8 and not set(mined[ex.query_id]) & set(ex.relevant_doc_ids) for ex in qa)
+    summary = report["tables"]["hard_negatives"]
+    assert summary["conditions"] == ["infonce hn", "hkrag hn"] and len(summary["verdicts"]) == 2
+    job = yaml.safe_load((job_folder(config.out, config.tables["hard_negatives"][1], 0) / ".hydra"
+                          / "overrides.yaml").read_text())
+    assert "trainer.hard_negatives=2" in job and f"trainer.negatives_file={config.out / 'hard_negatives.json'}" in job
 
 
 def test_table_6_compares_the_generators_on_the_same_queries(done):
@@ -61,7 +77,7 @@ def test_table_6_compares_the_generators_on_the_same_queries(done):
 def test_the_report_judges_the_table_5_claims(done):
     config, report = done
     summary = report["tables"]["table5"]
-    assert list(report["tables"]) == ["table5"] and summary["conditions"] == ["infonce", "hkrag", "no_sin", "no_din"]
+    assert list(report["tables"]) == ["table5", "hard_negatives"] and summary["conditions"] == ["infonce", "hkrag", "no_sin", "no_din"]
     assert len(summary["verdicts"]) == 7  # every claim, one pool
     assert {v["verdict"] for v in summary["verdicts"]} <= {"reproduced", "not reproduced", "inconclusive"}
     assert summary["curves"]["single"]["all"]["hkrag"]["steps"] == [0, 1, 2]
