@@ -1,4 +1,4 @@
-"""``python -m hkrag.replica`` on a tiny corpus: every job continues the one warm start, the report judges the
+"""``python -m hkrag.tasks.replica`` on a tiny corpus: every job continues the one warm start, the report judges the
 Table 5 claims, and a rerun skips finished jobs and redoes unfinished ones."""
 
 import json
@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 import hkrag.tasks.training as training
-from hkrag.replica import GENERATORS, TABLE5, ReplicaConfig, job_folder, run_replica
+from hkrag.tasks.replica import GENERATORS, TABLE5, ReplicaConfig, job_folder, run_replica
 from hkrag.retrieval.evaluation import PER_QUERY_FILE
 
 DATA = ["data.synthetic.n_train=16", "data.synthetic.n_test=8", "data.synthetic.train_groups_per_style=1",

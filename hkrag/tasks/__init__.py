@@ -1,5 +1,6 @@
 """One module per task: ``training`` (``train.py``), ``retrieval`` (``eval.py task=retrieval``) and ``rag``
-(``eval.py task=rag|generation``); ``common`` holds what they share.
+(``eval.py task=rag|generation``), ``replica`` (``python -m hkrag.tasks.replica``: the Table 5 and 6 replica built on
+the others); ``common`` holds what they share.
 
 ``eval.py``'s task is a config group, ``conf/task/<name>.yaml``: its ``name`` and, under ``run``, the
 ``_target_`` function it runs (docs/evaluation.md). Modules load on demand, when the task is built.

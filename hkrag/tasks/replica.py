@@ -1,7 +1,7 @@
 """The paper's Tables 5 and 6 at CPU scale in one resumable command, with verdicts (docs/training.md, "The replica").
 
-    python -m hkrag.replica --out outputs/replica          # 5 seeds: Table 5 rows, alpha x beta grid, dot, Table 6
-    python -m hkrag.replica --out outputs/replica --quick  # 2 seeds: Table 5 rows and Table 6 only
+    python -m hkrag.tasks.replica --out outputs/replica  # 5 seeds: Table 5 rows, alpha x beta grid, dot, Table 6
+    python -m hkrag.tasks.replica --out outputs/replica --quick  # 2 seeds: Table 5 rows and Table 6 only
 
 1. **Warm start**: one ``train.py`` run (the CPU demo, ``loss=infonce``, seed 0) into ``<out>/warmstart``; every
    job continues from its adapter, so every row starts from the same InfoNCE-fine-tuned retriever (the
