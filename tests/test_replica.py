@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 import hkrag.tasks.training as training
-from hkrag.tasks.replica import GENERATORS, TABLE5, ReplicaConfig, job_folder, run_replica
 from hkrag.retrieval.evaluation import PER_QUERY_FILE
+from hkrag.tasks.replica import GENERATORS, TABLE5, ReplicaConfig, job_folder, run_replica
 
 DATA = ["data.synthetic.n_train=16", "data.synthetic.n_test=8", "data.synthetic.train_groups_per_style=1",
         "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "data.eval_datasets=[synchart]"]
@@ -77,7 +77,8 @@ def test_table_6_compares_the_generators_on_the_same_queries(done):
 def test_the_report_judges_the_table_5_claims(done):
     config, report = done
     summary = report["tables"]["table5"]
-    assert list(report["tables"]) == ["table5", "hard_negatives"] and summary["conditions"] == ["infonce", "hkrag", "no_sin", "no_din"]
+    assert list(report["tables"]) == ["table5", "hard_negatives"]
+    assert summary["conditions"] == ["infonce", "hkrag", "no_sin", "no_din"]
     assert len(summary["verdicts"]) == 7  # every claim, one pool
     assert {v["verdict"] for v in summary["verdicts"]} <= {"reproduced", "not reproduced", "inconclusive"}
     assert summary["curves"]["single"]["all"]["hkrag"]["steps"] == [0, 1, 2]
