@@ -2,6 +2,7 @@
 Table 5 claims, and a rerun skips finished jobs and redoes unfinished ones."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -99,6 +100,18 @@ def test_a_rerun_skips_finished_jobs_and_redoes_unfinished_ones(done, monkeypatc
     assert again["tables"]["table5"]["ndcg@5"] == report["tables"]["table5"]["ndcg@5"]  # deterministic rerun
 
 
+def test_workers_redo_unfinished_jobs_side_by_side(done):
+    config, report = done
+    unfinished = [job_folder(config.out, condition, 0) for condition in TABLE5[:2]]
+    for folder in unfinished:
+        (folder / "report.json").unlink()
+    again = run_replica(replace(config, workers=2))
+    assert all((folder / "report.json").is_file() for folder in unfinished)
+    assert again["tables"]["table5"]["ndcg@5"] == report["tables"]["table5"]["ndcg@5"]
+
+
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="the replica needs seeds, steps >= 1"):
         ReplicaConfig("out", seeds=(), steps=2)
+    with pytest.raises(ValueError, match="workers=0"):
+        ReplicaConfig("out", workers=0)

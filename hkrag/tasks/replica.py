@@ -30,13 +30,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
+import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
@@ -119,12 +123,15 @@ class ReplicaConfig:
     """``eval.py`` overrides for every Table 6 run (e.g. ``paths.data_dir=...``, ``rag.max_queries=...``)."""
     n_resamples: int = 2000
     margin: float = 0.01
+    workers: int = 1
+    """Jobs run side by side, each in its own process with ``cpus // workers`` threads (``--workers``)."""
     tables: dict[str, tuple[Condition, ...]] = field(init=False)
 
     def __post_init__(self) -> None:
-        if not self.seeds or self.steps < 1 or not 0 <= self.eval_every:
-            raise ValueError(f"the replica needs seeds, steps >= 1 and eval_every >= 0: got seeds={list(self.seeds)}, "
-                             f"steps={self.steps}, eval_every={self.eval_every}")
+        if not self.seeds or self.steps < 1 or not 0 <= self.eval_every or self.workers < 1:
+            raise ValueError(f"the replica needs seeds, steps >= 1, eval_every >= 0 and workers >= 1: got "
+                             f"seeds={list(self.seeds)}, steps={self.steps}, eval_every={self.eval_every}, "
+                             f"workers={self.workers}")
         self.out = Path(self.out)
         self.tables = {"table5": TABLE5}
         if len(self.alphas) * len(self.betas) > 1:
@@ -164,6 +171,39 @@ def run_job(folder: Path, overrides: Sequence[str], config: str = "train", done:
     return time.perf_counter() - start
 
 
+Job = tuple[Path, list[str], str, str]
+"""``run_job``'s arguments: folder, overrides, config name and the file a finished run holds."""
+
+
+def run_jobs(jobs: Sequence[Job], workers: int = 1, desc: str = "replica jobs") -> Iterator[tuple[str, float]]:
+    """Run the unfinished ``jobs`` (one after the other, or ``workers`` processes side by side) and yield each one's
+    ``(folder name, seconds)`` as it finishes. A failing job stops the rest: running ones finish, queued ones are
+    dropped, and the error is raised (a rerun resumes)."""
+    todo = [job for job in jobs if not (job[0] / job[3]).is_file()]
+    with tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, unit="job") as progress:
+        for name, seconds in _side_by_side(todo, workers) if workers > 1 and len(todo) > 1 else _in_turn(todo):
+            progress.update()
+            yield name, seconds
+
+
+def _in_turn(jobs: Sequence[Job]) -> Iterator[tuple[str, float]]:
+    for job in jobs:
+        yield job[0].name, run_job(*job)
+
+
+def _side_by_side(jobs: Sequence[Job], workers: int) -> Iterator[tuple[str, float]]:
+    threads = max(1, (os.cpu_count() or 1) // workers)  # more would spin-wait on shared cores (docs/training.md)
+    with ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), torch.set_num_threads, (threads,)) as pool:
+        running = {pool.submit(run_job, *job): job[0].name for job in jobs}
+        try:
+            while running:
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    yield running.pop(future), future.result()
+        finally:
+            pool.shutdown(cancel_futures=True)
+
+
 def run_replica(config: ReplicaConfig) -> dict[str, Any]:
     """Run (or resume) every job, then write ``replica.{md,json}`` and the plots; returns the report's JSON."""
     out = config.out
@@ -173,13 +213,12 @@ def run_replica(config: ReplicaConfig) -> dict[str, Any]:
     write_json(out / "timings.json", timings)
     if config.hard_negatives:
         mine_hard_negatives(config, timings)
-    jobs = [(c, seed) for c in config.conditions() for seed in config.seeds]
-    for condition, seed in tqdm(jobs, desc="replica jobs", unit="job"):
-        folder = job_folder(out, condition, seed)
-        overrides = [*condition.overrides, f"trainer.seed={seed}", f"model.adapter={warm / FINAL_ADAPTER}",
-                     f"trainer.max_steps={config.steps}", "trainer.epochs=1000",
-                     f"trainer.eval_every={config.eval_every}", *config.overrides]
-        _timed(timings, out, folder.name, run_job(folder, overrides))
+    jobs = [(job_folder(out, c, seed), [*c.overrides, f"trainer.seed={seed}", f"model.adapter={warm / FINAL_ADAPTER}",
+                                          f"trainer.max_steps={config.steps}", "trainer.epochs=1000",
+                                          f"trainer.eval_every={config.eval_every}", *config.overrides],
+             "train", REPORT_FILE) for c in config.conditions() for seed in config.seeds]
+    for name, seconds in run_jobs(jobs, config.workers):
+        _timed(timings, out, name, seconds)
     if config.generator_steps:
         run_table6(config, timings)
     return write_report(config, timings)
@@ -207,9 +246,10 @@ def run_table6(config: ReplicaConfig, timings: dict[str, float]) -> None:
         "experiment=generator_tiny", f"generator_training.optim.max_steps={config.generator_steps}",
         *config.overrides]))
     serve = ["lvlm=phi3v", f"lvlm.base={generator / BASE_DIR}", f"lvlm.adapter={generator / FINAL_ADAPTER}"]
-    for name, folder, overrides in table6_runs(config):
-        _timed(timings, config.out, name, run_job(folder, [*overrides, *serve, *config.eval_overrides], "eval",
-                                                  RAG_REPORT))
+    runs = [(folder, [*overrides, *serve, *config.eval_overrides], "eval", RAG_REPORT)
+            for _, folder, overrides in table6_runs(config)]
+    for name, seconds in run_jobs(runs, config.workers, "table 6 runs"):
+        _timed(timings, config.out, name, seconds)
 
 
 def table6_runs(config: ReplicaConfig) -> list[tuple[str, Path, list[str]]]:
@@ -316,6 +356,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="an eval.py override for every Table 6 run (repeat), e.g. --eval rag.max_queries=10")
     parser.add_argument("--hard-negatives", type=int, default=0,
                         help="add a table with N mined hard negatives per query (InfoNCE and HKRAG-Ret; default: 0)")
+    parser.add_argument("--workers", type=int, default=1, help="jobs side by side, one process each (default: 1; "
+                        "2 on 2 idle cores halves the wall time)")
     parser.add_argument("--margin", type=float, default=0.01, help="smallest effect of interest (nDCG@5, 0.01)")
     parser.add_argument("overrides", nargs="*", help="train.py overrides for every run (e.g. paths.data_dir=...)")
     args = parser.parse_args(argv)
@@ -324,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = {"seeds": range(args.seeds), **(quick if args.quick else {})}
     run_replica(ReplicaConfig(args.out, steps=args.steps, eval_every=args.eval_every, margin=args.margin,
                               overrides=args.overrides, eval_overrides=args.eval_overrides,
-                              hard_negatives=args.hard_negatives,
+                              hard_negatives=args.hard_negatives, workers=args.workers,
                               generator_steps=args.generator_steps or None, **settings))
 
 
