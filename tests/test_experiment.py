@@ -6,10 +6,13 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from safetensors import safe_open
 
 from hkrag.data.opendocvqa import load_qa
+from hkrag.data.pairs import TrainingPair
 from hkrag.tasks.retrieval import run_retrieval_evaluation as run_evaluation
 from hkrag.tasks.training import run_training
+from hkrag.training.trainer import document_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_DATA = [
@@ -38,6 +41,24 @@ def test_eval_py_reproduces_the_training_report(tmp_path):
         for pool, result in by_pool.items():
             assert evaluated[dataset][pool]["all"] == pytest.approx(result["all"], abs=1e-6), (dataset, pool)
             assert set(result) == {"all", "num_queries", "salient", "fine_print"}
+
+
+def test_the_reader_experiment_batches_documents_and_trains_the_image_embedding(tmp_path):
+    data = [f"paths.data_dir={tmp_path / 'data'}", *SMALL_DATA]
+    cfg = config("train", ["experiment=reader_tiny", *data, f"paths.output_dir={tmp_path / 'run'}",
+                           "model.num_crops=4", "trainer.global_batch_size=6", "trainer.max_steps=2",
+                           "eval_before_after=false"])
+    assert not cfg.loss.use_din and not cfg.loss.use_sin and cfg.loss.tau == 0.05  # InfoNCE, the demo's tau
+    assert config("train", ["experiment=reader_tiny", "loss=hkrag"]).loss.use_sin  # a row of the replica
+    run_training(cfg, tmp_path / "run")
+    qa = load_qa(tmp_path / "data" / "synthetic" / "qa", "default", "train")
+    pairs = [TrainingPair(ex.query_id, ex.query, ex.relevant_doc_ids) for ex in qa]
+    documents = [pair.positives[0].rsplit("-p", 1)[0] for pair in pairs]  # synchart-train-d001-p3 -> ...-d001
+    assert document_groups(pairs, cfg.trainer.group_pattern) == documents and len(set(documents)) > 1
+    adapter = tmp_path / "run" / "checkpoints" / "final" / "adapter" / "adapter_model.safetensors"
+    with safe_open(adapter, "pt") as tensors:
+        trained = [name for name in tensors.keys() if "vision_embed_tokens.img_processor" in name]
+    assert trained  # the vision tower is saved with the adapter: trained in full
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:

@@ -3,9 +3,10 @@
     python -m hkrag.tasks.replica --out outputs/replica  # 5 seeds: Table 5 rows, alpha x beta grid, dot, Table 6
     python -m hkrag.tasks.replica --out outputs/replica --quick  # 2 seeds: Table 5 rows and Table 6 only
 
-1. **Warm start**: one ``train.py`` run (the CPU demo, ``loss=infonce``, seed 0) into ``<out>/warmstart``; every
-   job continues from its adapter, so every row starts from the same InfoNCE-fine-tuned retriever (the
-   warm start's evaluation is each job's step 0).
+1. **Warm start**: one ``train.py`` run (``experiment=reader_tiny``: the tiny retriever that reads fine print,
+   ``loss=infonce``, seed 0) into ``<out>/warmstart``; every job continues from its adapter with the same
+   experiment's settings, so every row starts from the same InfoNCE-fine-tuned reader (the warm start's evaluation
+   is each job's step 0). ``--experiment demo`` replays the earlier replica from the random-start demo.
 2. **Jobs**: every condition x seed continues the warm start for the same number of steps (``--steps``), evaluated
    every ``--eval-every`` steps (``trainer.eval_every``: the learning curves), into ``<out>/jobs/<condition>-s<seed>``
    with the ``.hydra/overrides.yaml`` a Hydra multirun writes. Conditions: the Table 5 rows (``loss=infonce``,
@@ -109,6 +110,8 @@ class ReplicaConfig:
     seeds: Sequence[int] = (0, 1, 2, 3, 4)
     steps: int = 324
     eval_every: int = 54
+    experiment: str = "reader_tiny"
+    """The ``train.py`` experiment of the warm start and of every job (conf/experiment)."""
     warm_overrides: Sequence[str] = ("loss=infonce", "trainer.seed=0")
     alphas: Sequence[float] = (0.5, 1.0, 2.0)
     betas: Sequence[float] = (0.25, 1.0)
@@ -209,13 +212,16 @@ def run_replica(config: ReplicaConfig) -> dict[str, Any]:
     out = config.out
     timings = _read_json(out / "timings.json")
     warm = out / "warmstart"
-    timings["warmstart"] = run_job(warm, [*config.warm_overrides, *config.overrides]) or timings.get("warmstart", 0.0)
+    experiment = f"experiment={config.experiment}"
+    timings["warmstart"] = (run_job(warm, [experiment, *config.warm_overrides, *config.overrides])
+                            or timings.get("warmstart", 0.0))
     write_json(out / "timings.json", timings)
     if config.hard_negatives:
         mine_hard_negatives(config, timings)
-    jobs = [(job_folder(out, c, seed), [*c.overrides, f"trainer.seed={seed}", f"model.adapter={warm / FINAL_ADAPTER}",
-                                          f"trainer.max_steps={config.steps}", "trainer.epochs=1000",
-                                          f"trainer.eval_every={config.eval_every}", *config.overrides],
+    jobs = [(job_folder(out, c, seed), [experiment, *c.overrides, f"trainer.seed={seed}",
+                                          f"model.adapter={warm / FINAL_ADAPTER}", f"trainer.max_steps={config.steps}",
+                                          "trainer.epochs=1000", f"trainer.eval_every={config.eval_every}",
+                                          *config.overrides],
              "train", REPORT_FILE) for c in config.conditions() for seed in config.seeds]
     for name, seconds in run_jobs(jobs, config.workers):
         _timed(timings, out, name, seconds)
@@ -322,7 +328,8 @@ TITLES = {"table5": "Table 5: the loss ablation",
 def _header(config: ReplicaConfig, timings: dict[str, float]) -> str:
     total = sum(timings.values())
     return (f"# Replica of the paper's Table 5 at CPU scale\n\n"
-            f"Every job continues the warm start (`{' '.join(config.warm_overrides)}`, the CPU demo) for "
+            f"Every job continues the warm start (`experiment={config.experiment} "
+            f"{' '.join(config.warm_overrides)}`) with the same experiment for "
             f"{config.steps} steps, evaluated every {config.eval_every}; seeds {list(config.seeds)}; extra "
             f"overrides {list(config.overrides) or 'none'}. Compute: {total / 60:.1f} min in all "
             f"(warm start {timings.get('warmstart', 0) / 60:.1f} min, {len(timings) - 1} jobs timed in this folder; "
@@ -331,7 +338,8 @@ def _header(config: ReplicaConfig, timings: dict[str, float]) -> str:
 
 def _settings(config: ReplicaConfig) -> dict[str, Any]:
     return {"seeds": list(config.seeds), "steps": config.steps, "eval_every": config.eval_every,
-            "warm_overrides": list(config.warm_overrides), "overrides": list(config.overrides),
+            "experiment": config.experiment, "warm_overrides": list(config.warm_overrides),
+            "overrides": list(config.overrides),
             "conditions": {c.name: list(c.overrides) for c in config.conditions()}, "margin": config.margin,
             "n_resamples": config.n_resamples, "generator_steps": config.generator_steps,
             "thresholds": list(config.thresholds), "eval_overrides": list(config.eval_overrides),
@@ -349,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=324, help="steps per job after the warm start (default: 324, "
                         "the demo's 6 epochs)")
     parser.add_argument("--eval-every", type=int, default=54, help="learning-curve interval in steps (default: 54)")
+    parser.add_argument("--experiment", default="reader_tiny", help="train.py experiment of the warm start and the "
+                        "jobs (default: reader_tiny; demo: the random-start demo)")
     parser.add_argument("--quick", action="store_true", help="2 seeds, Table 5 rows and Table 6, no grid or dot")
     parser.add_argument("--generator-steps", type=int, default=2600,
                         help="generator fine-tuning steps for Table 6, 3 epochs of batch 2 (0: none; default: 2600)")
@@ -364,8 +374,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quick = {"seeds": range(2), "alphas": (DEFAULT_ALPHA,), "betas": (DEFAULT_BETA,), "similarity": False}
     settings = {"seeds": range(args.seeds), **(quick if args.quick else {})}
-    run_replica(ReplicaConfig(args.out, steps=args.steps, eval_every=args.eval_every, margin=args.margin,
-                              overrides=args.overrides, eval_overrides=args.eval_overrides,
+    run_replica(ReplicaConfig(args.out, experiment=args.experiment, steps=args.steps, eval_every=args.eval_every,
+                              margin=args.margin, overrides=args.overrides, eval_overrides=args.eval_overrides,
                               hard_negatives=args.hard_negatives, workers=args.workers,
                               generator_steps=args.generator_steps or None, **settings))
 
