@@ -23,7 +23,9 @@
    routes, cost per query and a verdict on each claim; the compute each part took.
 
 A finished job (its ``report.json`` written) is skipped by a rerun; an unfinished one is started again from scratch.
-Jobs run in this process, one after the other (``python train.py`` semantics, Hydra's composition included).
+Jobs run in this process, one after the other (``python train.py`` semantics, Hydra's composition included), or
+with ``--workers N`` N at a time in spawned processes (:func:`run_jobs`); docs/training.md gives the committed
+run's compute.
 """
 
 from __future__ import annotations
