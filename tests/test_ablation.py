@@ -54,6 +54,15 @@ def multirun(tmp_path):
     return folder
 
 
+def test_a_data_set_column_holds_its_queries_alone(multirun, tmp_path):
+    summary = aggregate(multirun, tmp_path / "out", n_resamples=200, datasets=["synfine", "absent"])
+    assert summary["evidence"] == ["all", "fine_print", "salient", "synfine"]  # a data set nobody scored is left out
+    synfine = summary["ndcg@5"]["single"]["synfine"]
+    assert synfine["hkrag"]["per_seed"] == pytest.approx([0.75, 0.25]) and synfine["hkrag"]["num_queries"] == 1
+    assert summary["vs_baseline"]["all"]["synfine"]["hkrag"]["diff"] == pytest.approx(0.5 * (0.5 - 0.25))
+    assert "| loss | all | fine_print | salient | synfine |" in (tmp_path / "out" / "ablation.md").read_text()
+
+
 def test_means_stds_and_paired_intervals_equal_hand_computed_values(multirun):
     summary = aggregate(multirun, n_resamples=500)
     assert summary["conditions"] == ["infonce", "hkrag", "no_sin"]  # baseline first, then in job order

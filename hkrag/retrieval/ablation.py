@@ -86,10 +86,11 @@ class Run:
     """``step -> scores`` at every evaluated step (0: before training, when evaluated)."""
 
     def query_scores(self, pool: str, evidence: str, step: int | None = None) -> dict[tuple[str, str], float]:
-        """nDCG@5 of the queries of ``evidence`` (``all``: every query) in ``pool``, after training or at ``step``."""
+        """nDCG@5 of the queries of ``evidence`` (``all``: every query; a data set's name: its queries) in ``pool``,
+        after training or at ``step``."""
         scores = self.scores if step is None else self.curve[step]
         return {key: value for key, (label, value) in scores.get(pool, {}).items()
-                if evidence == ALL or label == evidence}
+                if evidence in (ALL, label, key[0])}
 
 
 def overrides(job: Path) -> dict[str, str]:
@@ -211,10 +212,11 @@ def score_matrix(runs: Sequence[Run], pool: str, evidence: str, step: int | None
 
 def summarize(
     runs: Sequence[Run], baseline: str = "infonce", confidence: float = 0.95, n_resamples: int = 2000, seed: int = 0,
-    claims: Sequence[Claim] = TABLE5_CLAIMS, margin: float = 0.01,
+    claims: Sequence[Claim] = TABLE5_CLAIMS, margin: float = 0.01, datasets: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Means, stds, intervals, differences to ``baseline``, verdicts on ``claims``, learning curves and mask
-    shares (see the module docstring)."""
+    shares (see the module docstring); ``datasets`` adds columns of those data sets' queries alone (e.g. the
+    fine-print split ``synfine``) after the evidence types, where the runs scored any."""
     conditions = list(dict.fromkeys(run.condition for run in runs))
     if baseline not in conditions:
         raise AblationError(f"baseline {baseline!r} is not among the conditions {conditions}; pass --baseline")
@@ -222,7 +224,8 @@ def summarize(
     conditions.insert(0, baseline)
     by_condition = {c: sorted((r for r in runs if r.condition == c), key=lambda r: r.seed) for c in conditions}
     pools = list(dict.fromkeys(pool for run in runs for pool in run.scores))
-    evidence = evidence_types(runs)
+    scored = {dataset for run in runs for by_query in run.scores.values() for dataset, _ in by_query}
+    evidence = evidence_types(runs) + [name for name in datasets if name in scored]
     summary: dict[str, Any] = {"baseline": baseline, "conditions": conditions, "pools": pools, "evidence": evidence,
                                "seeds": {c: [r.seed for r in rs] for c, rs in by_condition.items()},
                                "confidence": confidence, "n_resamples": n_resamples, "margin": margin,
@@ -420,11 +423,11 @@ def plot(summary: dict[str, Any], pool: str = "single") -> bytes:
 
 def aggregate(folder: str | Path, out_dir: str | Path | None = None, by: str | Sequence[str] = "loss",
               seed_key: str = "trainer.seed", baseline: str = "infonce", n_resamples: int = 2000,
-              finished_only: bool = False, margin: float = 0.01) -> dict[str, Any]:
+              finished_only: bool = False, margin: float = 0.01, datasets: Sequence[str] = ()) -> dict[str, Any]:
     """Summarise ``folder`` into ``ablation.json``, ``ablation.md`` and ``ablation.png`` (in ``out_dir``, default
     ``folder``); returns the summary."""
     runs = load_multirun(folder, by, seed_key, finished_only)
-    summary = summarize(runs, baseline, n_resamples=n_resamples, margin=margin)
+    summary = summarize(runs, baseline, n_resamples=n_resamples, margin=margin, datasets=datasets)
     out = Path(out_dir or folder)
     write_json(out / "ablation.json", summary)
     text = markdown(summary, str(folder))
@@ -446,12 +449,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--finished-only", action="store_true", help="skip jobs that have not finished (listed)")
     parser.add_argument("--margin", type=float, default=0.01,
                         help="smallest effect of interest in nDCG@5 for a 'not reproduced' verdict (default: 0.01)")
+    parser.add_argument("--dataset", action="append", default=[], dest="datasets", metavar="NAME",
+                        help="also a column of this data set's queries alone (repeat), e.g. --dataset synfine")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         by = args.by if args.by == "auto" or "," not in args.by else args.by.split(",")
         aggregate(args.folder, args.out, by, args.seed_key, args.baseline, args.resamples, args.finished_only,
-                  args.margin)
+                  args.margin, args.datasets)
     except AblationError as error:
         parser.exit(2, f"error: {error}\n")
 
