@@ -9,7 +9,7 @@ import yaml
 
 import hkrag.tasks.training as training
 from hkrag.retrieval.evaluation import PER_QUERY_FILE
-from hkrag.tasks.replica import GENERATORS, TABLE5, ReplicaConfig, job_folder, run_replica
+from hkrag.tasks.replica import GENERATORS, TABLE5, ReplicaConfig, job_folder, run_jobs, run_replica
 
 DATA = ["data.synthetic.n_train=16", "data.synthetic.n_test=8", "data.synthetic.train_groups_per_style=1",
         "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "data.eval_datasets=[synchart]"]
@@ -108,6 +108,13 @@ def test_workers_redo_unfinished_jobs_side_by_side(done):
     again = run_replica(replace(config, workers=2))
     assert all((folder / "report.json").is_file() for folder in unfinished)
     assert again["tables"]["table5"]["ndcg@5"] == report["tables"]["table5"]["ndcg@5"]
+
+
+def test_a_failing_job_stops_the_side_by_side_run(tmp_path):
+    jobs = [(tmp_path / name, ["trainer.bogus_key=1"], "train", "report.json") for name in ("a", "b", "c")]
+    with pytest.raises(Exception, match="bogus_key"):
+        list(run_jobs(jobs, workers=2))
+    assert not any((tmp_path / name / "report.json").exists() for name in ("a", "b", "c"))
 
 
 def test_bad_settings_are_named():
