@@ -19,7 +19,7 @@ from pathlib import Path
 from common import machine
 
 from hkrag.data.opendocvqa import load_corpus, pools
-from hkrag.retrieval.evaluation import PER_QUERY_FILE
+from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, PER_QUERY_FILE
 from hkrag.stats import hierarchical_bootstrap
 from hkrag.tasks.replica import REPORT_FILE, run_jobs
 
@@ -33,7 +33,7 @@ def chance_ndcg(pool_size: int, k: int = TOP_K) -> float:
 
 def per_query(run: Path) -> dict[str, dict[str, dict[str, float]]]:
     """``{dataset: {pool: {query_id: ndcg@5}}}`` of a run's evaluation after training."""
-    scores = json.loads((run / "eval-after" / PER_QUERY_FILE).read_text())
+    scores = json.loads((run / AFTER_TRAINING_DIR / PER_QUERY_FILE).read_text())
     return {dataset: {pool: {query: row["ndcg@5"] for query, row in queries.items()}
                       for pool, queries in by_pool.items()}
             for dataset, by_pool in scores.items()}
