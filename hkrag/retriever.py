@@ -40,6 +40,7 @@ from hkrag.models.phi3v.loading import (
     save_processor,
     tiny_phi3v,
 )
+from hkrag.models.phi3v.modeling_phi3v import Phi3VImageEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +232,17 @@ class Phi3VRetriever(nn.Module):
             model = get_peft_model(model, lora.peft_config())
         else:
             model.requires_grad_(trainable)
+        freeze_unreachable(model)
         return cls(model, processor)
+
+
+def freeze_unreachable(model: nn.Module) -> None:
+    """Freeze every image embedding's parameters that no output depends on (a trained ``vision_embed_tokens``
+    copy included): they would get no gradient, and DDP stops on trainable parameters without one."""
+    for module in model.modules():
+        if isinstance(module, Phi3VImageEmbedding):
+            for parameter in module.unreachable_parameters():
+                parameter.requires_grad_(False)
 
 
 def load_adapter(model: Phi3VForCausalLM, adapter: str | Path, trainable: bool = False) -> PeftModel:

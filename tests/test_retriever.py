@@ -113,3 +113,16 @@ def test_gradient_checkpointing_gives_the_same_gradients(pages):
     assert plain.keys() == checkpointed.keys()
     for name in plain:
         torch.testing.assert_close(plain[name], checkpointed[name], msg=name)
+
+
+def test_a_trained_image_embedding_has_a_gradient_for_every_trainable_parameter(pages):
+    lora = LoraSettings(r=4, alpha=8, dropout=0.0, target_modules=["qkv_proj"], modules_to_save=["vision_embed_tokens"])
+    retriever = Phi3VRetriever.tiny(lora=lora)
+    trained = "vision_embed_tokens.modules_to_save.default.img_processor.vision_model."
+    frozen = {name.split(trained)[1] for name, p in retriever.model.named_parameters()
+              if trained in name and not p.requires_grad}
+    last = len(retriever.backbone.vision_embed_tokens.original_module.img_processor.vision_model.encoder.layers) - 1
+    assert frozen and all(n.startswith((f"encoder.layers.{last}.", "post_layernorm.")) for n in frozen)
+    retriever(**retriever.document_inputs(pages[:2])).sum().backward()  # DDP needs a gradient for each of them
+    missing = [n for n, p in retriever.model.named_parameters() if p.requires_grad and p.grad is None]
+    assert missing == []

@@ -30,7 +30,7 @@ from hkrag.data.generator_pairs import GeneratorPair
 from hkrag.data.opendocvqa import Corpus
 from hkrag.lvlm.base import PageImage
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
-from hkrag.retriever import LoraSettings
+from hkrag.retriever import LoraSettings, freeze_unreachable
 from hkrag.run_log import RunLogger
 from hkrag.training.checkpoint import (
     CHECKPOINTS_DIR,
@@ -54,7 +54,9 @@ def causal_lm_lora(model: Phi3VForCausalLM, lora: LoraSettings) -> PeftModel:
     """``model`` with a fresh causal-LM LoRA adapter (the retriever's target names, ``model.lora``)."""
     config = lora.peft_config()
     config.task_type = TaskType.CAUSAL_LM
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config)
+    freeze_unreachable(model)
+    return model
 
 
 def encode_example(processor: Phi3VProcessor, prompt: str, num_img_tokens: Sequence[int],

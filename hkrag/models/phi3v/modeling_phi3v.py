@@ -52,6 +52,17 @@ class Phi3VImageEmbedding(nn.Module):
             nn.Linear(dim, config.hidden_size), nn.GELU(), nn.Linear(config.hidden_size, config.hidden_size)
         )
 
+    def unreachable_parameters(self) -> list[nn.Parameter]:
+        """CLIP parameters the image features never depend on: the layers after ``layer_idx`` and the final norm.
+
+        They get no gradient, so they are frozen wherever the image embedding is trained (DDP refuses trainable
+        parameters that no loss reaches)."""
+        clip = self.img_processor.vision_model
+        layers = clip.encoder.layers
+        layer = self.config.img_processor.get("layer_idx", -2)
+        used = layer % (len(layers) + 1)  # hidden_states[k] is the output of the first k layers
+        return [*(p for block in layers[used:] for p in block.parameters()), *clip.post_layernorm.parameters()]
+
     def crop_features(self, crops: torch.Tensor) -> torch.Tensor:
         """Penultimate CLIP layer, CLS dropped: (n, 3, s, s) -> (n, patches, vision_hidden)."""
         return self.img_processor(crops, self.config.img_processor.get("layer_idx", -2))[:, 1:]
