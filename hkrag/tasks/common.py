@@ -154,6 +154,7 @@ def trained_model_config(model_cfg: DictConfig, run_dir: str | Path) -> DictConf
     (``FileNotFoundError`` naming the folder and what is missing) rather than evaluated on another base.
     """
     run_dir = resolve_run_dir(run_dir)
+    model_cfg = OmegaConf.create(OmegaConf.to_container(model_cfg, resolve=True))  # a tiny model's has no `base`
     adapter = run_dir / FINAL_ADAPTER
     if not adapter.is_dir():
         raise FileNotFoundError(f"{run_dir} has no checkpoints/final/adapter: is it a finished train.py run directory?")
