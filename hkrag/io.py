@@ -10,6 +10,7 @@ swapped into place only when complete.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -64,6 +65,16 @@ def write_text(path: str | Path, text: str) -> Path:
 def write_bytes(path: str | Path, data: bytes) -> Path:
     """Atomically write ``data`` to ``path``."""
     return atomic_write(path, lambda f: f.write(data), "wb")
+
+
+def png_bytes(figure: Any, dpi: int = 120) -> bytes:
+    """A matplotlib figure as PNG bytes (for :func:`write_bytes`); the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi)
+    plt.close(figure)
+    return buffer.getvalue()
 
 
 def write_json(path: str | Path, obj: Any, indent: int | None = 2) -> Path:

@@ -23,7 +23,6 @@ answer or verdict; their ids and reasons are listed.
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from hkrag.io import write_bytes, write_json, write_text
+from hkrag.io import png_bytes, write_bytes, write_json, write_text
 from hkrag.rag.metrics import METRICS
 from hkrag.rag.records import ROUTES, QueryOutcome
 from hkrag.rag.trace import MERGED_FILE, load_trace, outcome_key
@@ -416,9 +415,7 @@ def sweep_plot(rows: Sequence[Mapping[str, Any]]) -> bytes:
     for h, x, y in zip(thresholds, calls, values):
         right.annotate(f"h={h:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     right.set(xlabel="LVLM calls per query (mean)", ylabel=label, title="accuracy vs. cost")
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    return buffer.getvalue()
+    return png_bytes(figure, dpi=100)
 
 
 def sweep_table(rows: Sequence[Mapping[str, Any]]) -> str:

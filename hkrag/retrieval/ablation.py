@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import io
 import json
 import logging
 from collections.abc import Sequence
@@ -41,7 +40,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from hkrag.io import write_bytes, write_json, write_text
+from hkrag.io import png_bytes, write_bytes, write_json, write_text
 from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, BEFORE_TRAINING_DIR, CURVE_DIR, PER_QUERY_FILE
 from hkrag.run_log import METRICS_FILE
 from hkrag.stats import Claim, hierarchical_bootstrap, hierarchical_paired_bootstrap, mean_and_std, verdict
@@ -415,10 +414,7 @@ def plot(summary: dict[str, Any], pool: str = "single") -> bytes:
     if summary["curves"].get(pool, {}).get(ALL):
         learning.legend(fontsize=8)
     figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=120)
-    plt.close(figure)
-    return buffer.getvalue()
+    return png_bytes(figure)
 
 
 def aggregate(folder: str | Path, out_dir: str | Path | None = None, by: str | Sequence[str] = "loss",
