@@ -11,48 +11,13 @@ figures; bench/RESULTS.md records them.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import time
 from pathlib import Path
 
 from common import machine
 
-from hkrag.data.opendocvqa import load_corpus, pools
-from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, PER_QUERY_FILE
-from hkrag.stats import hierarchical_bootstrap
+from hkrag.tasks.chain import retrieval_rows, retrieval_table
 from hkrag.tasks.replica import REPORT_FILE, run_jobs
-
-TOP_K = 5
-
-
-def chance_ndcg(pool_size: int, k: int = TOP_K) -> float:
-    """Expected nDCG@k of a random ranking of ``pool_size`` pages holding one relevant page."""
-    return sum(1 / math.log2(rank + 1) for rank in range(1, min(k, pool_size) + 1)) / pool_size
-
-
-def per_query(run: Path) -> dict[str, dict[str, dict[str, float]]]:
-    """``{dataset: {pool: {query_id: ndcg@5}}}`` of a run's evaluation after training."""
-    scores = json.loads((run / AFTER_TRAINING_DIR / PER_QUERY_FILE).read_text())
-    return {dataset: {pool: {query: row["ndcg@5"] for query, row in queries.items()}
-                      for pool, queries in by_pool.items()}
-            for dataset, by_pool in scores.items()}
-
-
-def table(runs: list[Path], corpus: Path) -> str:
-    """Markdown rows: data set, pool, chance, mean [interval], x chance, per-seed means (all x100)."""
-    scores = [per_query(run) for run in runs]
-    lines = ["| data set | pool | chance | nDCG@5 [95 %] | x chance | per seed |", "|---|---|---|---|---|---|"]
-    for dataset, by_pool in scores[0].items():
-        for pool, queries in by_pool.items():
-            matrix = [[run[dataset][pool][query] for query in queries] for run in scores]
-            result = hierarchical_bootstrap(matrix)
-            chance = chance_ndcg(len(load_corpus(corpus, pools(dataset)[pool], "test")))
-            seeds = " / ".join(f"{100 * sum(row) / len(row):.1f}" for row in matrix)
-            lines.append(f"| {dataset} | {pool} | {100 * chance:.1f} | {100 * result['mean']:.1f} "
-                         f"[{100 * result['low']:.1f}, {100 * result['high']:.1f}] | {result['mean'] / chance:.1f} "
-                         f"| {seeds} |")
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -71,7 +36,7 @@ def main() -> None:
         print(f"{name}: {seconds / 60:.1f} min")
     print(f"machine: {machine()}; {args.workers} worker(s); {(time.perf_counter() - start) / 60:.1f} min wall")
     print(f"experiment=reader_tiny, seeds {args.seeds}, nDCG@5 x100 on the test split\n")
-    print(table(runs, args.corpus))
+    print(retrieval_table(retrieval_rows(runs, args.corpus)))
 
 
 if __name__ == "__main__":

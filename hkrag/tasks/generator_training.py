@@ -3,7 +3,8 @@ recipe, DESIGN §11, docs/training.md "Generator fine-tuning (VDocGenerator)").
 
 Data (the built-in corpus is generated on first use); the training top-k of every training query
 (``generator_training.pages``: ``retrieved`` by a retriever as VDocRAG does, or ``gold``), kept in
-``generator_pairs.jsonl``; the base model (the tiny random one is saved in ``base/``) with a fresh
+``generator_pairs.jsonl``; the base model (the tiny random one is saved in ``base/``; with
+``generator_training.init_from=<train.py run>`` that run's base with its adapter merged in, saved there) with a fresh
 LoRA; training on the single-pass baseline's own prompt; the final adapter in
 ``checkpoints/final/adapter``, which ``lvlm=phi3v lvlm.base=<base> lvlm.adapter=<adapter>`` serves
 (``report.json`` names both).
@@ -25,7 +26,7 @@ from hkrag.lvlm.phi3v import phi3_chat
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.models.phi3v.loading import load_phi3v, load_processor, tiny_phi3v
 from hkrag.retrieval.generator_pairs import build_generator_pairs
-from hkrag.retriever import LoraSettings, Phi3VRetriever
+from hkrag.retriever import LoraSettings, Phi3VRetriever, load_adapter
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import BASE_DIR, build_retriever, prepare_data, save_tiny_base, trained_model_config
 from hkrag.tasks.rag import question_text
@@ -69,6 +70,18 @@ def generator_base(model_cfg: DictConfig, texts: Sequence[str],
     raise ValueError(f"model.kind must be 'tiny' or 'phi3v', got {model_cfg.kind!r}")
 
 
+def merged_base(run_dir: str | Path, model_cfg: DictConfig,
+                save_to: Path) -> tuple[Phi3VForCausalLM, Phi3VProcessor, str]:
+    """A ``train.py`` run's base with its final adapter merged in (``generator_training.init_from``), saved to
+    ``save_to`` as the generator's base: the generator starts from the weights a retriever learned to read with."""
+    settings = trained_model_config(model_cfg, run_dir)
+    model = load_phi3v(settings.base, dtype=getattr(torch, settings.dtype),
+                       attn_implementation=settings.get("attn_implementation"))
+    model = load_adapter(model, settings.adapter).merge_and_unload()
+    processor = load_processor(settings.base, settings.num_crops)
+    return model, processor, str(save_tiny_base(model, processor, save_to))
+
+
 def training_retriever(settings: DictConfig) -> tuple[Phi3VRetriever, dict[str, Any]]:
     """The retriever ranking the training pages (``generator_training.retriever``: a ``train.py`` ``run_dir``
     or ``model`` settings) and its identity (base, adapter)."""
@@ -96,7 +109,10 @@ def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str,
     pairs = build_generator_pairs(output_dir / PAIRS_FILE, qa, corpus, gen.pages, cfg.generator.top_k, question_text,
                                   retriever=lambda: training_retriever(retriever_settings)[0], identity=identity)
     texts = [text for pair in pairs for text in (pair.question, *pair.answers)]
-    model, processor, base = generator_base(cfg.model, texts, output_dir / BASE_DIR)
+    if gen.get("init_from"):
+        model, processor, base = merged_base(gen.init_from, cfg.model, output_dir / BASE_DIR)
+    else:
+        model, processor, base = generator_base(cfg.model, texts, output_dir / BASE_DIR)
     device = torch.device(gen.device if gen.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     model = causal_lm_lora(model, LoraSettings(**cfg.model.lora)).to(device)
     if cfg.model.get("gradient_checkpointing") and device.type == "cuda":
@@ -106,7 +122,8 @@ def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str,
                            config=OmegaConf.to_container(cfg, resolve=True), name=cfg.get("run_name"))
     config = GeneratorTrainerConfig(**OmegaConf.to_container(gen.optim, resolve=True))
     dataset = GeneratorDataset(pairs, corpus, single_pass_prompt(cfg.generator))
-    run_config = {"base": base, "pages": gen.pages, "top_k": cfg.generator.top_k, "examples": len(pairs),
+    run_config = {"base": base, **({"init_from": str(gen.init_from)} if gen.get("init_from") else {}),
+                  "pages": gen.pages, "top_k": cfg.generator.top_k, "examples": len(pairs),
                   **{f"optim.{k}": v for k, v in OmegaConf.to_container(gen.optim, resolve=True).items()
                      if k not in RESUMABLE_KEYS}}
     trainer = GeneratorTrainer(model, processor, dataset, config, output_dir, run_logger, run_config=run_config)

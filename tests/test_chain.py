@@ -1,0 +1,137 @@
+"""``python -m hkrag.tasks.chain`` on a tiny corpus: pre-training feeds the reader, the reader feeds the generator and
+the RAG run, the report judges the targets from per-question scores, and a rerun skips finished runs."""
+
+import json
+import math
+
+import pytest
+import yaml
+
+from hkrag.data.synthetic import question_field
+from hkrag.rag.records import QueryOutcome
+from hkrag.tasks.chain import ChainConfig, Target, answer_rows, chance_ndcg, run_chain
+from hkrag.tasks.common import FINAL_ADAPTER
+
+DATA = ["data.synthetic.n_train=16", "data.synthetic.n_test=8", "data.synthetic.train_groups_per_style=1",
+        "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "data.synthetic.train_fine_groups=1",
+        "data.synthetic.test_fine_groups=1", "data.eval_datasets=[synchart,synfine]"]
+TINY = [*DATA, "model.num_crops=4", "trainer.global_batch_size=8", "trainer.max_steps=2", "eval.doc_batch_size=16"]
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    out = tmp_path_factory.mktemp("chain")
+    data_dir = f"paths.data_dir={out / 'data'}"
+    config = ChainConfig(out / "run", seeds=(0, 1), pretrain_steps=2, generator_steps=2, overrides=[data_dir, *TINY],
+                         eval_overrides=[data_dir, *DATA, "rag.max_queries=4"], n_resamples=200)
+    return config, run_chain(config)
+
+
+def test_each_stage_starts_from_the_one_before(done):
+    config, _ = done
+    def overrides(stage, seed):
+        return yaml.safe_load((config.folder(stage, seed) / ".hydra" / "overrides.yaml").read_text())
+
+    for seed in config.seeds:
+        assert f"model.adapter={config.folder('pretrain', seed) / FINAL_ADAPTER}" in overrides("reader", seed)
+        assert f"generator_training.init_from={config.folder('reader', seed)}" in overrides("generator", seed)
+        assert f"generator_training.optim.seed={seed}" in overrides("generator", seed)
+        assert "generator_training.optim.max_steps=2" in overrides("generator", seed)
+        assert {f"run_dir={config.folder('reader', seed)}", "generator.top_k=1"} <= set(overrides("rag", seed))
+        served = config.folder("generator", seed) / FINAL_ADAPTER
+        assert all(f"lvlm.adapter={served}" in overrides(stage, seed) for stage in ("answers", "rag"))
+        state = json.loads((config.folder("generator", seed) / "checkpoints" / "final" / "state.json").read_text())
+        assert state["config"]["init_from"] == str(config.folder("reader", seed))
+
+
+def test_the_report_has_the_targets_retrieval_and_answers(done):
+    config, report = done
+    assert [t["target"].split(" ")[0] for t in report["targets"]] == ["synfine", "synfine", "salient", "fine_print"]
+    for target in report["targets"]:
+        assert target["low"] <= target["mean"] <= target["high"]
+        assert target["verdict"] == Target("", target["bound"]).verdict(target)
+    single = next(r for r in report["retrieval"] if (r["dataset"], r["pool"]) == ("synfine", "single"))
+    assert single["chance"] == pytest.approx(chance_ndcg(2)) and len(single["seeds"]) == 2
+    assert list(report["answers"]["answers"]) == ["gold"] and set(report["answers"]["rag"]) == {"single", "all"}
+    assert report["answers"]["answers"]["gold"][0]["questions"] == "all"
+    text = (config.out / "chain.md").read_text()
+    assert "## Targets" in text and "## Answers on gold pages" in text and "## Answers on the reader's top page" in text
+    assert (config.out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert set(report["timings"]) == {f"{stage}/s{seed}" for stage in config.stages() for seed in config.seeds} | {
+        "wall"}
+
+
+def test_a_rerun_skips_the_finished_runs(done):
+    config, report = done
+    again = run_chain(config)
+    assert {k: v for k, v in again["timings"].items() if k != "wall"} == {
+        k: v for k, v in report["timings"].items() if k != "wall"}
+    assert again["targets"] == report["targets"]
+
+
+def row(query_id, question, score):
+    return QueryOutcome(query_id, question, gold=["x"], metrics={"relaxed_accuracy": score})
+
+
+CODE = "What is the reference code of the SALES chart sourced from ALPHA?"
+YEAR = "In which year was the SALES chart with reference K7 published?"
+COLOUR = "Which colour shows 12% on the SALES chart?"
+
+
+def test_answer_rows_by_hand():
+    seed0 = [row("a-fine_print", CODE, 1.0), row("b-fine_print", YEAR, 1.0), row("c-salient", COLOUR, 0.0)]
+    seed1 = [row("c-salient", COLOUR, 1.0), row("a-fine_print", CODE, 0.0), row("b-fine_print", YEAR, 1.0)]
+    rows = {r["questions"]: r for r in answer_rows([seed0, seed1], n_resamples=200)}
+    assert rows["all"]["n"] == 3 and rows["all"]["mean"] == pytest.approx(4 / 6)
+    assert rows["all"]["seeds"] == pytest.approx([2 / 3, 2 / 3])
+    assert rows["fine_print"]["mean"] == pytest.approx(3 / 4) and rows["fine_print"]["seeds"] == [1.0, 0.5]
+    assert rows["fine_print, no year"]["mean"] == pytest.approx(0.5) and rows["fine_print, no year"]["n"] == 1
+    assert rows["salient"]["mean"] == pytest.approx(0.5) and rows["label"]["n"] == 1
+    assert rows["year"]["mean"] == 1.0 and rows["year"]["low"] == 1.0
+    assert "value" not in rows and "page_no" not in rows  # no such question
+
+
+def test_targets_judge_the_interval_then_the_mean():
+    target = Target("salient", 0.5)
+    assert target.verdict({"mean": 0.7, "low": 0.55, "high": 0.8}) == "met (the whole interval)"
+    assert target.verdict({"mean": 0.52, "low": 0.4, "high": 0.6}) == "met on the mean, not the whole interval"
+    assert target.verdict({"mean": 0.45, "low": 0.3, "high": 0.6}) == "not met"
+
+
+def test_chance_ndcg_by_hand():
+    assert chance_ndcg(1) == 1.0
+    assert chance_ndcg(2) == pytest.approx((1 + 1 / math.log2(3)) / 2)
+    assert chance_ndcg(24) == pytest.approx(sum(1 / math.log2(r + 1) for r in range(1, 6)) / 24)
+
+
+def test_question_field_names_what_each_template_asks():
+    assert question_field("Instruct: I’m looking for an image that answers the question.\nQuery: " + CODE) == "code"
+    assert question_field(YEAR) == "year" and question_field(COLOUR) == "label"
+    assert question_field("What is the RED value on the HOUSING chart?") == "value"
+    assert question_field("Which page number has reference R4 from TANGO, 2018?") == "page_no"
+    assert question_field("On which page is the 2022 note from BRAVO with reference P9?") == "page_no"
+    assert question_field("What is the capital of France?") is None
+
+
+def test_bad_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="the chain needs seeds"):
+        ChainConfig(tmp_path, seeds=())
+    with pytest.raises(ValueError, match="generator_steps=0"):
+        ChainConfig(tmp_path, generator_steps=0)
+
+
+def test_the_generator_starts_from_the_readers_weights_merged(done):
+    import torch
+
+    from hkrag.models.phi3v.loading import load_phi3v
+    from hkrag.retriever import load_adapter
+
+    config, _ = done
+    reader = config.folder("reader", 0)
+    merged = load_adapter(load_phi3v(str(reader / "base"), dtype="float32"), reader / FINAL_ADAPTER).merge_and_unload()
+    started = load_phi3v(str(config.folder("generator", 0) / "base"), dtype="float32")
+    expected, got = merged.state_dict(), started.state_dict()
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+    random_base = load_phi3v(str(reader / "base"), dtype="float32").state_dict()
+    assert any(not torch.equal(random_base[name], got[name]) for name in got)  # the reader's training is in it
