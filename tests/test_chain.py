@@ -9,7 +9,7 @@ import yaml
 
 from hkrag.data.synthetic import question_field
 from hkrag.rag.records import QueryOutcome
-from hkrag.tasks.chain import ChainConfig, Target, answer_rows, chance_ndcg, run_chain
+from hkrag.tasks.chain import CURVE_GROUPS, ChainConfig, Target, answer_rows, chance_ndcg, run_chain
 from hkrag.tasks.common import FINAL_ADAPTER
 
 DATA = ["data.synthetic.n_train=16", "data.synthetic.n_test=8", "data.synthetic.train_groups_per_style=1",
@@ -22,7 +22,8 @@ TINY = [*DATA, "model.num_crops=4", "trainer.global_batch_size=8", "trainer.max_
 def done(tmp_path_factory):
     out = tmp_path_factory.mktemp("chain")
     data_dir = f"paths.data_dir={out / 'data'}"
-    config = ChainConfig(out / "run", seeds=(0, 1), pretrain_steps=2, generator_steps=2, overrides=[data_dir, *TINY],
+    config = ChainConfig(out / "run", seeds=(0, 1), pretrain_steps=2, generator_steps=2, curve_every=1,
+                         overrides=[data_dir, *TINY],
                          eval_overrides=[data_dir, *DATA, "rag.max_queries=4"], n_resamples=200)
     return config, run_chain(config)
 
@@ -57,8 +58,19 @@ def test_the_report_has_the_targets_retrieval_and_answers(done):
     text = (config.out / "chain.md").read_text()
     assert "## Targets" in text and "## Answers on gold pages" in text and "## Answers on the reader's top page" in text
     assert (config.out / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    assert set(report["timings"]) == {f"{stage}/s{seed}" for stage in config.stages() for seed in config.seeds} | {
-        "wall"}
+    runs = {f"{stage}/{job[0].name}" for stage in config.stages() for seed in config.seeds
+            for job in config.jobs(stage, seed)}
+    assert {"curve/s0-step-1", "curve/s1-step-2", "generator/s1"} <= runs
+    assert set(report["timings"]) == runs | {"wall"}
+
+
+def test_the_generators_learning_curve_answers_with_each_checkpoint(done):
+    config, report = done
+    assert [point["step"] for point in report["curve"]] == [1, 2]
+    assert {"salient", "fine_print"} <= set(report["curve"][0]) <= {"step", *CURVE_GROUPS}
+    served = yaml.safe_load((config.out / "curve" / "s1-step-1" / ".hydra" / "overrides.yaml").read_text())
+    assert f"lvlm.adapter={config.folder('generator', 1) / 'checkpoints' / 'step-1' / 'adapter'}" in served
+    assert "## The generator's learning curve" in (config.out / "chain.md").read_text()
 
 
 def test_a_rerun_skips_the_finished_runs(done):
@@ -118,6 +130,9 @@ def test_bad_settings_are_refused(tmp_path):
         ChainConfig(tmp_path, seeds=())
     with pytest.raises(ValueError, match="generator_steps=0"):
         ChainConfig(tmp_path, generator_steps=0)
+    with pytest.raises(ValueError, match="curve_every=-1"):
+        ChainConfig(tmp_path, curve_every=-1)
+    assert ChainConfig(tmp_path, curve_every=0).stages() == ("reader", "generator", "answers", "rag")
 
 
 def test_the_generator_starts_from_the_readers_weights_merged(done):

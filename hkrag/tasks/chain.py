@@ -10,14 +10,16 @@ Per seed ``s``, each stage a ``train.py`` / ``eval.py`` run in ``<out>/<stage>/s
    embedding trained), continued by the retriever through ``model.adapter``;
 2. ``reader``: the retriever (``experiment=reader_tiny``), evaluated on the test split;
 3. ``generator``: the generator started from that reader (``experiment=generator_reader_tiny``,
-   ``generator_training.init_from``);
+   ``generator_training.init_from``), checkpointed every ``--curve-every`` steps;
+   ``curve``: the generator at each checkpoint on the gold pages (its learning curve);
 4. ``answers``: the generator on the gold pages (``eval.py task=generation generator=single_pass``);
 5. ``rag``: the whole pipeline, the reader's top page to the generator (``eval.py task=rag generator.top_k=1``:
    the generator was trained on one page per question, and three pages, a prompt it never saw, undo its reading).
 
 The report (``<out>/chain.{md,json}``, ``curves.png``): nDCG@5 per data set and pool and relaxed accuracy per
 evidence type and asked-for field, each a mean over seeds and questions with a hierarchical 95 % interval
-(:func:`hkrag.stats.hierarchical_bootstrap`), a verdict on each target, training curves and each stage's time.
+(:func:`hkrag.stats.hierarchical_bootstrap`), a verdict on each target, the training losses, the generator's
+learning curve and each stage's time.
 """
 
 from __future__ import annotations
@@ -45,11 +47,14 @@ from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, PER_QUERY_FILE
 from hkrag.stats import hierarchical_bootstrap
 from hkrag.tasks.common import BASE_DIR, FINAL_ADAPTER
 from hkrag.tasks.replica import REPORT_FILE, Job, run_jobs
+from hkrag.training.checkpoint import ADAPTER_DIR, CHECKPOINTS_DIR
 
 logger = logging.getLogger(__name__)
 
 TOP_K = 5
-STAGES = ("pretrain", "reader", "generator", "answers", "rag")
+STAGES = ("pretrain", "reader", "generator", "curve", "answers", "rag")
+CURVE_GROUPS = ("salient", "fine_print", "label", "value", "code", "page_no")
+"""The question groups the generator's learning curve follows."""
 FINE_PRINT = "synfine"
 FIELDS = ("label", "value", "code", "year", "page_no")
 """What the built-in questions ask for (:func:`hkrag.data.synthetic.question_field`), salient ones first."""
@@ -79,6 +84,8 @@ class ChainConfig:
     generator: str = "generator_reader_tiny"
     generator_steps: int | None = None
     """The generator's optimizer steps (None: its experiment's)."""
+    curve_every: int = 250
+    """Checkpoint the generator every N steps and answer the test questions with each (its learning curve; 0: no)."""
     workers: int = 1
     overrides: Sequence[str] = ()
     eval_overrides: Sequence[str] = ()
@@ -87,26 +94,46 @@ class ChainConfig:
     n_resamples: int = 2000
 
     def __post_init__(self) -> None:
-        if not self.seeds or self.pretrain_steps < 0 or self.workers < 1 or (
+        if not self.seeds or min(self.pretrain_steps, self.curve_every) < 0 or self.workers < 1 or (
                 self.generator_steps is not None and self.generator_steps < 1):
-            raise ValueError(f"the chain needs seeds, pretrain_steps >= 0, generator_steps >= 1 and workers >= 1: got "
-                             f"seeds={list(self.seeds)}, pretrain_steps={self.pretrain_steps}, generator_steps="
-                             f"{self.generator_steps}, workers={self.workers}")
+            raise ValueError(f"the chain needs seeds, pretrain_steps >= 0, curve_every >= 0, generator_steps >= 1 and "
+                             f"workers >= 1: got seeds={list(self.seeds)}, pretrain_steps={self.pretrain_steps}, "
+                             f"curve_every={self.curve_every}, generator_steps={self.generator_steps}, "
+                             f"workers={self.workers}")
         self.out = Path(self.out)
 
     def folder(self, stage: str, seed: int) -> Path:
         return self.out / stage / f"s{seed}"
 
     def stages(self) -> tuple[str, ...]:
-        return STAGES if self.pretrain_steps else STAGES[1:]
+        skipped = {"pretrain": not self.pretrain_steps, "curve": not self.curve_every}
+        return tuple(stage for stage in STAGES if not skipped.get(stage))
+
+    def jobs(self, stage: str, seed: int) -> list[Job]:
+        """The runs of one stage of one seed: one, or for ``curve`` one per generator checkpoint found."""
+        if stage != "curve":
+            return [self.job(stage, seed)]
+        return [(self.out / "curve" / f"s{seed}-step-{step}",
+                 ["task=generation", *self.serve(seed, checkpoint / ADAPTER_DIR)], "eval", RAG_REPORT)
+                for step, checkpoint in self.checkpoints(seed)]
+
+    def checkpoints(self, seed: int) -> list[tuple[int, Path]]:
+        """The generator's intermediate checkpoints ``(step, folder)``, by step."""
+        found = (self.folder("generator", seed) / CHECKPOINTS_DIR).glob("step-*")
+        return sorted((int(folder.name.removeprefix("step-")), folder) for folder in found)
+
+    def serve(self, seed: int, adapter: Path | None = None) -> list[str]:
+        """``eval.py`` overrides serving seed ``seed``'s generator (its final adapter unless ``adapter``)."""
+        generator = self.folder("generator", seed)
+        return ["generator=single_pass", "lvlm=phi3v", f"lvlm.base={generator / BASE_DIR}",
+                f"lvlm.adapter={adapter or generator / FINAL_ADAPTER}", *self.eval_overrides]
 
     def job(self, stage: str, seed: int) -> Job:
-        """``(folder, overrides, config, done file)`` of one stage of one seed."""
-        reader, generator = self.folder("reader", seed), self.folder("generator", seed)
-        serve = ["generator=single_pass", "lvlm=phi3v", f"lvlm.base={generator / BASE_DIR}",
-                 f"lvlm.adapter={generator / FINAL_ADAPTER}", *self.eval_overrides]
+        """``(folder, overrides, config, done file)`` of one stage (not ``curve``) of one seed."""
+        reader, serve = self.folder("reader", seed), self.serve(seed)
         pretrained = [f"model.adapter={self.folder('pretrain', seed) / FINAL_ADAPTER}"] if self.pretrain_steps else []
         steps = [f"generator_training.optim.max_steps={self.generator_steps}"] if self.generator_steps else []
+        steps += [f"generator_training.optim.save_every={self.curve_every}"] if self.curve_every else []
         jobs: dict[str, tuple[list[str], str, str]] = {
             "pretrain": (["experiment=pretrain_tiny", "model.lora.modules_to_save=[vision_embed_tokens]",
                           "trainer.epochs=1000", f"trainer.seed={seed}", *self.overrides,
@@ -127,7 +154,7 @@ def run_chain(config: ChainConfig) -> dict[str, Any]:
     timings = _read_json(config.out / "timings.json")
     started = time.perf_counter()
     for stage in config.stages():
-        jobs = [config.job(stage, seed) for seed in config.seeds]
+        jobs = [job for seed in config.seeds for job in config.jobs(stage, seed)]
         for name, seconds in run_jobs(jobs, config.workers, f"chain: {stage}"):
             if seconds:
                 timings[f"{stage}/{name}"] = seconds
@@ -211,10 +238,10 @@ def write_report(config: ChainConfig, timings: dict[str, float]) -> dict[str, An
     targets += [{"target": f"{t.name} relaxed accuracy >= {t.bound:.0%} (gold pages)", "bound": t.bound,
                  "verdict": t.verdict(gold[t.name]), **_mean(gold[t.name])} for t in ANSWER_TARGETS if t.name in gold]
     report = {"settings": _settings(config), "timings": timings, "targets": targets, "retrieval": retrieval,
-              "answers": answers}
+              "answers": answers, "curve": generator_curve(config)}
     write_json(config.out / "chain.json", report)
     write_text(config.out / "chain.md", markdown(report))
-    write_bytes(config.out / "curves.png", plot_curves(config))
+    write_bytes(config.out / "curves.png", plot_curves(config, report["curve"]))
     return report
 
 
@@ -224,6 +251,20 @@ def _answers(config: ChainConfig, stage: str) -> dict[str, list[dict[str, Any]]]
     by_pool = sorted({row.pool for row in traces[0]})
     return {pool: answer_rows([[row for row in trace if row.pool == pool] for trace in traces], config.n_resamples)
             for pool in by_pool}
+
+
+def generator_curve(config: ChainConfig) -> list[dict[str, Any]]:
+    """Relaxed accuracy on the gold pages at every generator checkpoint all seeds have: ``{"step", group: {"mean",
+    "low", "high"}}`` for the :data:`CURVE_GROUPS`."""
+    if "curve" not in config.stages():
+        return []
+    steps = sorted(set.intersection(*({step for step, _ in config.checkpoints(seed)} for seed in config.seeds)))
+    points = []
+    for step in steps:
+        traces = [load_trace(config.out / "curve" / f"s{seed}-step-{step}" / MERGED_FILE) for seed in config.seeds]
+        rows = {row["questions"]: _mean(row) for row in answer_rows(traces, config.n_resamples)}
+        points.append({"step": step, **{group: rows[group] for group in CURVE_GROUPS if group in rows}})
+    return points
 
 
 def _mean(row: dict[str, Any]) -> dict[str, float]:
@@ -245,7 +286,14 @@ def markdown(report: dict[str, Any]) -> str:
             lines += ["", f"## Answers on {title} (relaxed accuracy; pool `{pool}`)\n",
                       "| questions | n | relaxed accuracy [95 %] | per seed |", "|---|---|---|---|"]
             lines += [f"| {r['questions']} | {r['n']} | {_interval(r)} | {_seeds(r)} |" for r in rows]
-    lines += ["", "## Time (seconds of compute per run; wall: the whole command)\n", "| run | seconds |", "|---|---|"]
+    if report["curve"]:
+        groups = [group for group in CURVE_GROUPS if group in report["curve"][0]]
+        lines += ["", "## The generator's learning curve (gold pages, relaxed accuracy)\n",
+                  "| step | " + " | ".join(groups) + " |", "|---" * (len(groups) + 1) + "|"]
+        lines += [f"| {point['step']} | " + " | ".join(_interval(point[group]) for group in groups) + " |"
+                  for point in report["curve"]]
+    lines += ["", "## Time (seconds of compute per run; wall: the command's, summed over its invocations)\n",
+              "| run | seconds |", "|---|---|"]
     lines += [f"| {name} | {seconds:.0f} |" for name, seconds in timings.items()]
     lines += ["", "![training curves](curves.png)", ""]
     return "\n".join(lines)
@@ -267,15 +315,17 @@ def _seeds(row: dict[str, Any]) -> str:
     return " / ".join(f"{100 * value:.1f}" for value in row["seeds"])
 
 
-def plot_curves(config: ChainConfig) -> bytes:
-    """PNG: the training loss of every training stage against its step, one line per seed (faint: every step)."""
+def plot_curves(config: ChainConfig, curve: Sequence[dict[str, Any]] = ()) -> bytes:
+    """PNG: the training loss of every training stage against its step, one line per seed (faint: every step),
+    and the generator's gold-page accuracy per question group at its checkpoints (``curve``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     trained = [stage for stage in config.stages() if stage in ("pretrain", "reader", "generator")]
-    figure, axes = plt.subplots(1, len(trained), figsize=(4.5 * len(trained), 3.2), squeeze=False)
+    panels = len(trained) + bool(curve)
+    figure, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 3.2), squeeze=False)
     for axis, stage in zip(axes[0], trained):
         for seed in config.seeds:
             lines = (config.folder(stage, seed) / "metrics.jsonl").read_text().splitlines()
@@ -286,6 +336,16 @@ def plot_curves(config: ChainConfig) -> bytes:
             line, = axis.plot(steps, losses, linewidth=0.5, alpha=0.25)
             axis.plot(steps[window - 1:], smooth, color=line.get_color(), linewidth=1.2, label=f"seed {seed}")
         axis.set(title=stage, xlabel="step", ylabel=f"training loss (running mean of {window} steps)", yscale="log")
+        axis.legend(fontsize=7)
+    if curve:
+        axis, steps = axes[0][-1], [point["step"] for point in curve]
+        for group in (group for group in CURVE_GROUPS if group in curve[0]):
+            mean = [100 * point[group]["mean"] for point in curve]
+            line, = axis.plot(steps, mean, marker="o", markersize=3, label=group)
+            axis.fill_between(steps, [100 * p[group]["low"] for p in curve], [100 * p[group]["high"] for p in curve],
+                              color=line.get_color(), alpha=0.12)
+        axis.set(title="generator on gold pages", xlabel="step", ylabel="relaxed accuracy ×100 [95 %]",
+                 ylim=(-2, 102))
         axis.legend(fontsize=7)
     figure.tight_layout()
     return png_bytes(figure, dpi=110)
@@ -300,8 +360,8 @@ def _settings(config: ChainConfig) -> dict[str, Any]:
     return {"seeds": list(config.seeds), "stages": list(config.stages()), "pretrain_steps": config.pretrain_steps,
             "reader": config.reader, "generator": config.generator, "generator_steps": config.generator_steps,
             "overrides": list(config.overrides),
-            "eval_overrides": list(config.eval_overrides), "runs": {stage: config.job(stage, config.seeds[0])[1]
-                                                                    for stage in config.stages()}}
+            "eval_overrides": list(config.eval_overrides), "curve_every": config.curve_every,
+            "runs": {stage: jobs[0][1] for stage in config.stages() if (jobs := config.jobs(stage, config.seeds[0]))}}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -318,6 +378,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--generator", default="generator_reader_tiny", help="the generator's train.py experiment")
     parser.add_argument("--generator-steps", type=int, help="the generator's optimizer steps (default: its "
                         "experiment's)")
+    parser.add_argument("--curve-every", type=int, default=250, help="checkpoint the generator every N steps and "
+                        "answer the test questions with each: its learning curve (default: 250; 0: none)")
     parser.add_argument("--workers", type=int, default=1, help="seeds side by side, one process each (default: 1)")
     parser.add_argument("--eval", action="append", default=[], dest="eval_overrides", metavar="OVERRIDE",
                         help="an eval.py override for the answers and rag stages (repeat)")
@@ -325,7 +387,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     report = run_chain(ChainConfig(args.out, args.seeds, args.pretrain_steps, args.reader, args.generator,
-                                   args.generator_steps, args.workers, args.overrides, args.eval_overrides))
+                                   args.generator_steps, args.curve_every, args.workers, args.overrides,
+                                   args.eval_overrides))
     for target in report["targets"]:
         print(f"{target['target']}: {_interval(target)} -> {target['verdict']}")
     print(f"report: {args.out / 'chain.md'}")

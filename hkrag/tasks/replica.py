@@ -6,17 +6,19 @@
 1. **Warm start**: one ``train.py`` run (``experiment=reader_tiny``: the tiny retriever that reads fine print,
    ``loss=infonce``, seed 0) into ``<out>/warmstart``; every job continues from its adapter with the same
    experiment's settings, so every row starts from the same InfoNCE-fine-tuned reader (the warm start's evaluation
-   is each job's step 0). ``--experiment demo`` replays the earlier replica from the random-start demo.
+   is each job's step 0). ``--experiment scratch_tiny`` replays the earlier replica from random weights.
 2. **Jobs**: every condition x seed continues the warm start for the same number of steps (``--steps``), evaluated
    every ``--eval-every`` steps (``trainer.eval_every``: the learning curves), into ``<out>/jobs/<condition>-s<seed>``
    with the ``.hydra/overrides.yaml`` a Hydra multirun writes. Conditions: the Table 5 rows (``loss=infonce``,
    ``hkrag``, ``no_sin``, ``no_din``), the alpha x beta grid of ``loss=hkrag`` and the dot-product reading of the
    masked similarity (``loss.masked_similarity=dot``); with ``--hard-negatives N``, InfoNCE and HKRAG-Ret trained
    with N hard negatives per query mined from the warm start (``<out>/hard_negatives.json``).
-3. **Table 6**: the tiny generator fine-tuned on gold pages (``experiment=generator_tiny``, ``--generator-steps``)
-   into ``<out>/generator``; ``eval.py`` with each generator configuration (``single_pass``, ``no_pruner``,
-   ``no_decoupler``, ``hkrag``) on the gold pages (``task=generation``) and on the warm start's retrieved pages
-   (``task=rag``), into ``<out>/table6/<pages>-<generator>``; and the Judger-threshold sweep over h on gold pages.
+3. **Table 6**: the tiny generator fine-tuned on gold pages from the warm start's weights
+   (``experiment=generator_reader_tiny generator_training.init_from=<out>/warmstart``, ``--generator-steps``; from
+   a reader it reads codes and colours, docs/training.md) into ``<out>/generator``; ``eval.py`` with each
+   generator configuration (``single_pass``, ``no_pruner``, ``no_decoupler``, ``hkrag``) on the gold pages
+   (``task=generation``) and on the warm start's retrieved pages (``task=rag``), into
+   ``<out>/table6/<pages>-<generator>``; and the Judger-threshold sweep over h on gold pages.
 4. **Report**: ``<out>/replica.{md,json}`` and one plot per table: for the retriever tables
    (:func:`hkrag.retrieval.ablation.summarize`) hierarchical seed x query intervals, a verdict on each Table 5 claim,
    learning curves; for Table 6 (:func:`hkrag.rag.ablation.generator_ablation`) paired intervals over queries,
@@ -122,7 +124,7 @@ class ReplicaConfig:
     similarity: bool = True
     hard_negatives: int = 0
     """Mined hard negatives per query for the hard-negative table (0: no such table; ``--hard-negatives``)."""
-    generator_steps: int | None = 2600
+    generator_steps: int | None = 1500
     """Generator fine-tuning steps for Table 6 (None: no Table 6)."""
     thresholds: Sequence[float] = (0.2, 0.5, 0.8, 0.95)
     overrides: Sequence[str] = ()
@@ -253,7 +255,8 @@ def run_table6(config: ReplicaConfig, timings: dict[str, float]) -> None:
     """Fine-tune the tiny generator, then every Table 6 run and the threshold sweep (skipping finished ones)."""
     generator = config.out / "generator"
     _timed(timings, config.out, "generator", run_job(generator, [
-        "experiment=generator_tiny", f"generator_training.optim.max_steps={config.generator_steps}",
+        "experiment=generator_reader_tiny", f"generator_training.init_from={config.out / 'warmstart'}",
+        f"generator_training.optim.max_steps={config.generator_steps}",
         *config.overrides]))
     serve = ["lvlm=phi3v", f"lvlm.base={generator / BASE_DIR}", f"lvlm.adapter={generator / FINAL_ADAPTER}"]
     runs = [(folder, [*overrides, *serve, *config.eval_overrides], "eval", RAG_REPORT)
@@ -313,8 +316,8 @@ def table6_report(config: ReplicaConfig) -> tuple[dict[str, Any], str]:
                                                            n_resamples=config.n_resamples, margin=config.margin)
                  for pages in PAGES}
     lines = ["## Table 6: the generator ablation\n",
-             f"The tiny generator fine-tuned for {config.generator_steps} steps on gold pages "
-             "(`experiment=generator_tiny`); every configuration answers the same test queries.\n"]
+             f"The tiny generator fine-tuned for {config.generator_steps} steps on gold pages from the warm start's "
+             "weights (`experiment=generator_reader_tiny`); every configuration answers the same test queries.\n"]
     lines += [generator_table.markdown(summary, f"{pages} pages") for pages, summary in summaries.items()]
     sweep = sweep_summary({h: trace["gold-hkrag" if h == PAPER_THRESHOLD else f"gold-hkrag-h{h:g}"]
                            for h in config.thresholds}, table6)
@@ -359,13 +362,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder of the replica (resumed when it exists)")
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per condition (default: 5)")
     parser.add_argument("--steps", type=int, default=324, help="steps per job after the warm start (default: 324, "
-                        "the demo's 6 epochs)")
+                        "the demo's 6 epochs of batch 32)")
     parser.add_argument("--eval-every", type=int, default=54, help="learning-curve interval in steps (default: 54)")
     parser.add_argument("--experiment", default="reader_tiny", help="train.py experiment of the warm start and the "
-                        "jobs (default: reader_tiny; demo: the random-start demo)")
+                        "jobs (default: reader_tiny; scratch_tiny: from random weights)")
     parser.add_argument("--quick", action="store_true", help="2 seeds, Table 5 rows and Table 6, no grid or dot")
-    parser.add_argument("--generator-steps", type=int, default=2600,
-                        help="generator fine-tuning steps for Table 6, 3 epochs of batch 2 (0: none; default: 2600)")
+    parser.add_argument("--generator-steps", type=int, default=1500,
+                        help="generator fine-tuning steps for Table 6, 7 epochs of batch 8 (0: none; default: 1500)")
     parser.add_argument("--eval", action="append", default=[], dest="eval_overrides", metavar="OVERRIDE",
                         help="an eval.py override for every Table 6 run (repeat), e.g. --eval rag.max_queries=10")
     parser.add_argument("--hard-negatives", type=int, default=0,
