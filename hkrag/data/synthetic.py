@@ -347,24 +347,29 @@ FINE_PRINT_TEMPLATES = [
 """``synfine`` questions: they name the fine-print key (source, code, year) and nothing salient."""
 
 
-def question_field(question: str) -> str | None:
-    """The page field a built-in question asks for (``label``, ``value``, ``code``, ``year``, ``page_no``): the field
-    of the first answer of the template it was made from; ``None`` for any other question. Reports split answer
-    accuracy by it, since the fields differ in what they take to read (relaxed accuracy's 5 % tolerance, for one,
-    counts every year of 2017–2024 as any other)."""
+def question_kind(question: str) -> tuple[str, str] | None:
+    """``(evidence, field)`` of a built-in question: the evidence type of the template it was made from
+    (``salient`` or ``fine_print``) and the page field it asks for (``label``, ``value``, ``code``, ``year``,
+    ``page_no``: its first answer's); ``None`` for any other question. Reports split answer accuracy by them, since
+    the fields differ in what they take to read (relaxed accuracy's 5 % tolerance, for one, counts every year of
+    2017–2024 as any other)."""
     question = question.removeprefix(QUERY_PREFIX).strip()
-    for pattern, field in _QUESTION_PATTERNS:
-        if pattern.fullmatch(question):
-            return field
-    return None
+    return next((kind for pattern, kind in _QUESTION_PATTERNS if pattern.fullmatch(question)), None)
+
+
+def question_field(question: str) -> str | None:
+    """The page field a built-in question asks for (:func:`question_kind`); ``None`` for any other question."""
+    kind = question_kind(question)
+    return kind[1] if kind else None
 
 
 def _question_pattern(template: str) -> re.Pattern:
     return re.compile(re.sub(r"\\\{\w+\\\}", ".+?", re.escape(template)))
 
 
-_QUESTION_PATTERNS = [(_question_pattern(question), re.search(r"\{(\w+)\}", answers[0]).group(1))
-                      for question, answers in [*TEMPLATES["salient"], *TEMPLATES["fine_print"], *FINE_PRINT_TEMPLATES]]
+_QUESTION_PATTERNS = [(_question_pattern(question), (evidence, re.search(r"\{(\w+)\}", answers[0]).group(1)))
+                      for evidence, templates in (*TEMPLATES.items(), ("fine_print", FINE_PRINT_TEMPLATES))
+                      for question, answers in templates]
 
 
 class _Canvas:

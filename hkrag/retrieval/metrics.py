@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -63,6 +64,11 @@ def check_qrels(qrels: Qrels, corpus_ids: Iterable[str]) -> list[tuple[str, str]
             missing[0],
         )
     return missing
+
+
+def chance_ndcg(pool_size: int, k: int = 5) -> float:
+    """Expected nDCG@k of a random ranking of ``pool_size`` pages holding one relevant page (binary grade)."""
+    return sum(1 / math.log2(rank + 1) for rank in range(1, min(k, pool_size) + 1)) / pool_size
 
 
 def trec_order(docs: Mapping[str, float]) -> list[str]:

@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,22 +34,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from hydra import compose, initialize_config_dir
 
 from hkrag.data.opendocvqa import load_corpus, pools
-from hkrag.data.synthetic import question_field
+from hkrag.data.synthetic import question_kind
 from hkrag.io import png_bytes, write_bytes, write_json, write_text
 from hkrag.rag.records import QueryOutcome
 from hkrag.rag.report import REPORT_FILE as RAG_REPORT
 from hkrag.rag.trace import MERGED_FILE, load_trace
 from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, PER_QUERY_FILE
+from hkrag.retrieval.metrics import chance_ndcg
 from hkrag.stats import hierarchical_bootstrap
-from hkrag.tasks.common import BASE_DIR, FINAL_ADAPTER
-from hkrag.tasks.replica import REPORT_FILE, Job, run_jobs
+from hkrag.tasks.common import BASE_DIR, CONF_DIR, FINAL_ADAPTER
+from hkrag.tasks.replica import REPORT_FILE, Job, read_timings, record_time, run_jobs
 from hkrag.training.checkpoint import ADAPTER_DIR, CHECKPOINTS_DIR
 
 logger = logging.getLogger(__name__)
 
-TOP_K = 5
 STAGES = ("pretrain", "reader", "generator", "curve", "answers", "rag")
 CURVE_GROUPS = ("salient", "fine_print", "label", "value", "code", "page_no")
 """The question groups the generator's learning curve follows."""
@@ -90,7 +89,7 @@ class ChainConfig:
     overrides: Sequence[str] = ()
     eval_overrides: Sequence[str] = ()
     corpus: Path | None = None
-    """The corpus source of the chance figures (default: ``<data_dir>/synthetic/corpus`` as ``train.py`` makes it)."""
+    """The corpus source of the chance figures (default: ``data.corpus_source`` as ``train.py`` composes it)."""
     n_resamples: int = 2000
 
     def __post_init__(self) -> None:
@@ -151,22 +150,14 @@ class ChainConfig:
 
 def run_chain(config: ChainConfig) -> dict[str, Any]:
     """Run (or resume) every stage for every seed, stage by stage, then write the report; returns its JSON."""
-    timings = _read_json(config.out / "timings.json")
+    timings = read_timings(config.out)
     started = time.perf_counter()
     for stage in config.stages():
         jobs = [job for seed in config.seeds for job in config.jobs(stage, seed)]
         for name, seconds in run_jobs(jobs, config.workers, f"chain: {stage}"):
-            if seconds:
-                timings[f"{stage}/{name}"] = seconds
-                write_json(config.out / "timings.json", timings)
-    timings["wall"] = timings.get("wall", 0.0) + time.perf_counter() - started
-    write_json(config.out / "timings.json", timings)
+            record_time(timings, config.out, f"{stage}/{name}", seconds)
+    record_time(timings, config.out, "wall", timings.get("wall", 0.0) + time.perf_counter() - started)
     return write_report(config, timings)
-
-
-def chance_ndcg(pool_size: int, k: int = TOP_K) -> float:
-    """Expected nDCG@k of a random ranking of ``pool_size`` pages holding one relevant page."""
-    return sum(1 / math.log2(rank + 1) for rank in range(1, min(k, pool_size) + 1)) / pool_size
 
 
 def retrieval_scores(run: Path) -> dict[str, dict[str, dict[str, float]]]:
@@ -194,18 +185,19 @@ def retrieval_rows(runs: Sequence[Path], corpus: Path, n_resamples: int = 2000) 
 
 def answer_rows(traces: Sequence[Sequence[QueryOutcome]], n_resamples: int = 2000,
                 metric: str = "relaxed_accuracy") -> list[dict[str, Any]]:
-    """Relaxed accuracy of one trace per seed (the same questions, in any order) per group of questions: every
+    """Relaxed accuracy of one trace per seed (the same questions, in any order) per group of questions: all, every
     evidence type, fine print without the year questions (any year is within relaxed accuracy's 5 % of any other),
-    and each asked-for field."""
+    and each asked-for field (:func:`hkrag.data.synthetic.question_kind`; other questions count in ``all`` only)."""
     by_id = [{row.query_id: row for row in trace} for trace in traces]
     questions = sorted(by_id[0].values(), key=lambda row: row.query_id)
     groups: dict[str, Callable[[QueryOutcome], bool]] = {"all": lambda row: True}
-    for evidence in sorted({_evidence(row) for row in questions}):
-        groups[evidence] = lambda row, e=evidence: _evidence(row) == e
-    groups["fine_print, no year"] = lambda row: (_evidence(row) == "fine_print"
-                                                 and question_field(row.question) != "year")
+    kinds = {row.query_id: question_kind(row.question) or (None, None) for row in questions}
+    for evidence in sorted({evidence for evidence, _ in kinds.values() if evidence}):
+        groups[evidence] = lambda row, e=evidence: kinds[row.query_id][0] == e
+    groups["fine_print, no year"] = lambda row: (kinds[row.query_id][0] == "fine_print"
+                                                 and kinds[row.query_id][1] != "year")
     for name in FIELDS:
-        groups[name] = lambda row, f=name: question_field(row.question) == f
+        groups[name] = lambda row, f=name: kinds[row.query_id][1] == f
     rows = []
     for name, member in groups.items():
         ids = [row.query_id for row in questions if member(row)]
@@ -216,10 +208,6 @@ def answer_rows(traces: Sequence[Sequence[QueryOutcome]], n_resamples: int = 200
     return rows
 
 
-def _evidence(row: QueryOutcome) -> str:
-    return row.query_id.rsplit("-", 1)[-1]
-
-
 RETRIEVER_TARGETS = {("synfine", "single"): 3.0, ("synfine", "all"): 1.0}
 """Issue 23: ``synfine`` nDCG@5 at least 3x chance in its own pool, and above chance among all pages."""
 ANSWER_TARGETS = (Target("salient", 0.5), Target("fine_print", 0.3))
@@ -227,7 +215,7 @@ ANSWER_TARGETS = (Target("salient", 0.5), Target("fine_print", 0.3))
 
 def write_report(config: ChainConfig, timings: dict[str, float]) -> dict[str, Any]:
     """``chain.{md,json}`` and ``curves.png`` in ``config.out`` from the finished runs."""
-    corpus = config.corpus or Path(_data_dir(config.overrides)) / "synthetic" / "corpus"
+    corpus = config.corpus or _corpus_source(config)
     retrieval = retrieval_rows([config.folder("reader", s) for s in config.seeds], corpus, config.n_resamples)
     answers = {stage: _answers(config, stage) for stage in ("answers", "rag")}
     targets = [{"target": f"{d} nDCG@5 >= {x:g}x chance ({p} pool)", "bound": x * row["chance"],
@@ -351,9 +339,10 @@ def plot_curves(config: ChainConfig, curve: Sequence[dict[str, Any]] = ()) -> by
     return png_bytes(figure, dpi=110)
 
 
-def _data_dir(overrides: Sequence[str]) -> str:
-    default = os.environ.get("HKRAG_DATA_DIR", "data")  # conf/paths/default.yaml
-    return next((o.split("=", 1)[1] for o in overrides if o.startswith("paths.data_dir=")), default)
+def _corpus_source(config: ChainConfig) -> Path:
+    """The corpus the reader was evaluated on, as ``train.py`` composes it from the chain's overrides."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return Path(compose("train", [f"experiment={config.reader}", *config.overrides]).data.corpus_source)
 
 
 def _settings(config: ChainConfig) -> dict[str, Any]:
@@ -362,10 +351,6 @@ def _settings(config: ChainConfig) -> dict[str, Any]:
             "overrides": list(config.overrides),
             "eval_overrides": list(config.eval_overrides), "curve_every": config.curve_every,
             "runs": {stage: jobs[0][1] for stage in config.stages() if (jobs := config.jobs(stage, config.seeds[0]))}}
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

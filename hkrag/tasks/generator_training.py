@@ -108,10 +108,10 @@ def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str,
     identity = training_retriever(retriever_settings)[1] if gen.pages == "retrieved" else None
     pairs = build_generator_pairs(output_dir / PAIRS_FILE, qa, corpus, gen.pages, cfg.generator.top_k, question_text,
                                   retriever=lambda: training_retriever(retriever_settings)[0], identity=identity)
-    texts = [text for pair in pairs for text in (pair.question, *pair.answers)]
     if gen.get("init_from"):
         model, processor, base = merged_base(gen.init_from, cfg.model, output_dir / BASE_DIR)
     else:
+        texts = [text for pair in pairs for text in (pair.question, *pair.answers)]  # a tiny base's vocabulary
         model, processor, base = generator_base(cfg.model, texts, output_dir / BASE_DIR)
     device = torch.device(gen.device if gen.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     model = causal_lm_lora(model, LoraSettings(**cfg.model.lora)).to(device)

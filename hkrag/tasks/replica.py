@@ -216,12 +216,12 @@ def _side_by_side(jobs: Sequence[Job], workers: int) -> Iterator[tuple[str, floa
 def run_replica(config: ReplicaConfig) -> dict[str, Any]:
     """Run (or resume) every job, then write ``replica.{md,json}`` and the plots; returns the report's JSON."""
     out = config.out
-    timings = _read_json(out / "timings.json")
+    timings = read_timings(out)
     warm = out / "warmstart"
     experiment = f"experiment={config.experiment}"
     timings["warmstart"] = (run_job(warm, [experiment, *config.warm_overrides, *config.overrides])
                             or timings.get("warmstart", 0.0))
-    write_json(out / "timings.json", timings)
+    write_json(out / TIMINGS_FILE, timings)
     if config.hard_negatives:
         mine_hard_negatives(config, timings)
     jobs = [(job_folder(out, c, seed), [experiment, *c.overrides, f"trainer.seed={seed}",
@@ -230,7 +230,7 @@ def run_replica(config: ReplicaConfig) -> dict[str, Any]:
                                           *config.overrides],
              "train", REPORT_FILE) for c in config.conditions() for seed in config.seeds]
     for name, seconds in run_jobs(jobs, config.workers):
-        _timed(timings, out, name, seconds)
+        record_time(timings, out, name, seconds)
     if config.generator_steps:
         run_table6(config, timings)
     return write_report(config, timings)
@@ -242,7 +242,7 @@ def mine_hard_negatives(config: ReplicaConfig, timings: dict[str, float]) -> Pat
     mining, out = config.out / "mining", config.out / HARD_NEGATIVES_FILE
     train_split = ["task=retrieval", f"run_dir={config.out / 'warmstart'}", "eval.split=train", "eval.pools=[single]",
                    "data.eval_datasets=[${data.train.qa_config}]"]
-    _timed(timings, config.out, "mining", run_job(mining, [*config.eval_overrides, *train_split], "eval",
+    record_time(timings, config.out, "mining", run_job(mining, [*config.eval_overrides, *train_split], "eval",
                                                   RETRIEVAL_REPORT))
     if not out.is_file():
         corpus = next(mining.glob("embeddings-*"))
@@ -254,7 +254,7 @@ def mine_hard_negatives(config: ReplicaConfig, timings: dict[str, float]) -> Pat
 def run_table6(config: ReplicaConfig, timings: dict[str, float]) -> None:
     """Fine-tune the tiny generator, then every Table 6 run and the threshold sweep (skipping finished ones)."""
     generator = config.out / "generator"
-    _timed(timings, config.out, "generator", run_job(generator, [
+    record_time(timings, config.out, "generator", run_job(generator, [
         "experiment=generator_reader_tiny", f"generator_training.init_from={config.out / 'warmstart'}",
         f"generator_training.optim.max_steps={config.generator_steps}",
         *config.overrides]))
@@ -262,7 +262,7 @@ def run_table6(config: ReplicaConfig, timings: dict[str, float]) -> None:
     runs = [(folder, [*overrides, *serve, *config.eval_overrides], "eval", RAG_REPORT)
             for _, folder, overrides in table6_runs(config)]
     for name, seconds in run_jobs(runs, config.workers, "table 6 runs"):
-        _timed(timings, config.out, name, seconds)
+        record_time(timings, config.out, name, seconds)
 
 
 def table6_runs(config: ReplicaConfig) -> list[tuple[str, Path, list[str]]]:
@@ -278,11 +278,20 @@ def table6_runs(config: ReplicaConfig) -> list[tuple[str, Path, list[str]]]:
     return runs
 
 
-def _timed(timings: dict[str, float], out: Path, name: str, seconds: float) -> None:
-    """Record a part's compute (a skipped part keeps the time it took when it ran)."""
+TIMINGS_FILE = "timings.json"
+
+
+def read_timings(out: Path) -> dict[str, float]:
+    """The compute recorded in ``out`` so far (``{}`` before the first run)."""
+    path = out / TIMINGS_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def record_time(timings: dict[str, float], out: Path, name: str, seconds: float) -> None:
+    """Record a part's compute in ``out``'s timings (a skipped part keeps the time it took when it ran)."""
     if seconds:
         timings[name] = seconds
-        write_json(out / "timings.json", timings)
+        write_json(out / TIMINGS_FILE, timings)
 
 
 def write_report(config: ReplicaConfig, timings: dict[str, float]) -> dict[str, Any]:
@@ -351,10 +360,6 @@ def _settings(config: ReplicaConfig) -> dict[str, Any]:
             "n_resamples": config.n_resamples, "generator_steps": config.generator_steps,
             "thresholds": list(config.thresholds), "eval_overrides": list(config.eval_overrides),
             "hard_negatives": config.hard_negatives}
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
