@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from hkrag.environment import describe
 from hkrag.io import png_bytes, write_bytes, write_json, write_text
 from hkrag.rag.metrics import METRICS
 from hkrag.rag.records import ROUTES, QueryOutcome
@@ -300,6 +301,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "\n".join([f"- task: {meta.get('task', '?')}, retrieval: {meta.get('retrieval', '?')}, "
                    f"generator: {meta.get('generator', '?')}",
                    f"- LVLM: {lvlm.get('backend', '?')} `{lvlm.get('model', '?')}`",
+                   *([f"- machine: {describe(meta['environment'])}"] if meta.get("environment") else []),
                    f"- {judge_line(report['judge'])}",
                    f"- queries: {report['overall']['n']}, failed: {report['overall']['failed']} "
                    "(failed queries count as wrong in every metric)"]),

@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from agents import build_generator
 from agents.pipeline import GeneratorConfig
 from hkrag.data.opendocvqa import QUERY_PREFIX, Corpus, QAExample, load_corpus, load_qa, pools
+from hkrag.environment import environment
 from hkrag.index.shards import config_hash
 from hkrag.io import WriteError, write_json, write_text
 from hkrag.lvlm import LVLMBackend, PageImage, build_backend
@@ -429,7 +430,7 @@ def report(cfg: DictConfig, output_dir: Path, plan: list[PlannedQuery], store: P
     meta = {
         "config": cfg.get("run_name", "rag"), "task": cfg.task.name, "retrieval": cfg.retrieval,
         "generator": cfg.generator.name, "lvlm": {"backend": backend.name, "model": backend.model},
-        "judge": judge.describe() if judge is not None else None,
+        "judge": judge.describe() if judge is not None else None, "environment": environment(),
     }
     summary = write_reports(output_dir, outcomes, meta)
     write_html(output_dir / "rag.html", outcomes, store.image, title=f"HKRAG {cfg.task.name}: {meta['config']}")

@@ -20,6 +20,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from hkrag.environment import record_environment
 from hkrag.io import write_json, write_text
 from hkrag.retrieval.baselines import BASELINES_FILE, BASELINES_TABLE, baselines_report
 from hkrag.retrieval.degradation import DegradationStudy, run_study
@@ -56,6 +57,7 @@ def run_baselines(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
         return {}
     report = baselines_report(results, times)
     write_json(output_dir / BASELINES_FILE, report["json"])
+    record_environment(output_dir)
     write_text(output_dir / BASELINES_TABLE, report["table"] + "\n")
     print(report["table"])
     return report
@@ -183,6 +185,7 @@ def bind_ranker(
 def write_report(cfg: DictConfig, output_dir: Path, result: dict[str, Any]) -> None:
     """``retrieval.json`` / ``retrieval.md`` in ``output_dir``, the table printed, the summary logged."""
     write_json(output_dir / "retrieval.json", result["results"])
+    record_environment(output_dir)
     write_text(output_dir / TABLE_FILE, result["table"] + "\n")
     print(result["table"])
     run_logger = RunLogger(output_dir, project=cfg.logger.project, wandb_mode=cfg.logger.wandb_mode,

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from hkrag.data.collators import PretrainingCollator
 from hkrag.data.opendocvqa import Corpus, load_corpus, load_pretraining_corpus, load_qa
 from hkrag.data.pairs import TrainingPair, pretraining_pairs, training_pairs
+from hkrag.environment import describe, environment
 from hkrag.index.shards import config_hash
 from hkrag.io import write_json, write_text
 from hkrag.losses import HybridMaskLoss, PretrainingLoss
@@ -176,13 +177,49 @@ def _evaluate(retriever: Phi3VRetriever, cfg: DictConfig, work_dir: Path, identi
     return evaluate_retrieval(retriever, eval_config(cfg), work_dir, identity) or None
 
 
+STYLES = ("synchart", "synslide", "syntable", "syninfo")
+"""The built-in corpus's four styles, averaged in the README's demo table."""
+DEMO_ROWS = ("styles, fine-print evidence (the title is named)", "styles, salient evidence", "styles, all",
+             "`synfine`: fine print only, no title (chance: 12.3 / 2.5)")
+"""The README demo table's rows: the four styles' nDCG@5 per evidence type, averaged over styles; then synfine."""
+DEMO_COLUMNS = {"before (the shipped reader), single": ("before", "single"), "before, all": ("before", "all"),
+                "after 324 steps, single": ("after", "single"), "after, all": ("after", "all")}
+"""The README demo table's columns: (``report.json`` key, pool)."""
+
+
+def demo_figures(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The README demo table's figures (nDCG@5 x100 per pool and row) from one evaluation's ``results``
+    (``report.json``'s ``before`` or ``after``): the styles' per-evidence nDCG@5 averaged over the four styles."""
+    def styles(pool: str, evidence: str) -> float:
+        return 100 * sum(results[name][pool][evidence]["ndcg@5"] for name in STYLES) / len(STYLES)
+
+    return {pool: dict(zip(DEMO_ROWS, (styles(pool, "fine_print"), styles(pool, "salient"), styles(pool, "all"),
+                                       100 * results["synfine"][pool]["all"]["ndcg@5"])))
+            for pool in ("single", "all")}
+
+
+def demo_figures_from_per_query(per_query: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """:func:`demo_figures` from an evaluation's ``per_query.json``: each cell the mean of its queries' nDCG@5."""
+    def means(rows: dict[str, dict]) -> dict[str, dict[str, float]]:
+        groups: dict[str, list[float]] = {"all": []}
+        for row in rows.values():
+            groups["all"].append(row["ndcg@5"])
+            groups.setdefault(row["evidence"], []).append(row["ndcg@5"])
+        return {key: {"ndcg@5": sum(values) / len(values)} for key, values in groups.items()}
+
+    return demo_figures({name: {pool: means(rows) for pool, rows in pools.items()}
+                         for name, pools in per_query.items()})
+
+
 def write_report(output_dir: Path, cfg: DictConfig, before: dict | None, after: dict | None, steps: int,
                  checkpoint: Path) -> dict[str, Any]:
     """``report.json`` and ``report.md`` with the before/after retrieval tables."""
     report = {"steps": steps, "checkpoint": str(checkpoint), "config_hash": config_hash(OmegaConf.to_container(cfg)),
-              "before": before and before["results"], "after": after and after["results"]}
+              "before": before and before["results"], "after": after and after["results"],
+              "environment": environment()}
     write_json(output_dir / "report.json", report)
-    lines = [f"# Retriever training report\n\nsteps: {steps}; checkpoint: `{checkpoint}`\n"]
+    lines = [f"# Retriever training report\n\nsteps: {steps}; checkpoint: `{checkpoint}`\n",
+             f"Machine: {describe(report['environment'])}\n"]
     for title, result in (("Before training", before), ("After training", after)):
         if result:
             lines += [f"## {title}\n", result["table"], ""]
