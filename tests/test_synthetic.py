@@ -322,3 +322,11 @@ def test_fewer_crops_shrink_fine_print_below_the_legible_size(num_crops):
     _, scale, _ = model_view(processor, image)
     cap = min(item.cap_height for item in items if item.kind == "fine_print")
     assert scale < 1 and cap * scale < MIN_FINE_PRINT_PX
+
+
+def test_command_line_default_is_the_demos_corpus():
+    """The README's `python -m hkrag.data.synthetic --out data/synthetic` writes what `python train.py` reads."""
+    from hkrag.data.synthetic import DEMO
+
+    conf = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "data" / "synthetic.yaml")
+    assert SyntheticConfig(**OmegaConf.to_container(conf.synthetic, resolve=True)) == DEMO

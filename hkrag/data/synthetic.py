@@ -466,12 +466,18 @@ def _png(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
+DEMO = SyntheticConfig(n_train=1536, train_groups_per_style=32, train_fine_groups=32, test_fine_groups=4)
+"""The corpus ``python train.py`` generates (``conf/data/synthetic.yaml``) and the command line's default, so
+``python -m hkrag.data.synthetic --out data/synthetic`` writes the folder the demo reads (tests/test_synthetic.py
+checks the two agree)."""
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="output dir (qa/, corpus/, pages.jsonl)")
     for field in dataclasses.fields(SyntheticConfig):
-        flag = "--" + field.name.replace("_", "-")
-        parser.add_argument(flag, type=int, default=field.default, help=f"default: {field.default}")
+        flag, default = "--" + field.name.replace("_", "-"), getattr(DEMO, field.name)
+        parser.add_argument(flag, type=int, default=default, help=f"default: {default} (the demo's corpus)")
     args = vars(parser.parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     out = args.pop("out")
