@@ -39,6 +39,7 @@ from hkrag.models.phi3v.loading import (
     load_processor,
     save_processor,
     tiny_phi3v,
+    verify_shipped,
 )
 from hkrag.models.phi3v.modeling_phi3v import Phi3VImageEmbedding
 
@@ -246,7 +247,11 @@ def freeze_unreachable(model: nn.Module) -> None:
 
 
 def load_adapter(model: Phi3VForCausalLM, adapter: str | Path, trainable: bool = False) -> PeftModel:
-    """A saved peft adapter (hub id or folder) on ``model``; failures name the adapter and the bad file."""
+    """A saved peft adapter (hub id or folder) on ``model``; failures name the adapter and the bad file.
+
+    A shipped adapter whose files no longer match its manifest is refused (:func:`verify_shipped`).
+    """
+    verify_shipped(adapter)
     try:
         return PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
     except (OSError, ValueError, KeyError, SafetensorError) as error:

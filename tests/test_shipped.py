@@ -1,17 +1,24 @@
 """The tiny reader and generator shipped in weights/ (python -m hkrag.tasks.ship): their manifests still match what
 train.py composes from the recorded commands, their files are the ones the manifests name, the reader loads as a
 run_dir that scores the fine-print split as it did when it was trained, and the generator, served by lvlm=
-phi3v_reader_tiny, answers the test questions as it did when it was shipped."""
+phi3v_reader_tiny, answers the test questions as it did when it was shipped. Shipping records the run's own config,
+never loses weights (refusals, --replace, an idempotent rerun), and a shipped folder whose files changed is refused
+by every loader."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
+from hkrag.models.phi3v.loading import ShippedFileMismatch, file_sha256, load_phi3v, load_processor
+from hkrag.retriever import load_adapter
 from hkrag.tasks.common import CONF_DIR
 from hkrag.tasks.retrieval import run_retrieval_evaluation
-from hkrag.tasks.ship import MANIFEST_FILE, file_hashes, ship, training_config
+from hkrag.tasks.ship import MANIFEST_FILE, ShipRefused, file_hashes, ship, training_config
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "weights"
 SHIPPED, GENERATOR = WEIGHTS / "reader_tiny", WEIGHTS / "generator_tiny"
@@ -69,6 +76,151 @@ def test_the_shipped_reader_scores_synfine_as_when_it_was_trained(tmp_path):
 
 
 def test_shipping_needs_a_finished_run(tmp_path):
-    with pytest.raises(FileNotFoundError, match="is not a finished tiny train.py run"):
+    with pytest.raises(FileNotFoundError, match="is not a finished tiny train.py run: it lacks base/config.json"):
         ship(tmp_path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def run_config():
+    """What train.py composes for ``experiment=reader_tiny`` (a run's .hydra/config.yaml, as Hydra saves it)."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("train", ["experiment=reader_tiny"])
+
+
+def fake_run(folder: Path, cfg, weights: bytes = b"weights") -> Path:
+    """A finished tiny run as ship reads it: ``cfg`` as its config, ``weights`` standing in for its tensors."""
+    for name, data in {"base/config.json": b"{}", "base/model.safetensors": weights, "report.json": b'{"steps": 3}',
+                       "checkpoints/final/adapter/adapter_config.json": b"{}",
+                       "checkpoints/final/adapter/adapter_model.safetensors": weights + b" adapter",
+                       ".hydra/overrides.yaml": yaml.safe_dump(["experiment=reader_tiny"]).encode(),
+                       ".hydra/config.yaml": OmegaConf.to_yaml(cfg).encode()}.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    return folder
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*")
+            if p.is_file()}
+
+
+def test_the_manifest_records_the_runs_own_config_not_todays_conf(tmp_path, run_config):
+    cfg = run_config.copy()
+    cfg.loss.tau = 0.123  # conf/ changed since the run: today it composes 0.05
+    manifest = ship(fake_run(tmp_path / "run", cfg), tmp_path / "out")
+    assert manifest["config"]["loss"]["tau"] == 0.123
+    assert manifest["config"]["trainer"]["max_steps"] == 3000 and set(manifest["config"]) == {
+        "model", "loss", "optim", "trainer", "data.synthetic", "data.train"}
+    assert json.loads((tmp_path / "out" / MANIFEST_FILE).read_text()) == manifest
+    assert manifest["files"] == file_hashes(tmp_path / "out")
+    assert manifest["files"]["base/model.safetensors"] == file_sha256(tmp_path / "run" / "base" / "model.safetensors")
+    assert set(manifest["files"]) == {"base/config.json", "base/model.safetensors",  # not .hydra/, report.json
+                                      "checkpoints/final/adapter/adapter_config.json",
+                                      "checkpoints/final/adapter/adapter_model.safetensors"}
+
+
+def test_shipping_the_same_run_again_changes_nothing(tmp_path, run_config):
+    run, out = fake_run(tmp_path / "run", run_config), tmp_path / "out"
+    first = ship(run, out)
+    before = snapshot(out)
+    assert ship(run, out) == first
+    assert snapshot(out) == before  # not rewritten: same bytes, same modification times
+
+
+def test_shipping_refuses_to_overwrite_other_weights_unless_replace(tmp_path, run_config):
+    out = tmp_path / "weights" / "reader_tiny"
+    ship(fake_run(tmp_path / "a", run_config, b"model A"), out)
+    shipped = snapshot(out)
+    other = fake_run(tmp_path / "b", run_config, b"model B")
+    with pytest.raises(ShipRefused, match=f"--out {out} already holds other weights \\(made by: python train.py "
+                       "experiment=reader_tiny; 4 files\\).*Pass --replace"):
+        ship(other, out)
+    assert snapshot(out) == shipped and not list(out.parent.glob(".reader_tiny*"))  # no temporary folder left
+    manifest = ship(other, out, replace=True)
+    assert (out / "base" / "model.safetensors").read_bytes() == b"model B" and file_hashes(out) == manifest["files"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["reader_tiny"]
+
+
+def test_a_damaged_shipment_is_refused_then_repaired_with_replace(tmp_path, run_config):
+    run, out = fake_run(tmp_path / "run", run_config), tmp_path / "out"
+    ship(run, out)
+    (out / "base" / "model.safetensors").write_bytes(b"truncated")
+    with pytest.raises(ShipRefused, match=f"--out {out} already holds this run's weights, but base/model.safetensors "
+                       "no longer match its manifest"):
+        ship(run, out)
+    assert (out / "base" / "model.safetensors").read_bytes() == b"truncated"
+    ship(run, out, replace=True)
+    assert (out / "base" / "model.safetensors").read_bytes() == b"weights"
+
+
+@pytest.mark.parametrize("where", ["the run", "above the run", "inside the run", "another folder", "a file"])
+def test_shipping_never_deletes_the_run_or_a_folder_of_another_kind(tmp_path, run_config, where):
+    run = fake_run(tmp_path / "runs" / "run", run_config)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("keep me")
+    (tmp_path / "file").write_text("keep me")
+    out = {"the run": run, "above the run": run.parent, "inside the run": run / "shipped",
+           "another folder": tmp_path / "other", "a file": tmp_path / "file"}[where]
+    before = snapshot(tmp_path)
+    message = "overlaps the run it ships" if "run" in where else "exists and is not a folder of shipped weights"
+    with pytest.raises(ShipRefused, match=f"--out {out} {message}"):
+        ship(run, out, replace=True)
+    assert snapshot(tmp_path) == before
+
+
+def test_shipping_into_an_empty_folder(tmp_path, run_config):
+    (tmp_path / "out").mkdir()
+    manifest = ship(fake_run(tmp_path / "run", run_config), tmp_path / "out")
+    assert file_hashes(tmp_path / "out") == manifest["files"]
+
+
+@pytest.fixture()
+def copy_of_the_reader(tmp_path):
+    return Path(shutil.copytree(SHIPPED, tmp_path / "reader_tiny"))
+
+
+def test_the_shipped_copy_loads_intact(copy_of_the_reader):
+    model = load_phi3v(copy_of_the_reader / "base", dtype="float32")
+    load_adapter(model, copy_of_the_reader / "checkpoints" / "final" / "adapter")
+    load_processor(copy_of_the_reader / "base")
+
+
+@pytest.mark.parametrize("name", ["base/model.safetensors", "base/tokenizer.json",
+                                  "checkpoints/final/adapter/adapter_model.safetensors"])
+def test_a_shipped_file_that_changed_is_refused_naming_it_and_both_hashes(copy_of_the_reader, name):
+    path = copy_of_the_reader / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    expected = MANIFEST["files"][name]
+    actual = file_sha256(path)
+    match = f"{path} has sha256 {actual}, but {copy_of_the_reader / MANIFEST_FILE} says sha256 {expected}"
+    load = {"base": lambda: load_phi3v(copy_of_the_reader / "base", dtype="float32"),
+            "checkpoints": lambda: load_adapter(load_phi3v(SHIPPED / "base", dtype="float32"), path.parent)}
+    with pytest.raises(ShippedFileMismatch, match=match.replace("(", "\\(")):
+        load[name.split("/")[0]]()
+    if name.startswith("base/"):
+        with pytest.raises(ShippedFileMismatch, match="git checkout --"):
+            load_processor(copy_of_the_reader / "base")
+
+
+def test_a_missing_shipped_file_is_refused(copy_of_the_reader):
+    (copy_of_the_reader / "base" / "tokenizer_config.json").unlink()
+    with pytest.raises(ShippedFileMismatch, match="tokenizer_config.json is missing, but .* says sha256 8cfcafec"):
+        load_processor(copy_of_the_reader / "base")
+
+
+def test_a_train_py_run_ships_with_the_config_it_ran_with(tmp_path):
+    from hkrag.tasks.replica import run_job
+
+    overrides = ["experiment=reader_tiny", f"paths.data_dir={tmp_path / 'data'}", "data.synthetic.n_train=16",
+                 "data.synthetic.n_test=8", "data.synthetic.train_groups_per_style=1",
+                 "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "model.num_crops=4",
+                 "trainer.global_batch_size=8", "trainer.max_steps=1", "eval_before_after=false"]
+    run_job(tmp_path / "run", overrides)
+    manifest = ship(tmp_path / "run", tmp_path / "out")
+    assert manifest["command"] == "python train.py " + " ".join(overrides) and manifest["steps"] == 1
+    assert manifest["config"] == training_config(overrides) and manifest["config"]["trainer"]["max_steps"] == 1
+    model = load_phi3v(tmp_path / "out" / "base", dtype="float32")
+    load_adapter(model, tmp_path / "out" / "checkpoints" / "final" / "adapter")

@@ -49,6 +49,7 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from hkrag.index import mine
@@ -173,6 +174,7 @@ def run_job(folder: Path, overrides: Sequence[str], config: str = "train", done:
         cfg = compose(config, [*overrides, f"paths.output_dir={folder}"])
     (folder / ".hydra").mkdir(parents=True)
     write_text(folder / ".hydra" / "overrides.yaml", yaml.safe_dump(list(overrides)))
+    write_text(folder / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg))  # as Hydra saves it (what ship records)
     if config == "train":
         instantiate(cfg.run)(cfg, folder)  # what train.py does: the retriever's or the generator's training
     else:

@@ -7,8 +7,10 @@ without ``trust_remote_code``; the functions here add attention defaults and cle
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +33,67 @@ PHI3V_HUB_ID = "microsoft/Phi-3-vision-128k-instruct"
 
 class CheckpointNotFoundError(OSError):
     """A Phi-3-vision model or processor could not be loaded (offline, missing folder or files)."""
+
+
+SHIPPED_MANIFEST = "manifest.json"
+"""A shipped folder's manifest (``python -m hkrag.tasks.ship``): ``files`` maps each file's path to its sha256."""
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_hashes: dict[tuple[str, int, int], str] = {}
+
+
+class ShippedFileMismatch(CheckpointNotFoundError):
+    """A file of a shipped folder is missing or differs from the sha256 its manifest names."""
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 (hex) of the file at ``path``, remembered while its size and modification time stay the same."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _hashes:
+        _hashes[key] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return _hashes[key]
+
+
+def shipped_manifest(folder: Path) -> dict[str, Any] | None:
+    """``folder``'s shipped manifest, or None when it has none (or one of another kind: no sha256 by file)."""
+    try:
+        manifest = json.loads((folder / SHIPPED_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, str) and _SHA256.fullmatch(v) for v in files.values()):
+        return None
+    return manifest
+
+
+def verify_shipped(path: str | Path) -> None:
+    """Refuse to load a shipped folder whose files no longer match its manifest.
+
+    When ``path`` (a base or adapter folder about to be loaded) lies in a shipped folder (itself or the nearest
+    folder above it with a :data:`SHIPPED_MANIFEST` listing sha256), each file the manifest lists under ``path``
+    must exist with that hash, else :class:`ShippedFileMismatch` naming the file and both hashes. Hub ids and
+    folders outside a shipped one pass unchecked; hashes are remembered, so loading again costs a ``stat``."""
+    path = Path(path)
+    if not path.exists():
+        return
+    path = path.resolve()
+    root = next((folder for folder in (path, *path.parents) if (folder / SHIPPED_MANIFEST).is_file()), None)
+    manifest = shipped_manifest(root) if root else None
+    if manifest is None:
+        return
+    within = path.relative_to(root).parts
+    for name, expected in manifest["files"].items():
+        file = root / name
+        if Path(name).parts[: len(within)] != within:
+            continue
+        actual = file_sha256(file) if file.is_file() else None
+        if actual != expected:
+            found = f"has sha256 {actual}" if actual else "is missing"
+            raise ShippedFileMismatch(
+                f"{file} {found}, but {root / SHIPPED_MANIFEST} says sha256 {expected}: the shipped weights changed "
+                f"after shipping (an edit, a partial copy, a Git LFS pointer?); restore them (git checkout -- {root}) "
+                "or ship the run again (python -m hkrag.tasks.ship)"
+            )
 
 
 @contextmanager
@@ -57,11 +120,13 @@ def load_phi3v(
     """Load the original checkpoint (hub id or local folder) into :class:`Phi3VForCausalLM`.
 
     The original ``config.json`` is read as is (its ``rope_scaling`` is converted for transformers
-    5.x); attention defaults to flash-attn when installed, else SDPA.
+    5.x); attention defaults to flash-attn when installed, else SDPA. A shipped folder is checked against its
+    manifest first (:func:`verify_shipped`).
     """
     attn = attn_implementation or default_attn_implementation()
     if attn == "flash_attention_2":
         require_flash_attention()
+    verify_shipped(name_or_path)
     with _loading(name_or_path, "model"):
         config = Phi3VConfig.from_pretrained(name_or_path)
         return Phi3VForCausalLM.from_pretrained(
@@ -100,6 +165,7 @@ def load_processor(name_or_path: str | Path = PHI3V_HUB_ID, num_crops: int | Non
     from ``config.json`` (so folders saved before ``crop_size`` was written load right) and a missing
     ``preprocessor_config.json`` means the reference defaults.
     """
+    verify_shipped(name_or_path)
     with _loading(name_or_path, "processor"):
         config = Phi3VConfig.from_pretrained(name_or_path)
         saved = read_preprocessor_config(name_or_path)
