@@ -50,7 +50,9 @@ def test_the_report_has_the_targets_retrieval_and_answers(done):
     assert [t["target"].split(" ")[0] for t in report["targets"]] == ["synfine", "synfine", "salient", "fine_print"]
     for target in report["targets"]:
         assert target["low"] <= target["mean"] <= target["high"]
-        assert target["verdict"] == Target("", target["bound"]).verdict(target)
+        expected = ("met (the whole interval)" if target["low"] >= target["bound"] else
+                    "met on the mean, not the whole interval" if target["mean"] >= target["bound"] else "not met")
+        assert target["verdict"] == expected, target
     single = next(r for r in report["retrieval"] if (r["dataset"], r["pool"]) == ("synfine", "single"))
     assert single["chance"] == pytest.approx(chance_ndcg(2)) and len(single["seeds"]) == 2
     assert list(report["answers"]["answers"]) == ["gold"] and set(report["answers"]["rag"]) == {"single", "all"}
@@ -62,6 +64,15 @@ def test_the_report_has_the_targets_retrieval_and_answers(done):
             for job in config.jobs(stage, seed)}
     assert {"curve/s0-step-1", "curve/s1-step-2", "generator/s1"} <= runs
     assert set(report["timings"]) == runs | {"wall"}
+
+
+@pytest.mark.parametrize(("low", "mean", "verdict"), [
+    (0.5, 0.7, "met (the whole interval)"),  # the bound itself counts as met
+    (0.49, 0.5, "met on the mean, not the whole interval"),
+    (0.2, 0.49, "not met"),
+])
+def test_a_target_is_met_by_its_interval_or_its_mean(low, mean, verdict):
+    assert Target("synfine nDCG@5", 0.5).verdict({"low": low, "mean": mean, "high": 0.9}) == verdict
 
 
 def test_the_generators_learning_curve_answers_with_each_checkpoint(done):

@@ -109,13 +109,25 @@ def test_information_reaches_the_target_only_through_the_eos(kernel):
 
 
 def test_generation_loss_applies_the_4d_mask(retriever, batch):
-    """Phi3Model takes the additive 4-D mask as given: the loss equals the reference under the RCG mask and
-    differs from the one under a plain causal mask."""
+    """Phi3Model takes the additive 4-D mask as given: each row's loss equals one computed by hand (the row alone,
+    without its padding, under the RCG mask written out from its prompt length, the mean next-token NLL of its
+    target) and differs from the loss under a plain causal mask."""
     gen = batch["generation"]
+    lm = retriever.model.get_base_model()
     with torch.no_grad():
         losses = retriever(**gen)
         causal = retriever(**{**gen, "attention_mask": torch.tril(torch.ones_like(gen["attention_mask"]))})
-    assert losses.shape == (2,) and torch.isfinite(losses).all()
+        for row, labels in enumerate(gen["labels"]):
+            targets = (labels != IGNORE_INDEX).nonzero().flatten().tolist()
+            n, end = targets[0], targets[-1] + 1  # the prompt (up to its EOS) and the real tokens
+            may_attend = torch.tensor([[j <= i and (i < n or j >= n - 1) for j in range(end)] for i in range(end)])
+            additive = torch.zeros(1, 1, end, end).masked_fill(~may_attend, torch.finfo(torch.float32).min)
+            logits = lm(input_ids=gen["input_ids"][row:row + 1, :end], attention_mask=additive,
+                        position_ids=torch.arange(end)[None], pixel_values=gen["pixel_values"][row:row + 1],
+                        image_sizes=gen["image_sizes"][row:row + 1], use_cache=False).logits[0]
+            nll = [-torch.log_softmax(logits[t - 1], dim=-1)[labels[t]] for t in targets]  # t-1 predicts t
+            assert losses[row].item() == pytest.approx(sum(nll).item() / len(nll), abs=1e-5), row
+    assert losses.shape == (2,)
     assert not torch.allclose(losses, causal)
 
 
