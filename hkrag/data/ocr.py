@@ -1,20 +1,33 @@
-"""Page text for a corpus: the text layer where a page has one, else Tesseract OCR.
+"""Page text for a corpus: Tesseract OCR of every page, or a PDF's text layer where the corpus has one.
 
-    python -m hkrag.data.ocr data/reports --out data/reports_text --column text --overwrite
-    python -m hkrag.data.ocr data/synthetic/corpus --out /tmp/synthetic_ocr --column ocr_text --text-layer none
+    python -m hkrag.data.ocr data/synthetic/corpus --out data/synthetic_ocr --column ocr_text   # OCR every page
+    python -m hkrag.data.ocr data/reports --out data/reports_text --column text --overwrite     # PDF: OCR the scans
 
 Reads every config/split of a corpus in our schema (``doc_id, image`` [+ ``text``], :mod:`hkrag.data.opendocvqa`;
-``--config``/``--split`` pick some) and writes a copy with one more string column (``--column``). A page takes the
-text of its ``text_layer`` column (default ``text``: PDF ingestion keeps the PDF text layer there) when that is not
-blank, else Tesseract's reading of its image (through ``pytesseract``), upscaled by ``upscale`` first (small pages
-read better larger). ``text_layer=None`` OCRs every page (the built-in corpus's ``text`` holds the exact drawn
-strings, so its OCR goes to a new column with ``--text-layer none``).
+the source positionally or as ``--source``; ``--config``/``--split`` pick some) and writes a copy with one more
+string column (``--column``), plus ``<out>/ocr_report.json`` saying for every page whether it was OCRed or took a
+text layer, and a summary line on stdout.
+
+A *text layer* is text a born-digital file embeds beside its picture: a PDF page's text, which PDF ingestion keeps
+in ``text`` and declares ``text_columns: {text: text_layer}`` in the corpus card. The synthetic corpus's ``text``
+is no text layer: it is the exact strings the generator drew (ground truth; its card declares ``text: drawn``).
+By default (``--text-layer auto``) a page takes the text of the column its card declares a text layer when that
+is not blank, and every other page is read by Tesseract (through ``pytesseract``), upscaled by ``upscale`` first
+(small pages read better larger). A corpus whose card declares no text layer (the synthetic corpus, OpenDocVQA,
+a hub id, a corpus written before cards declared their text) is OCRed page by page: copying ground truth and
+calling it OCR would publish the wrong baseline. ``--text-layer COLUMN`` takes that column as the layer whatever
+the card says (with a warning when it declares something else); ``--text-layer none`` OCRs every page.
+
+``--column`` must not name an identifying or content column (``doc_id``, ``image``), nor a non-string column; an
+existing text column is replaced only with ``--overwrite``. The output card declares the new column (``ocr``, or
+``text_layer+ocr`` when some pages took the layer) beside the source's declarations.
 
 OCR results are cached one file per page under ``cache_dir`` (default ``<out>/.cache/ocr``), keyed by a hash of
 the stored image bytes and the engine settings (language, page segmentation mode, upscale, Tesseract version):
 a rerun OCRs nothing again, an interrupted run resumes where it stopped, and a page shared by two configs is read
 once. A page that cannot be read (corrupt image, Tesseract error) keeps an empty text, is listed in
-``<out>/ocr_failures.json`` and a warning, and is retried by the next run; it is never dropped. See docs/data.md.
+``<out>/ocr_failures.json``, the report and a warning, and is retried by the next run; it is never dropped.
+See docs/data.md, "Page text (OCR)".
 """
 
 from __future__ import annotations
@@ -41,14 +54,28 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from hkrag.data.images import open_image
-from hkrag.data.opendocvqa import TEXT_COLUMN, Corpus, DataError, load_corpus, read_card
-from hkrag.data.writer import save_split
+from hkrag.data.opendocvqa import (
+    CORPUS_COLUMNS,
+    TEXT_COLUMN,
+    Corpus,
+    DataError,
+    load_corpus,
+    read_card,
+    text_kinds,
+)
+from hkrag.data.writer import declare_text_columns, save_split
 from hkrag.io import write_json, write_text
 
 logger = logging.getLogger(__name__)
 
 FAILURES_FILE = "ocr_failures.json"
 """Written into the output folder: every page whose text could not be read (empty list when none)."""
+REPORT_FILE = "ocr_report.json"
+"""Written into the output folder: where the last run's text of every page came from (:meth:`OcrReport.as_json`)."""
+AUTO = "auto"
+"""``text_layer`` default: the column the corpus card declares a text layer, if any (module docstring)."""
+PROTECTED_COLUMNS = CORPUS_COLUMNS
+"""Columns ``--column`` may never replace: a page's id and its image (docs/data.md, "Schema")."""
 CACHE_SUBDIR = Path(".cache") / "ocr"
 """Default cache under the output folder (the loader ignores ``.cache`` folders)."""
 _LANG = re.compile(r"[A-Za-z0-9_]+(\+[A-Za-z0-9_]+)*")
@@ -158,7 +185,12 @@ def character_accuracy(hypothesis: str, reference: str) -> float:
 
 @dataclass
 class OcrReport:
-    """What :func:`add_page_text` did, in pages: from the text layer, from the cache, OCRed now, failed."""
+    """What :func:`add_page_text` did, in pages: from the text layer, from the cache, OCRed now, failed.
+
+    ``layer`` is the column taken as the text layer (``None``: every page OCRed), ``layer_kind`` what the card
+    declares it (``text_layer`` when it declares nothing) and ``why`` the reason; ``splits`` holds, per
+    config/split, the ``doc_id``s that took the layer, were OCRed, and failed.
+    """
 
     pages: int = 0
     text_layer: int = 0
@@ -166,6 +198,34 @@ class OcrReport:
     ocr: int = 0
     failed: list[dict[str, str]] = field(default_factory=list)
     output: Path | None = None
+    column: str = TEXT_COLUMN
+    layer: str | None = None
+    layer_kind: str = "text_layer"
+    why: str = ""
+    splits: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str | None:
+        """What the written column holds, as a key of :data:`~hkrag.data.opendocvqa.TEXT_KINDS`; ``None`` for a
+        mix of OCR and a column forced as the layer that is no text layer (``--text-layer`` against the card)."""
+        if not self.text_layer:
+            return "ocr"
+        if self.text_layer == self.pages:
+            return self.layer_kind
+        return "text_layer+ocr" if self.layer_kind == "text_layer" else None
+
+    def as_json(self) -> dict[str, Any]:
+        """The report file's content: the counts, the layer decision and the per-page record."""
+        return {"column": self.column, "kind": self.kind, "text_layer_column": self.layer, "why": self.why,
+                "pages": self.pages, "from_text_layer": self.text_layer, "ocr": self.ocr + self.cached,
+                "ocr_cached": self.cached, "failed": len(self.failed), "splits": self.splits}
+
+    def summary(self, out: str | Path) -> str:
+        """One line: how many pages were OCRed and how many took a text layer, and where the record is."""
+        layer = f"from the text layer {self.layer!r}" if self.layer else "from a text layer"
+        return (f"{self.column} of {self.pages} pages -> {out}: {self.ocr + self.cached} OCRed by Tesseract "
+                f"({self.cached} from the cache), {self.text_layer} {layer}, {len(self.failed)} failed; "
+                f"{self.why}; per page: {Path(out) / REPORT_FILE}")
 
 
 class PageTextCache:
@@ -199,7 +259,7 @@ def add_page_text(
     out: str | Path,
     column: str = TEXT_COLUMN,
     settings: OcrSettings = OcrSettings(),
-    text_layer: str | None = TEXT_COLUMN,
+    text_layer: str | None = AUTO,
     configs: Sequence[str] | None = None,
     splits: Sequence[str] | None = None,
     overwrite: bool = False,
@@ -209,36 +269,87 @@ def add_page_text(
 ) -> OcrReport:
     """Copy the corpus ``source`` to ``out`` with each page's text in ``column`` (module docstring).
 
-    ``configs``/``splits`` restrict the copy (default: every config and split of the source's card); ``workers``
-    > 1 OCRs in that many processes. An existing ``column`` is refused unless ``overwrite``. Returns the counts
-    and the failed pages (also written to ``out/ocr_failures.json``).
+    ``text_layer``: :data:`AUTO` (the column the card declares a text layer; none declared: OCR every page), a
+    column name, or ``None`` (OCR every page). ``configs``/``splits`` restrict the copy (default: every config and
+    split of the source's card); ``workers`` > 1 OCRs in that many processes. ``column`` may not be ``doc_id`` or
+    ``image``; an existing ``column`` is refused unless ``overwrite``. Returns the counts, the failed pages (also in
+    ``out/ocr_failures.json``) and the per-page record (``out/ocr_report.json``).
     """
     source, out = local_or_hub(source), Path(out)
     if out.resolve() == Path(source).resolve():
         raise ValueError(f"--out {out} is the source corpus: write the copy to a new folder")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    _check_column(column)
+    kinds = text_kinds(source)
+    layer, why = text_layer_column(kinds, text_layer)
     todo = [(config, split, load_corpus(source, config, split))
             for config, split in corpus_splits(source, configs, splits)]
     for _, _, corpus in todo:
-        if column in corpus.dataset.column_names and not overwrite:
-            raise ValueError(f"{corpus.name} already has a {column!r} column: pass overwrite (--overwrite) to "
-                             "replace it, or write another --column")
+        _check_columns(corpus, column, layer, overwrite)
     cache = PageTextCache(cache_dir or out / CACHE_SUBDIR, settings)
-    report = OcrReport()
+    report = OcrReport(column=column, layer=layer, layer_kind=kinds.get(layer or "", "text_layer"), why=why)
     with _pool(workers) as executor:
         for config, split, corpus in todo:
             features = _features(corpus, column)
-            rows = _rows(corpus, column, text_layer, cache, executor, batch_size, report, f"{config}/{split}")
+            rows = _rows(corpus, column, layer, cache, executor, batch_size, report, f"{config}/{split}")
             report.output = save_split(rows, out, config, split, features)
+    written = {column: report.kind} if report.kind else {}
+    declare_text_columns(out, {**{c: k for c, k in kinds.items() if c != column}, **written})
     write_json(out / FAILURES_FILE, report.failed)
-    logger.info("page text of %d pages: %d from the text layer %r, %d cached, %d OCRed, %d failed -> %s",
-                report.pages, report.text_layer, text_layer, report.cached, report.ocr, len(report.failed), out)
+    write_json(out / REPORT_FILE, report.as_json())
+    logger.info("%s", report.summary(out))
     if report.failed:
         names = ", ".join(f"{f['config']}/{f['split']}:{f['doc_id']}" for f in report.failed[:10])
         logger.warning("%d pages could not be read and have empty text (listed in %s): %s%s", len(report.failed),
                        out / FAILURES_FILE, names, " ..." if len(report.failed) > 10 else "")
     return report
+
+
+def text_layer_column(kinds: dict[str, str], text_layer: str | None = AUTO) -> tuple[str | None, str]:
+    """The column to take as the text layer (``None``: OCR every page) and why, for a corpus whose card declares
+    ``kinds`` (:func:`~hkrag.data.opendocvqa.text_kinds`) and the requested ``text_layer`` (:func:`add_page_text`)."""
+    declared = ", ".join(f"{column}: {kind}" for column, kind in kinds.items())
+    if text_layer is None:
+        return None, "--text-layer none: every page OCRed"
+    if text_layer != AUTO:
+        if kinds.get(text_layer, "text_layer") != "text_layer":
+            logger.warning("--text-layer %s: the corpus card declares %r %s, not a text layer; its pages are copied "
+                           "as their text, not OCRed", text_layer, text_layer, kinds[text_layer])
+        return text_layer, f"--text-layer {text_layer}: its non-blank pages taken as they are"
+    layers = [column for column, kind in kinds.items() if kind == "text_layer"]
+    if not layers:
+        said = f"declares {{{declared}}}, no text layer" if kinds else "declares no text layer"
+        return None, f"every page OCRed: the corpus card {said}"
+    layer = TEXT_COLUMN if TEXT_COLUMN in layers else layers[0]
+    return layer, f"the corpus card declares {layer!r} a text layer: its non-blank pages taken, the others OCRed"
+
+
+def _check_column(column: str) -> None:
+    """Refuse writing the text into a page's id or image column, or into a blank name."""
+    if not column or not column.strip():
+        raise ValueError("--column must name the column to write, got a blank name")
+    if column in PROTECTED_COLUMNS:
+        raise ValueError(f"--column {column}: {column!r} identifies or holds the page (the corpus's "
+                         f"{'/'.join(PROTECTED_COLUMNS)} columns) and is never overwritten; write the text to another "
+                         "column, e.g. --column ocr_text")
+
+
+def _check_columns(corpus: Corpus, column: str, layer: str | None, overwrite: bool) -> None:
+    """Refuse replacing a column without ``overwrite`` or one that is not text, and a text layer that is not text."""
+    features = corpus.dataset.features
+    if column in features and not _is_text(features[column]):
+        raise ValueError(f"{corpus.name}: --column {column}: {column!r} is not a text column ({features[column]}) "
+                         "and is never overwritten; write the text to another column, e.g. --column ocr_text")
+    if column in features and not overwrite:
+        raise ValueError(f"{corpus.name} already has a {column!r} column: pass overwrite (--overwrite) to "
+                         "replace it, or write another --column")
+    if layer in features and not _is_text(features[layer]):
+        raise ValueError(f"{corpus.name}: --text-layer {layer}: {layer!r} is not a text column ({features[layer]})")
+
+
+def _is_text(feature: Any) -> bool:
+    return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
 
 
 def local_or_hub(source: str | Path) -> Path | str:
@@ -297,20 +408,29 @@ def _rows(
 ) -> Iterator[dict[str, Any]]:
     """The corpus's rows with ``column`` filled, ``batch_size`` pages at a time (OCRing the uncached ones)."""
     layer = text_layer if text_layer in corpus.dataset.column_names else None
+    if text_layer and layer is None:
+        logger.warning("%s has no text layer column %r: every page OCRed", corpus.name, text_layer)
+    config, split = name.split("/", 1)
+    record: dict[str, Any] = {"config": config, "split": split, "text_layer_column": layer,
+                              "text_layer": [], "ocr": [], "failed": []}
+    report.splits.append(record)
     with tqdm(total=len(corpus), desc=f"page text {name}", unit="page") as progress:
         for start in range(0, len(corpus), batch_size):
             rows = corpus.dataset[start:start + batch_size]
             rows = [dict(zip(rows, values)) for values in zip(*rows.values())]
-            texts = _batch_texts(rows, layer, cache, executor, report, name, progress)
-            for row, text in zip(rows, texts):
+            texts, sources = _batch_texts(rows, layer, cache, executor, report, name, progress)
+            for row, text, source in zip(rows, texts, sources):
+                record[source].append(row["doc_id"])
                 yield {**row, column: text}
 
 
 def _batch_texts(
     rows: list[dict[str, Any]], layer: str | None, cache: PageTextCache, executor: Executor | None,
     report: OcrReport, name: str, progress: tqdm,
-) -> list[str]:
+) -> tuple[list[str], list[str]]:
+    """The rows' texts and where each came from (``text_layer``, ``ocr`` or ``failed``)."""
     texts: list[str | None] = [row[layer] if layer and (row[layer] or "").strip() else None for row in rows]
+    sources = ["text_layer" if text is not None else "ocr" for text in texts]
     report.pages += len(rows)
     report.text_layer += sum(text is not None for text in texts)
     progress.update(sum(text is not None for text in texts))
@@ -325,19 +445,19 @@ def _batch_texts(
             report.cached += 1
             progress.update(1)
         elif problem:
-            texts[i] = _failed(report, name, row["doc_id"], problem, progress)
+            texts[i], sources[i] = _failed(report, name, row["doc_id"], problem, progress), "failed"
         else:
             pending.append((i, key, (row["doc_id"], data, cache.settings)))
     results = (executor.map if executor else map)(_read_page, [task for _, _, task in pending])
     for (i, key, (doc_id, _, _)), (text, problem) in zip(pending, results):
         if problem:
-            texts[i] = _failed(report, name, doc_id, problem, progress)
+            texts[i], sources[i] = _failed(report, name, doc_id, problem, progress), "failed"
             continue
         cache.put(key, text)
         texts[i] = text
         report.ocr += 1
         progress.update(1)
-    return texts
+    return texts, sources
 
 
 def _failed(report: OcrReport, name: str, doc_id: str, problem: str, progress: tqdm) -> str:
@@ -383,12 +503,16 @@ def _one_thread() -> None:
 
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", help="corpus folder in the hub layout, or a hub id (owner/name)")
+    where = "corpus folder in the hub layout, or a hub id (owner/name)"
+    parser.add_argument("source", nargs="?", help=where)
+    parser.add_argument("--source", dest="source_option", metavar="SOURCE", help=f"{where} (same as SOURCE)")
     parser.add_argument("--out", required=True, type=Path, help="new corpus folder to write")
-    parser.add_argument("--column", default=TEXT_COLUMN, help="column to write (default: text)")
+    parser.add_argument("--column", default=TEXT_COLUMN, help="column to write (default: text; never doc_id/image)")
     parser.add_argument("--overwrite", action="store_true", help="replace the column when the corpus has it")
-    parser.add_argument("--text-layer", default=TEXT_COLUMN,
-                        help="column whose non-blank values are used instead of OCR (default: text); 'none': OCR all")
+    parser.add_argument("--text-layer", default=AUTO, metavar="auto|none|COLUMN",
+                        help="auto (default): the column the corpus card declares a text layer (a PDF's text), "
+                             "none declared: OCR every page; none: OCR every page; COLUMN: take its non-blank "
+                             "pages instead of OCR")
     parser.add_argument("--config", action="append", dest="configs", help="config to copy (repeat; default: all)")
     parser.add_argument("--split", action="append", dest="splits", help="split to copy (repeat; default: all)")
     defaults = OcrSettings()
@@ -398,14 +522,20 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="OCR processes (default: 1)")
     parser.add_argument("--cache-dir", type=Path, help="OCR cache (default: <out>/.cache/ocr)")
     args = parser.parse_args(argv)
+    if args.source and args.source_option and args.source != args.source_option:
+        parser.error(f"two sources given: {args.source} and --source {args.source_option}")
+    source = args.source or args.source_option
+    if not source:
+        parser.error("give the corpus to read: SOURCE or --source SOURCE")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         settings = OcrSettings(args.lang, args.psm, args.upscale)
         report = add_page_text(
-            args.source, args.out, args.column, settings, None if args.text_layer == "none" else args.text_layer,
+            source, args.out, args.column, settings, None if args.text_layer == "none" else args.text_layer,
             args.configs, args.splits, args.overwrite, args.workers, args.cache_dir)
     except (OcrUnavailable, DataError, ValueError, FileNotFoundError) as error:
         parser.exit(2, f"error: {error}\n")
+    print(report.summary(args.out))
     return 0 if report.pages else 1
 
 

@@ -9,7 +9,8 @@ and splits to files. The synthetic corpus and PDF ingestion write that layout wi
 
 QA rows: ``query_id, query, answers, relevant_doc_ids`` (+ optional ``evidence``).
 Corpus rows: ``doc_id, image`` (+ optional ``text``: the page's text in reading order, written by the
-synthetic corpus and PDF ingestion, read by VDocRAG pre-training, docs/training.md).
+synthetic corpus and PDF ingestion, read by VDocRAG pre-training, docs/training.md; the card's ``text_columns``
+says whether it is drawn ground truth or a PDF text layer, :func:`text_kinds`).
 Training uses the default config's ``train`` split (paired by
 :mod:`hkrag.data.pairs`), tests use ``<dataset>`` / ``all`` configs with split ``test`` (see :func:`pools`).
 
@@ -62,6 +63,15 @@ CORPUS_FEATURES = datasets.Features({"doc_id": datasets.Value("string"), "image"
 TEXT_COLUMN = "text"
 PAGE_TEXT_FEATURES = datasets.Features({**CORPUS_FEATURES, TEXT_COLUMN: datasets.Value("string")})
 """A corpus whose pages carry their text (optional column: corpora without it load as before)."""
+TEXT_COLUMNS_KEY = "text_columns"
+"""Card front-matter key mapping a corpus's text columns to their :data:`TEXT_KINDS` (``text: drawn``)."""
+TEXT_KINDS = {
+    "drawn": "the exact strings the synthetic corpus drew on the page (ground truth, not a text layer)",
+    "text_layer": "a born-digital file's embedded text (a PDF's text layer; empty for a scanned page)",
+    "ocr": "Tesseract's reading of the page image (hkrag.data.ocr)",
+    "text_layer+ocr": "the text layer where the page has one, else Tesseract's reading (hkrag.data.ocr)",
+}
+"""What a text column can hold; only ``text_layer`` is a text layer that OCR may take instead of reading a page."""
 PRETRAIN_HUB_ID = "NTT-hil-insight/VDocRetriever-Pretrain-DocStruct"
 """VDocRAG's pre-training pages: ``query`` (the page's OCR text) and ``image``, no ``doc_id``."""
 
@@ -373,6 +383,22 @@ def _require_columns(dataset: datasets.Dataset, required: tuple[str, ...], name:
 
 def _name(source: str | Path, config: str | None, split: str) -> str:
     return f"{source}[{config or 'default'}/{split}]"
+
+
+def text_kinds(source: str | Path) -> dict[str, str]:
+    """What each text column of a local corpus holds, as its card declares (``text_columns``; :data:`TEXT_KINDS`).
+
+    A hub id, or a card that declares nothing (OpenDocVQA, corpora written before the key existed), gives ``{}``.
+    Raises :class:`DataError` naming the card when the declaration is malformed or names an unknown kind.
+    """
+    if not Path(source).is_dir():
+        return {}
+    card = Path(source) / "README.md"
+    declared = read_card(card)[0].get(TEXT_COLUMNS_KEY) or {}
+    if not isinstance(declared, dict) or any(kind not in TEXT_KINDS for kind in declared.values()):
+        raise DataError(f"{card}: {TEXT_COLUMNS_KEY} must map column names to one of {sorted(TEXT_KINDS)}, "
+                        f"got {declared!r}")
+    return {str(column): kind for column, kind in declared.items()}
 
 
 def read_card(card: Path) -> tuple[dict[str, Any], str]:

@@ -3,8 +3,9 @@
     python -m hkrag.data.pdf reports/*.pdf --out data/reports --dpi 144
 
 Page ``n`` (1-based) of ``report.pdf`` becomes ``doc_id = "report.pdf#p{n}"``; ``text`` is the page's text
-layer (pdfium's text page, empty for a scan), which VDocRAG pre-training reads (docs/training.md). A PDF that is
-encrypted, corrupt, empty, page-less, not a file, or whose name collides with an earlier one is
+layer (pdfium's text page, empty for a scan), which VDocRAG pre-training reads (docs/training.md); the corpus
+card declares it (``text_columns: {text: text_layer}``), so ``hkrag.data.ocr`` keeps it and OCRs only the scans.
+A PDF that is encrypted, corrupt, empty, page-less, not a file, or whose name collides with an earlier one is
 reported (logged, and summarised at the end) and skipped; the others are still ingested. Each PDF
 is rendered whole before it is written, so a file that fails half-way leaves no partial pages
 behind, and the corpus file is replaced atomically (a failed run leaves the previous corpus
@@ -30,8 +31,8 @@ import pypdfium2 as pdfium
 from tqdm.auto import tqdm
 
 from hkrag.data.images import DEFAULT_MAX_PIXELS, file_problem
-from hkrag.data.opendocvqa import PAGE_TEXT_FEATURES
-from hkrag.data.writer import save_split
+from hkrag.data.opendocvqa import PAGE_TEXT_FEATURES, TEXT_COLUMN
+from hkrag.data.writer import declare_text_columns, save_split
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ def ingest(
     first = next(rows, None)
     if first is not None:
         report.output = save_split(itertools.chain([first], rows), out_dir, config, split, PAGE_TEXT_FEATURES)
+        declare_text_columns(out_dir, {TEXT_COLUMN: "text_layer"})  # what hkrag.data.ocr may keep instead of OCR
     logger.info("ingested %d pages from %d PDFs into %s", report.pages, report.files, report.output)
     if report.failed:
         summary = "; ".join(f"{path} ({problem})" for path, problem in report.failed.items())

@@ -37,8 +37,8 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont
 from tqdm.auto import tqdm
 
-from hkrag.data.opendocvqa import ALL_POOL, PAGE_TEXT_FEATURES, QA_FEATURES, QUERY_PREFIX, format_query
-from hkrag.data.writer import save_split
+from hkrag.data.opendocvqa import ALL_POOL, PAGE_TEXT_FEATURES, QA_FEATURES, QUERY_PREFIX, TEXT_COLUMN, format_query
+from hkrag.data.writer import declare_text_columns, save_split
 from hkrag.io import write_json, write_text
 
 logger = logging.getLogger(__name__)
@@ -158,7 +158,8 @@ def generate(out_dir: str | Path, config: SyntheticConfig = SyntheticConfig()) -
     """Render pages and questions for both splits and write them in the OpenDocVQA layout.
 
     QA configs: ``default`` (train), one per style (train, test). Corpus configs: ``default``
-    (train), one per style (test) and ``all`` (test). ``pages.jsonl`` records every drawn string.
+    (train), one per style (test) and ``all`` (test). ``pages.jsonl`` records every drawn string. The corpus card
+    declares ``text: drawn``: the ``text`` column is the exact drawn strings, not a text layer OCR may take.
     """
     root = Path(out_dir)
     paths = SyntheticPaths(root, root / "qa", root / "corpus", root / "pages.jsonl")
@@ -189,6 +190,7 @@ def generate(out_dir: str | Path, config: SyntheticConfig = SyntheticConfig()) -
             save_split(style_rows, paths.qa, style, split, QA_FEATURES)
         style_pages = [s for s in test if s.style == style]
         save_split(corpus_rows(style_pages), paths.corpus, style, "test", PAGE_TEXT_FEATURES)
+    declare_text_columns(paths.corpus, {TEXT_COLUMN: "drawn"})  # ground truth: OCR must read the pages
     splits = [(split, spec) for split, specs in (("train", train), ("test", test)) for spec in specs]
     lines = [json.dumps({"split": split, **dataclasses.asdict(spec),
                          "items": [dataclasses.asdict(item) for item in rendered[spec.doc_id][1]]})

@@ -19,7 +19,7 @@ import yaml
 from PIL import Image
 
 from hkrag.data.images import warn_frames
-from hkrag.data.opendocvqa import read_card
+from hkrag.data.opendocvqa import TEXT_COLUMNS_KEY, TEXT_KINDS, read_card
 from hkrag.io import atomic_write, write_text
 
 logger = logging.getLogger(__name__)
@@ -93,4 +93,22 @@ def _register(root: Path, config: str, split: str, pattern: str) -> None:
     files = [f for f in entry["data_files"] if f["split"] != split] + [{"split": split, "path": pattern}]
     entry["data_files"] = sorted(files, key=lambda f: f["split"])
     configs.sort(key=lambda c: (c["config_name"] != "default", c["config_name"]))
+    _write_card(card, meta, body)
+
+
+def declare_text_columns(root: str | Path, kinds: dict[str, str]) -> None:
+    """Record in root/README.md what the corpus's text columns hold (``text_columns``: column -> a TEXT_KINDS key).
+
+    Replaces the previous declaration; hkrag.data.ocr reads it to tell a text layer from drawn strings.
+    """
+    unknown = {column: kind for column, kind in kinds.items() if kind not in TEXT_KINDS}
+    if unknown:
+        raise ValueError(f"unknown text kinds {unknown}: use one of {sorted(TEXT_KINDS)}")
+    card = Path(root) / "README.md"
+    meta, body = read_card(card)
+    meta[TEXT_COLUMNS_KEY] = dict(kinds)
+    _write_card(card, meta, body)
+
+
+def _write_card(card: Path, meta: dict[str, Any], body: str) -> None:
     write_text(card, "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n" + body)
