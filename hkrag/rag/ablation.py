@@ -75,25 +75,45 @@ def generator_ablation(
             "verdicts": verdicts}
 
 
+def score_rows(summary: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """Table 6's rows, unrounded: per generator its score and 95 % interval, the difference to the baseline and its
+    interval (``None`` for the baseline), all ×100; its route shares (%) and cost per query. What :func:`markdown`
+    and the W&B table show."""
+    rows = summary["rows"]
+    routes = sorted({route for row in rows.values() for route in row["routes"]})
+    columns = ["generator", "score", "low", "high", "vs_baseline", "vs_low", "vs_high", *(f"route {r}" for r in routes),
+               "lvlm_calls", "input_tokens", "output_tokens"]
+    return columns, [
+        [name, *(100 * v for v in (row["value"], *row["ci95"])),
+         *((100 * row["vs_baseline"][k] for k in ("diff", "low", "high")) if "vs_baseline" in row else [None] * 3),
+         *(100 * row["routes"].get(r, 0.0) for r in routes),
+         row["cost"]["lvlm_calls"], row["cost"]["input_tokens"], row["cost"]["output_tokens"]]
+        for name, row in rows.items()]
+
+
+def verdict_rows(summary: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """Each judged claim: text, configurations, difference better − worse and its interval (×100), verdict."""
+    return ["claim", "better", "worse", "diff", "low", "high", "verdict"], [
+        [v["text"], v["better"], v["worse"], 100 * v["diff"], 100 * v["low"], 100 * v["high"], v["verdict"]]
+        for v in summary["verdicts"]]
+
+
 def markdown(summary: Mapping[str, Any], title: str) -> str:
     """The summary as Markdown: scores, differences, routes and cost per query; then the verdicts (x100)."""
-    rows, baseline = summary["rows"], summary["baseline"]
-    routes = sorted({route for row in rows.values() for route in row["routes"]})
+    baseline = summary["baseline"]
+    columns, rows = score_rows(summary)
+    routes = [column for column in columns if column.startswith("route ")]
     lines = [f"### {title}\n", f"{summary['metric']} ×100 on {summary['num_queries']} queries [95% interval]; "
              f"difference to `{baseline}` with a paired bootstrap interval over queries.\n",
-             "| generator | score | vs " + baseline + " | " + " | ".join(f"route {r}" for r in routes)
+             "| generator | score | vs " + baseline + " | " + " | ".join(routes)
              + " | LVLM calls / query | input tok. | output tok. |", "|---" * (6 + len(routes)) + "|"]
-    for name, row in rows.items():
-        versus = row.get("vs_baseline")
-        diff = f"{100 * versus['diff']:+.1f} [{100 * versus['low']:+.1f}, {100 * versus['high']:+.1f}]" \
-            if versus else "–"
-        lines.append(f"| {name} | {100 * row['value']:.1f} [{100 * row['ci95'][0]:.1f}, {100 * row['ci95'][1]:.1f}] "
-                     f"| {diff} | " + " | ".join(f"{100 * row['routes'].get(r, 0.0):.0f}%" for r in routes)
-                     + f" | {row['cost']['lvlm_calls']:.2f} | {row['cost']['input_tokens']:.0f} | "
-                     f"{row['cost']['output_tokens']:.0f} |")
+    for name, value, low, high, diff, diff_low, diff_high, *shares, calls, inputs, outputs in rows:
+        versus = "–" if diff is None else f"{diff:+.1f} [{diff_low:+.1f}, {diff_high:+.1f}]"
+        lines.append(f"| {name} | {value:.1f} [{low:.1f}, {high:.1f}] | {versus} | "
+                     + " | ".join(f"{share:.0f}%" for share in shares)
+                     + f" | {calls:.2f} | {inputs:.0f} | {outputs:.0f} |")
     if summary["verdicts"]:
         lines += ["", "| claim | difference [95%] | verdict |", "|---|---|---|"]
-        lines += [f"| {v['text']} (`{v['better']}` vs `{v['worse']}`) | {100 * v['diff']:+.1f} "
-                  f"[{100 * v['low']:+.1f}, {100 * v['high']:+.1f}] | **{v['verdict']}** |"
-                  for v in summary["verdicts"]]
+        lines += [f"| {text} (`{better}` vs `{worse}`) | {diff:+.1f} [{low:+.1f}, {high:+.1f}] | **{result}** |"
+                  for text, better, worse, diff, low, high, result in verdict_rows(summary)[1]]
     return "\n".join(lines) + "\n"

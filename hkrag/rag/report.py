@@ -35,7 +35,7 @@ from hkrag.io import png_bytes, write_bytes, write_json, write_text
 from hkrag.rag.metrics import METRICS
 from hkrag.rag.records import ROUTES, QueryOutcome
 from hkrag.rag.trace import MERGED_FILE, load_trace, outcome_key
-from hkrag.retrieval.metrics import format_table
+from hkrag.retrieval.metrics import format_table, table_rows
 from hkrag.stats import bootstrap_interval, cluster_bootstrap_interval, wilson_interval
 
 JUDGE_DISABLED = "disabled (no endpoint)"
@@ -196,10 +196,44 @@ def cells(by_pool: Mapping[str, Mapping[str, Any]], metric: str) -> dict[str, fl
 
 def comparison_table(summaries: Mapping[str, Mapping[str, Any]], metric: str = "accuracy") -> str:
     """The paper's Table 3/4/6 layout: one row per configuration, columns data set × pool (× 100)."""
+    rows, pools = comparison_grid(summaries, metric)
+    return format_table(rows, pools=pools)
+
+
+def comparison_rows(summaries: Mapping[str, Mapping[str, Any]], metric: str = "accuracy") -> tuple[list, list]:
+    """:func:`comparison_table`'s header and rows (× 100, unrounded): its W&B table."""
+    rows, pools = comparison_grid(summaries, metric)
+    return table_rows(rows, pools=pools)
+
+
+def comparison_grid(summaries: Mapping[str, Mapping[str, Any]], metric: str) -> tuple[dict[str, Any], list[str]]:
+    """``{configuration: {data set: {pool: value}}}`` of ``metric`` and the pools seen, in order."""
     rows = {config: {ds: cells(by_pool, metric) for ds, by_pool in summary["results"].items()}
             for config, summary in summaries.items()}
-    pools = list(dict.fromkeys(p for s in summaries.values() for by_pool in s["results"].values() for p in by_pool))
-    return format_table(rows, pools=pools)
+    pools = dict.fromkeys(p for s in summaries.values() for by_pool in s["results"].values() for p in by_pool)
+    return rows, list(pools)
+
+
+def layout_metrics(report: Mapping[str, Any]) -> list[str]:
+    """The metrics a report's Table 3/4/6 layouts show: :data:`TABLE_METRICS`, judged accuracy only when judged."""
+    return [metric for metric in TABLE_METRICS if metric != "accuracy" or report["judged"]]
+
+
+QUERY_COLUMNS = ("dataset", "pool", "query_id", "question", "gold", "answer", "route", "uncertainty", "iterations",
+                 "failed", "failure", "judge_score", "correct", *METRICS, "lvlm_calls", "input_tokens",
+                 "output_tokens", "wall_s")
+"""The per-query table of a RAG run (:func:`query_rows`)."""
+
+
+def query_rows(outcomes: Sequence[QueryOutcome]) -> tuple[list[str], list[list[Any]]]:
+    """One row per query of the trace, with the values the report averages (a failed query scores 0 and is
+    wrong, as in every denominator; ``judge_score`` is ``None`` when unjudged, ``correct`` when no query was)."""
+    judged = any(o.judge is not None for o in outcomes)
+    return list(QUERY_COLUMNS), [
+        [o.dataset, o.pool, o.query_id, o.question, " | ".join(o.gold), o.answer, o.route, o.uncertainty,
+         o.iterations, o.failed, o.failure, (o.judge or {}).get("score"), is_correct(o) if judged else None,
+         *(metric_value(o, name) for name in METRICS), o.num_calls, o.prompt_tokens, o.completion_tokens, o.wall_s]
+        for o in outcomes]
 
 
 def _pct(value: float) -> str:
@@ -246,8 +280,7 @@ def judge_line(judge: Any) -> str:
 def _metric_sections(report: Mapping[str, Any], rows: Sequence[tuple[str, str, Mapping[str, Any]]]) -> list[str]:
     """The Table-3 layouts, the per-group metrics and their intervals."""
     parts = [f"## {TABLE_METRICS[metric]} (×100; rows = configurations, as in Tables 3, 4 and 6)\n\n"
-             + comparison_table({report["config"]: report}, metric)
-             for metric in TABLE_METRICS if metric != "accuracy" or report["judged"]]
+             + comparison_table({report["config"]: report}, metric) for metric in layout_metrics(report)]
     parts.append("## Per data set and pool\n\n" + _markdown_table(
         ["Data set", "Pool", "n", "Judged acc. [95% CI]", *METRIC_HEADERS.values(), "Failed", "Judge failed"],
         [[ds, pool, str(g["n"]), _accuracy_cell(g), *(_pct(g["metrics"][m]) for m in METRIC_HEADERS),

@@ -42,7 +42,7 @@ import yaml
 
 from hkrag.io import png_bytes, write_bytes, write_json, write_text
 from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, BEFORE_TRAINING_DIR, CURVE_DIR, PER_QUERY_FILE
-from hkrag.run_log import METRICS_FILE
+from hkrag.run_log import METRICS_FILE, RunLogger
 from hkrag.stats import Claim, hierarchical_bootstrap, hierarchical_paired_bootstrap, mean_and_std, verdict
 
 logger = logging.getLogger(__name__)
@@ -311,23 +311,18 @@ def markdown(summary: dict[str, Any], title: str) -> str:
     lines = [f"# Ablation: {title}\n", f"Seeds per condition: {seeds}. nDCG@5 ×100 averaged over each run's "
              "queries (pooled across data sets); ± is the sample std over seeds.\n"]
     for pool in summary["pools"]:
-        table = summary[METRIC][pool]
         lines += [f"## nDCG@5, pool `{pool}`\n", _header(["loss", *evidence])]
-        for condition in summary["conditions"]:
-            cells = [f"{100 * table[e][condition]['mean']:.1f} ± {100 * table[e][condition]['std']:.1f}"
-                     for e in evidence]
+        for condition, *values in score_rows(summary, pool)[1]:
+            cells = [f"{mean:.1f} ± {std:.1f}" for mean, std in zip(values[::2], values[1::2])]
             lines.append(f"| {condition} | " + " | ".join(cells) + " |")
-        counts = ", ".join(f"{e}: {table[e][baseline]['num_queries']}" for e in evidence)
+        counts = ", ".join(f"{e}: {summary[METRIC][pool][e][baseline]['num_queries']}" for e in evidence)
         lines += [f"\nQueries: {counts}.\n"]
         confidence = round(100 * summary["confidence"])
         lines += [f"Difference to `{baseline}` ×100 [hierarchical paired bootstrap {confidence}% interval: seeds, "
                   f"then queries, on matched seeds] (two-sided bootstrap p):\n", _header(["loss", *evidence])]
-        for condition in summary["conditions"][1:]:
-            cells = []
-            for e in evidence:
-                d = summary["vs_baseline"][pool][e][condition]
-                cells.append(f"{100 * d['diff']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] "
-                             f"(p={d['p_value']:.2f})")
+        for condition, *values in difference_rows(summary, pool)[1]:
+            cells = [f"{diff:+.1f} [{low:+.1f}, {high:+.1f}] (p={p:.2f})"
+                     for diff, low, high, p in zip(*(values[k::4] for k in range(4)))]
             lines.append(f"| {condition} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += _verdict_lines(summary) + _curve_lines(summary)
@@ -339,6 +334,43 @@ def markdown(summary: dict[str, Any], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+SCORE_STATS = ("mean", "std")
+DIFFERENCE_STATS = ("diff", "low", "high", "p_value")
+
+
+def score_rows(summary: dict[str, Any], pool: str) -> tuple[list[str], list[list[Any]]]:
+    """Table 5 of ``pool``: per condition, each evidence type's nDCG@5 mean and std over seeds (×100), unrounded;
+    what :func:`markdown` and the W&B table show."""
+    table, evidence = summary[METRIC][pool], summary["evidence"]
+    return ["loss", *(f"{e} {stat}" for e in evidence for stat in SCORE_STATS)], [
+        [condition, *(100 * table[e][condition][stat] for e in evidence for stat in SCORE_STATS)]
+        for condition in summary["conditions"]]
+
+
+def difference_rows(summary: dict[str, Any], pool: str) -> tuple[list[str], list[list[Any]]]:
+    """Per condition but the baseline, each evidence type's difference to it, its interval (×100) and p-value."""
+    evidence = summary["evidence"]
+    return ["loss", *(f"{e} {stat}" for e in evidence for stat in DIFFERENCE_STATS)], [
+        [condition, *(summary["vs_baseline"][pool][e][condition][stat] * (1 if stat == "p_value" else 100)
+                      for e in evidence for stat in DIFFERENCE_STATS)]
+        for condition in summary["conditions"][1:]]
+
+
+def verdict_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """Each judged claim: text, conditions, queries, pool, difference better − worse, its interval (×100), verdict."""
+    return ["claim", "better", "worse", "evidence", "pool", "diff", "low", "high", "verdict"], [
+        [v["text"], v["better"], v["worse"], v["evidence"], v["pool"], 100 * v["diff"], 100 * v["low"],
+         100 * v["high"], v["verdict"]] for v in summary["verdicts"]]
+
+
+def log_summary(run_logger: RunLogger, summary: dict[str, Any], prefix: str = "ablation") -> None:
+    """The summary's tables in W&B (no-op without it): per pool the scores and the differences, then the verdicts."""
+    for pool in summary["pools"]:
+        run_logger.table(f"{prefix}/{pool}/ndcg@5", *score_rows(summary, pool))
+        run_logger.table(f"{prefix}/{pool}/vs_baseline", *difference_rows(summary, pool))
+    run_logger.table(f"{prefix}/verdicts", *verdict_rows(summary))
+
+
 def _verdict_lines(summary: dict[str, Any]) -> list[str]:
     if not summary["verdicts"]:
         return []
@@ -347,9 +379,9 @@ def _verdict_lines(summary: dict[str, Any]) -> list[str]:
              f"paired interval]; *reproduced*: the interval lies above 0; *not reproduced*: it lies below "
              f"{100 * summary['margin']:g} (the smallest effect of interest); else *inconclusive*.\n",
              _header(["claim", "queries", "pool", "difference", "verdict"])]
-    for v in summary["verdicts"]:
-        lines.append(f"| {v['text']} (`{v['better']}` vs `{v['worse']}`) | {v['evidence']} | {v['pool']} | "
-                     f"{100 * v['diff']:+.1f} [{100 * v['low']:+.1f}, {100 * v['high']:+.1f}] | **{v['verdict']}** |")
+    for text, better, worse, evidence, pool, diff, low, high, result in verdict_rows(summary)[1]:
+        lines.append(f"| {text} (`{better}` vs `{worse}`) | {evidence} | {pool} | "
+                     f"{diff:+.1f} [{low:+.1f}, {high:+.1f}] | **{result}** |")
     return [*lines, ""]
 
 
@@ -430,6 +462,13 @@ def aggregate(folder: str | Path, out_dir: str | Path | None = None, by: str | S
     write_text(out / "ablation.md", text)
     write_bytes(out / "ablation.png", plot(summary))
     print(text)
+    run_logger = RunLogger.from_defaults(out, f"ablation {Path(folder).name}", {
+        "folder": str(folder), "by": by, "seed_key": seed_key, "baseline": baseline, "n_resamples": n_resamples,
+        "margin": margin, "datasets": list(datasets)})
+    log_summary(run_logger, summary)
+    run_logger.image("ablation/plot", out / "ablation.png")
+    run_logger.artifact("ablation-report", "report", out, ["ablation.json", "ablation.md", "ablation.png"])
+    run_logger.finish()
     return summary
 
 

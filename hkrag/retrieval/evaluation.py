@@ -33,7 +33,7 @@ from hkrag.distributed import is_main, rank, world_size
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import config_hash, encode_corpus, load_shards
 from hkrag.io import atomic_directory, write_json
-from hkrag.retrieval.metrics import Run, check_qrels, evaluate_run, format_table
+from hkrag.retrieval.metrics import Run, check_qrels, evaluate_run, format_table, table_rows
 from hkrag.retriever import Phi3VRetriever, weights_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -299,7 +299,7 @@ def evaluate_ranker(
         return {}
     write_json(work_dir / PER_QUERY_FILE, per_query)
     tables = "\n\n".join(retrieval_table(results, metric) for metric in REPORTED_METRICS)
-    return {"results": results, "table": tables, "runs": runs}
+    return {"results": results, "table": tables, "runs": runs, "per_query": per_query}
 
 
 def save_queries(queries: Sequence[tuple[QAExample, np.ndarray]], work_dir: Path, identity: dict[str, Any]) -> None:
@@ -316,11 +316,31 @@ def save_queries(queries: Sequence[tuple[QAExample, np.ndarray]], work_dir: Path
 
 def retrieval_table(results: dict[str, dict[str, Any]], metric: str = "ndcg@5") -> str:
     """Markdown Table 2 (overall) plus one row per evidence label when the data carry labels."""
+    grid, pools_seen = retrieval_grid(results, metric)
+    return f"{metric} (x100)\n\n" + format_table(grid, pools=pools_seen)
+
+
+def retrieval_rows(results: dict[str, dict[str, Any]], metric: str = "ndcg@5") -> tuple[list[str], list[list[Any]]]:
+    """:func:`retrieval_table`'s header and rows (x100, unrounded): its W&B table."""
+    grid, pools_seen = retrieval_grid(results, metric)
+    return table_rows(grid, pools=pools_seen)
+
+
+def retrieval_grid(results: dict[str, dict[str, Any]], metric: str) -> tuple[dict[str, Any], list[str]]:
+    """Table 2's rows (all queries, then each evidence label) as :func:`format_table` input, and the pools."""
     keys = {k for by_pool in results.values() for r in by_pool.values() for k in r} - {"all", "num_queries"}
     labels = ["all", *sorted(keys)]
     rows = {"all queries" if label == "all" else label: metric_grid(results, label, metric) for label in labels}
-    pools_seen = list(dict.fromkeys(p for by_pool in results.values() for p in by_pool))
-    return f"{metric} (x100)\n\n" + format_table(rows, pools=pools_seen)
+    return rows, list(dict.fromkeys(p for by_pool in results.values() for p in by_pool))
+
+
+def per_query_rows(per_query: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> tuple[list[str], list[list[Any]]]:
+    """``per_query.json`` as a table: data set, pool, query id, then each query's recorded values (label, scores)."""
+    entries = [(ds, pool, qid, entry) for ds, by_pool in per_query.items() for pool, by_query in by_pool.items()
+               for qid, entry in by_query.items()]
+    keys = list(dict.fromkeys(key for *_, entry in entries for key in entry))
+    return ["dataset", "pool", "query_id", *keys], [[ds, pool, qid, *(entry.get(k) for k in keys)]
+                                                    for ds, pool, qid, entry in entries]
 
 
 def metric_grid(results: dict[str, dict[str, Any]], label: str, metric: str) -> dict[str, dict[str, float]]:

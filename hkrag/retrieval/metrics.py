@@ -22,6 +22,7 @@ import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytrec_eval
 
@@ -138,17 +139,31 @@ def format_table(
     """Markdown table like the paper's Table 2: one row per method, columns dataset × pool + average.
 
     ``results[method][dataset][pool]`` is a metric value in [0, 1] (shown × ``scale``). A missing
-    cell shows "–", and the average of a pool is shown only when every dataset has a value.
+    cell shows "–", and the average of a pool is shown only when every dataset has a value (:func:`table_rows`).
     """
+    header, rows = table_rows(results, datasets=datasets, pools=pools, scale=scale)
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for method, *values in rows:
+        lines.append(f"| {method} | " + " | ".join("–" if v is None else f"{v:.{digits}f}" for v in values) + " |")
+    return "\n".join(lines)
+
+
+def table_rows(
+    results: Mapping[str, Mapping[str, Mapping[str, float]]],
+    *,
+    datasets: Sequence[str] | None = None,
+    pools: Sequence[str] = ("single", "all"),
+    scale: float = 100.0,
+) -> tuple[list[str], list[list[Any]]]:
+    """:func:`format_table`'s header and rows, unrounded: the method, then each dataset × pool value and each
+    pool's average × ``scale`` (``None`` where missing); what the Markdown and the W&B table are built from."""
     datasets = list(datasets or dict.fromkeys(d for by_ds in results.values() for d in by_ds))
     columns = [(d, p) for d in [*datasets, "Avg."] for p in pools]
-    header = "| Method | " + " | ".join(f"{d} {p.capitalize()}" for d, p in columns) + " |"
-    lines = [header, "|---" * (len(columns) + 1) + "|"]
+    rows = []
     for method, by_dataset in results.items():
         cells = {(d, p): by_dataset.get(d, {}).get(p) for d in datasets for p in pools}
         for p in pools:
             values = [cells[d, p] for d in datasets]
             cells["Avg.", p] = None if None in values else sum(values) / len(values)
-        shown = ["–" if cells[c] is None else f"{scale * cells[c]:.{digits}f}" for c in columns]
-        lines.append(f"| {method} | " + " | ".join(shown) + " |")
-    return "\n".join(lines)
+        rows.append([method, *(None if cells[c] is None else scale * cells[c] for c in columns)])
+    return ["Method", *(f"{d} {p.capitalize()}" for d, p in columns)], rows

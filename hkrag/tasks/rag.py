@@ -48,9 +48,18 @@ from hkrag.rag.grader import build_grader
 from hkrag.rag.html import write_html
 from hkrag.rag.metrics import rule_metrics
 from hkrag.rag.records import Page, PageText, Query, QueryOutcome
-from hkrag.rag.report import MARKDOWN_FILE, RUN_CONFIG_FILE, flat_metrics, write_reports
+from hkrag.rag.report import (
+    MARKDOWN_FILE,
+    REPORT_FILE,
+    RUN_CONFIG_FILE,
+    comparison_rows,
+    flat_metrics,
+    layout_metrics,
+    query_rows,
+    write_reports,
+)
 from hkrag.rag.trace import MERGED_FILE, PARTS_DIR, TraceWriter, merge
-from hkrag.retrieval.evaluation import TABLE_FILE, evaluate_ranker
+from hkrag.retrieval.evaluation import PER_QUERY_FILE, TABLE_FILE, evaluate_ranker
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
     check_pools,
@@ -76,6 +85,7 @@ generator."""
 SURROGATE = re.compile("[\ud800-\udfff]")
 """A UTF-16 surrogate: never part of valid text in a Python string, and unencodable as UTF-8."""
 FAILURE_CHARS = 500
+HTML_FILE = "rag.html"
 """An unexpected error's message is cut to this many characters in ``failure``."""
 
 
@@ -424,8 +434,18 @@ def run_rag_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any
     return report(cfg, output_dir, plan, store, backend, judge)
 
 
+def log_report(run_logger: RunLogger, output_dir: Path, summary: dict[str, Any], outcomes: list[QueryOutcome]) -> None:
+    """The report in W&B (no-op without it): the Table 3/4/6 layout of each metric ``rag.md`` shows and the
+    per-query rows as tables; ``rag.{json,md,html}``, the trace and the retrieval table as an artifact."""
+    for metric in layout_metrics(summary):
+        run_logger.table(f"rag/{metric}", *comparison_rows({summary["config"]: summary}, metric))
+    run_logger.table("rag/per_query", *query_rows(outcomes))
+    run_logger.artifact("rag-report", "report", output_dir, [REPORT_FILE, MARKDOWN_FILE, HTML_FILE, MERGED_FILE,
+                                                             TABLE_FILE, f"retrieval/{PER_QUERY_FILE}"])
+
+
 def report(cfg: DictConfig, output_dir: Path, plan: list[PlannedQuery], store: PageStore, backend, judge) -> dict:
-    """Merge the trace and write ``rag.json``, ``rag.md``, ``rag.html``; log the summary to W&B."""
+    """Merge the trace and write ``rag.json``, ``rag.md``, ``rag.html``; log the summary and the report to W&B."""
     outcomes = merge(output_dir, [item.key for item in plan])
     meta = {
         "config": cfg.get("run_name", "rag"), "task": cfg.task.name, "retrieval": cfg.retrieval,
@@ -433,11 +453,12 @@ def report(cfg: DictConfig, output_dir: Path, plan: list[PlannedQuery], store: P
         "judge": judge.describe() if judge is not None else None, "environment": environment(),
     }
     summary = write_reports(output_dir, outcomes, meta)
-    write_html(output_dir / "rag.html", outcomes, store.image, title=f"HKRAG {cfg.task.name}: {meta['config']}")
+    write_html(output_dir / HTML_FILE, outcomes, store.image, title=f"HKRAG {cfg.task.name}: {meta['config']}")
     print((output_dir / MARKDOWN_FILE).read_text())
     run_logger = RunLogger(output_dir, project=cfg.logger.project, wandb_mode=cfg.logger.wandb_mode,
                            config=OmegaConf.to_container(cfg, resolve=True), name=cfg.get("run_name"))
     run_logger.summary(flat_metrics(summary))
+    log_report(run_logger, output_dir, summary, outcomes)
     run_logger.finish()
     logger.info("trace: %s; report: %s", output_dir / MERGED_FILE, output_dir / MARKDOWN_FILE)
     return summary

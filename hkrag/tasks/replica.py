@@ -58,7 +58,8 @@ from hkrag.rag import ablation as generator_table
 from hkrag.rag.report import REPORT_FILE as RAG_REPORT
 from hkrag.rag.report import sweep_summary
 from hkrag.rag.trace import MERGED_FILE, load_trace
-from hkrag.retrieval.ablation import TABLE5_CLAIMS, load_run, markdown, plot, summarize
+from hkrag.retrieval.ablation import TABLE5_CLAIMS, load_run, log_summary, markdown, plot, summarize
+from hkrag.run_log import RunLogger
 from hkrag.stats import Claim
 from hkrag.tasks import run_eval_task
 from hkrag.tasks.common import BASE_DIR, CONF_DIR, FINAL_ADAPTER
@@ -316,7 +317,27 @@ def write_report(config: ReplicaConfig, timings: dict[str, float]) -> dict[str, 
     write_json(config.out / "replica.json", report)
     write_text(config.out / "replica.md", "\n".join(sections))
     print(sections[0])
+    log_report(config.out, report)
     return report
+
+
+def log_report(out: Path, report: dict[str, Any]) -> None:
+    """The replica in a W&B run of its own when W&B is enabled (``WANDB_MODE``): each retriever table's scores,
+    differences and verdicts, Table 6 per page setting and its verdicts as tables; the plots as images;
+    ``replica.{md,json}``, the timings and the plots as an artifact."""
+    run_logger = RunLogger.from_defaults(out, f"replica {out.name}", report["settings"])
+    plots = [f"{name}.png" for name in report["tables"]]
+    for name, summary in report["tables"].items():
+        log_summary(run_logger, summary, name)
+        run_logger.image(f"{name}/plot", out / f"{name}.png")
+    for pages, summary in report.get("table6", {}).get("tables", {}).items():
+        run_logger.table(f"table6/{pages}", *generator_table.score_rows(summary))
+        run_logger.table(f"table6/{pages}/verdicts", *generator_table.verdict_rows(summary))
+    if "table6" in report:
+        plots.append("table6/sweep.png")
+        run_logger.image("table6/sweep", out / plots[-1])
+    run_logger.artifact("replica-report", "report", out, ["replica.json", "replica.md", TIMINGS_FILE, *plots])
+    run_logger.finish()
 
 
 def table6_report(config: ReplicaConfig) -> tuple[dict[str, Any], str]:

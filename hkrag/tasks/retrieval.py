@@ -20,11 +20,21 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from hkrag.environment import record_environment
+from hkrag.environment import ENVIRONMENT_FILE, record_environment
 from hkrag.io import write_json, write_text
 from hkrag.retrieval.baselines import BASELINES_FILE, BASELINES_TABLE, baselines_report
 from hkrag.retrieval.degradation import DegradationStudy, run_study
-from hkrag.retrieval.evaluation import TABLE_FILE, DenseRanker, Ranker, RetrievalEvalConfig, evaluate_ranker
+from hkrag.retrieval.evaluation import (
+    PER_QUERY_FILE,
+    REPORTED_METRICS,
+    TABLE_FILE,
+    DenseRanker,
+    Ranker,
+    RetrievalEvalConfig,
+    evaluate_ranker,
+    per_query_rows,
+    retrieval_rows,
+)
 from hkrag.retriever import Phi3VRetriever
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
@@ -191,4 +201,15 @@ def write_report(cfg: DictConfig, output_dir: Path, result: dict[str, Any]) -> N
     run_logger = RunLogger(output_dir, project=cfg.logger.project, wandb_mode=cfg.logger.wandb_mode,
                            config=OmegaConf.to_container(cfg, resolve=True), name=cfg.get("run_name"))
     run_logger.summary(flat_summary({"after": result["results"]}))
+    log_retrieval(run_logger, result)
+    run_logger.artifact("retrieval-report", "report", output_dir,
+                        ["retrieval.json", TABLE_FILE, PER_QUERY_FILE, ENVIRONMENT_FILE])
     run_logger.finish()
+
+
+def log_retrieval(run_logger: RunLogger, result: dict[str, Any], prefix: str = "retrieval") -> None:
+    """An evaluation's Table 2 of every reported metric (x100) and its per-query rows as W&B tables under
+    ``prefix/`` (no-op without W&B): the rows ``retrieval.md`` and ``per_query.json`` hold."""
+    for metric in REPORTED_METRICS:
+        run_logger.table(f"{prefix}/{metric}", *retrieval_rows(result["results"], metric))
+    run_logger.table(f"{prefix}/per_query", *per_query_rows(result["per_query"]))

@@ -29,6 +29,7 @@ from hkrag.retrieval.evaluation import (
     AFTER_TRAINING_DIR,
     BEFORE_TRAINING_DIR,
     CURVE_DIR,
+    PER_QUERY_FILE,
     TABLE_FILE,
     evaluate_retrieval,
 )
@@ -45,6 +46,7 @@ from hkrag.tasks.common import (
     prepare_data,
     shared_output_dir,
 )
+from hkrag.tasks.retrieval import log_retrieval
 from hkrag.tasks.validation import validate_config
 from hkrag.training.checkpoint import ADAPTER_DIR, FINAL_CHECKPOINT, resolve_resume
 from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
@@ -102,6 +104,7 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     if accelerator.is_main_process:
         report = write_report(output_dir, cfg, before, after, trainer.state.step, final)
         run_logger.summary(flat_summary(report))
+        log_report(run_logger, output_dir, {"before": before, "after": after})
     run_logger.finish()
     accelerator.wait_for_everyone()
     return report
@@ -209,6 +212,16 @@ def demo_figures_from_per_query(per_query: dict[str, Any]) -> dict[str, dict[str
 
     return demo_figures({name: {pool: means(rows) for pool, rows in pools.items()}
                          for name, pools in per_query.items()})
+
+
+def log_report(run_logger: RunLogger, output_dir: Path, results: dict[str, dict | None]) -> None:
+    """The report in W&B (no-op without it): Table 2 and the per-query rows of each evaluation (``before`` /
+    ``after``, as in ``report.json``) as tables, the report and the per-query files as an artifact."""
+    for key, result in results.items():
+        if result:
+            log_retrieval(run_logger, result, key)
+    per_query = [f"{folder}/{PER_QUERY_FILE}" for folder in (BEFORE_TRAINING_DIR, AFTER_TRAINING_DIR)]
+    run_logger.artifact("training-report", "report", output_dir, ["report.json", "report.md", *per_query])
 
 
 def write_report(output_dir: Path, cfg: DictConfig, before: dict | None, after: dict | None, steps: int,
