@@ -7,14 +7,24 @@ import os
 from pathlib import Path
 
 import pytest
-from _eval_config import tiny_eval_config
+from _eval_config import ROOT, tiny_eval_config
+from omegaconf import OmegaConf
 
 pytest.importorskip("mteb", reason='MTEB is an extra: pip install -e ".[mteb]" (in the dev extra)')
 
 from hkrag.data.opendocvqa import QUERY_PREFIX, format_query  # noqa: E402
 from hkrag.retrieval.evaluation import PER_QUERY_FILE  # noqa: E402
 from hkrag.retrieval.metrics import evaluate_run, trec_order  # noqa: E402
-from hkrag.retrieval.mteb_adapter import local_task, model_name, query_text  # noqa: E402
+from hkrag.retrieval.mteb_adapter import (  # noqa: E402
+    KNOWN_MODELS,
+    PHI3V,
+    known_facts,
+    local_task,
+    model_meta,
+    model_name,
+    query_text,
+)
+from hkrag.retriever import LoraSettings, Phi3VRetriever  # noqa: E402
 from hkrag.tasks.mteb import MTEB_DIR, PREDICTIONS_DIR, SUMMARY_FILE, TABLE_FILE, run_mteb  # noqa: E402
 from hkrag.tasks.retrieval import run_retrieval_evaluation  # noqa: E402
 
@@ -27,12 +37,38 @@ def config(tmp_path: Path, out: str, *overrides: str):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """``task=retrieval`` and ``task=mteb benchmark=local`` on the same tiny corpus and tiny random model."""
+    """``task=retrieval`` and ``task=mteb benchmark=local`` on the same tiny corpus and tiny random model; the
+    number of pages and queries the MTEB run hands the retriever to encode is in ``tmp_path / "encoded.json"``."""
     tmp_path = tmp_path_factory.mktemp("mteb")
     ours = run_retrieval_evaluation(config(tmp_path, "retrieval"), tmp_path / "retrieval")
     overrides = ("task=mteb", "benchmark=local", f"task.model_name={MODEL}")
-    theirs = run_mteb(config(tmp_path, "mteb", *overrides), tmp_path / "mteb")
+    encoded = {"pages": 0, "queries": 0}
+
+    def counting(method, what):
+        def encode(self, items, *args, **kwargs):
+            encoded[what] += len(items)
+            return method(self, items, *args, **kwargs)
+        return encode
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Phi3VRetriever, "encode_documents", counting(Phi3VRetriever.encode_documents, "pages"))
+        patch.setattr(Phi3VRetriever, "encode_queries", counting(Phi3VRetriever.encode_queries, "queries"))
+        theirs = run_mteb(config(tmp_path, "mteb", *overrides), tmp_path / "mteb")
+    (tmp_path / "encoded.json").write_text(json.dumps(encoded))
     return tmp_path, ours, theirs
+
+
+def test_local_tasks_encode_each_page_and_query_once(runs):
+    """Four tasks (two data sets, each in its own pool and in ``all``) rank 3 + 15 + 3 + 15 pages for 3 + 3 + 3 + 3
+    questions (36 pages and 12 queries encoded before); the 15 pages of ``all`` and the 6 questions, once each."""
+    from hkrag.data.opendocvqa import load_corpus, load_qa
+
+    tmp_path, _, _ = runs
+    source = tmp_path / "data" / "synthetic"
+    pages = len(load_corpus(str(source / "corpus"), "all", "test"))
+    questions = sum(len(load_qa(str(source / "qa"), name, "test")) for name in ("synchart", "syninfo"))
+    assert json.loads((tmp_path / "encoded.json").read_text()) == {"pages": pages, "queries": questions}
+    assert pages > max(len(load_corpus(str(source / "corpus"), name, "test")) for name in ("synchart", "syninfo"))
 
 
 def test_mteb_ndcg_at_5_equals_task_retrieval(runs):
@@ -148,3 +184,31 @@ def test_bad_settings_fail_before_any_work(tmp_path, setting, message):
     with pytest.raises(ValueError, match=message):
         run_mteb(config(tmp_path, "o", "task=mteb", "benchmark=local", setting), tmp_path / "o")
     assert not (tmp_path / "data").exists()  # before the corpus is generated or the model loaded
+
+
+VDOC = "NTT-hil-insight/VDocRetriever-Phi3-vision"
+
+
+def test_model_meta_says_what_is_known_of_phi3v_vdocretriever_and_our_runs(tmp_path):
+    assert known_facts(PHI3V, None) == {"release_date": "2024-05-21", "license": "mit", "open_weights": True,
+                                        "reference": f"https://huggingface.co/{PHI3V}", "training_datasets": None}
+    vdoc = known_facts(PHI3V, VDOC)
+    assert vdoc["adapted_from"] == PHI3V and vdoc["open_weights"] is True and "license" not in vdoc
+    assert vdoc["public_training_data"] == "https://huggingface.co/datasets/NTT-hil-insight/OpenDocVQA"
+    assert vdoc["training_datasets"] == {"VidoreInfoVQARetrieval"}
+    for data, expected in [("synthetic", set()), ("opendocvqa", {"VidoreInfoVQARetrieval"}), (None, None)]:
+        run = tmp_path / str(data)
+        adapter = run / "checkpoints" / "final" / "adapter"
+        adapter.mkdir(parents=True)
+        if data:
+            (run / ".hydra").mkdir()
+            OmegaConf.save({"data": OmegaConf.load(ROOT / "conf" / "data" / f"{data}.yaml")},
+                           run / ".hydra" / "config.yaml")  # as train.py with data=<data> saves it
+        assert known_facts(PHI3V, adapter) == {"adapted_from": PHI3V, "training_datasets": expected}, data
+    assert known_facts(str(tmp_path / "base"), None) == {}  # the tiny random model: nothing known
+
+    retriever = Phi3VRetriever.tiny(lora=LoraSettings(r=2, alpha=4, dropout=0.0))
+    meta = model_meta(retriever, "hkrag/vdoc", base=PHI3V, adapter=VDOC)  # MTEB validates the fields
+    assert (meta.license, meta.open_weights, meta.adapted_from) == (None, True, PHI3V)
+    assert meta.get_training_datasets() >= {"VidoreInfoVQARetrieval"}
+    assert model_meta(retriever, "hkrag/phi3v", base=PHI3V).license == "mit" == KNOWN_MODELS[PHI3V]["license"]

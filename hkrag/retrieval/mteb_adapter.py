@@ -13,6 +13,7 @@ MTEB is imported by this module and :mod:`hkrag.tasks.mteb` only, so ``import hk
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import datasets
 import numpy as np
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
 
 from hkrag.data.opendocvqa import QUERY_PREFIX, Corpus, QAExample, format_query, qrels
@@ -44,6 +47,30 @@ ADAPTER_SUFFIX = ("checkpoints", "final", "adapter")
 LOCAL_REVISION = "local"
 HUB_ID = r"[\w.-]+/[\w.-]+"
 """A model name as MTEB and the hub write it: ``organisation/model``."""
+
+PHI3V = "microsoft/Phi-3-vision-128k-instruct"
+OPENDOCVQA = "NTT-hil-insight/OpenDocVQA"
+OPENDOCVQA_IN_MTEB = frozenset({"VidoreInfoVQARetrieval"})
+"""MTEB tasks drawn from a data set OpenDocVQA trains on: InfoVQA (the HKRAG paper's Table 2 marks its InfoVQA test
+as having training samples in OpenDocVQA; ChartQA and SlideVQA are zero-shot there). Whether OpenDocVQA also trains
+on DocVQA was not checked, so ``VidoreDocVQARetrieval`` is not listed."""
+KNOWN_MODELS: dict[str, dict[str, Any]] = {
+    # https://huggingface.co/microsoft/Phi-3-vision-128k-instruct: "License: mit"; its commit history shows the files
+    # uploaded on 2024-05-20 and the model card published on 2024-05-21 (announced at Microsoft Build that day).
+    # Its training data (Phi-3 technical report: public documents, image-text data, synthetic data) holds no MTEB
+    # task that is known, hence None (unknown), not an empty set.
+    PHI3V: {"release_date": "2024-05-21", "license": "mit", "open_weights": True,
+            "reference": f"https://huggingface.co/{PHI3V}", "training_datasets": None},
+    # VDocRAG (Tanaka et al., CVPR 2025, arXiv:2504.09795): the VDocRAG model cards on the hub say the models were
+    # trained on NTT-hil-insight/OpenDocVQA (with the corpus NTT-hil-insight/OpenDocVQA-Corpus) from Phi-3-vision.
+    # Public weights (a peft adapter on the hub); its licence and release date were not found in what we could
+    # check, so they stay None.
+    "NTT-hil-insight/VDocRetriever-Phi3-vision": {
+        "open_weights": True, "reference": "https://huggingface.co/NTT-hil-insight/VDocRetriever-Phi3-vision",
+        "adapted_from": PHI3V, "public_training_data": f"https://huggingface.co/datasets/{OPENDOCVQA}",
+        "training_datasets": set(OPENDOCVQA_IN_MTEB)},
+}
+"""What is known of the public models this retriever loads, for :func:`model_meta` (sources in the comments)."""
 
 
 def query_text(text: str) -> str:
@@ -75,28 +102,61 @@ def check_model_name(name: str) -> str:
     return name
 
 
-def model_meta(retriever: Phi3VRetriever, name: str, revision: str | None = None) -> ModelMeta:
+def model_meta(retriever: Phi3VRetriever, name: str, revision: str | None = None, base: str | Path | None = None,
+               adapter: str | Path | None = None) -> ModelMeta:
     """MTEB's metadata of ``retriever``: ``name`` (``org/model``), ``revision`` (default: a fingerprint of its
-    weights, so two checkpoints never share a results folder), parameter count and embedding size."""
+    weights, so two checkpoints never share a results folder), parameter count and embedding size, and what is
+    known of the model it loads (:func:`known_facts` of ``base`` and ``adapter``; unknown fields stay None)."""
     config = retriever.backbone.config
+    facts = {"release_date": None, "license": None, "open_weights": None, "public_training_data": None,
+             "reference": None, "training_datasets": None, **known_facts(base, adapter)}
     return ModelMeta(
         loader=None, name=check_model_name(name), revision=revision or weights_fingerprint(retriever),
-        release_date=None, languages=["eng-Latn"], n_parameters=sum(p.numel() for p in retriever.model.parameters()),
+        languages=["eng-Latn"], n_parameters=sum(p.numel() for p in retriever.model.parameters()),
         memory_usage_mb=None, max_tokens=getattr(config, "max_position_embeddings", None),
-        embed_dim=config.hidden_size, license=None, open_weights=None, public_training_code=None,
-        public_training_data=None, framework=["PyTorch", "Transformers"], reference=None,
-        similarity_fn_name=ScoringFunction.COSINE, use_instructions=True, training_datasets=None,
-        modalities=["image", "text"], model_type=["dense"],
+        embed_dim=config.hidden_size, public_training_code=None, framework=["PyTorch", "Transformers"],
+        similarity_fn_name=ScoringFunction.COSINE, use_instructions=True, modalities=["image", "text"],
+        model_type=["dense"], **facts,
     )
+
+
+def known_facts(base: str | Path | None, adapter: str | Path | None) -> dict[str, Any]:
+    """:data:`KNOWN_MODELS`' entry of the adapter (or, without one, the base); for a ``train.py`` run's adapter, the
+    base it adapts (a hub id) and the MTEB tasks among its training data (:func:`run_training_datasets`)."""
+    if adapter is None:
+        return dict(KNOWN_MODELS.get(str(base), {}))
+    if str(adapter) in KNOWN_MODELS:
+        return dict(KNOWN_MODELS[str(adapter)])
+    facts: dict[str, Any] = {"adapted_from": str(base)} if base is not None and is_hub_id(base) else {}
+    return {**facts, "training_datasets": run_training_datasets(Path(adapter))}
+
+
+def run_training_datasets(adapter: Path) -> set[str] | None:
+    """The MTEB tasks among the training data of the ``train.py`` run whose final adapter is ``adapter``, from its
+    ``.hydra/config.yaml``: none for the built-in synthetic corpus, :data:`OPENDOCVQA_IN_MTEB` for OpenDocVQA; None
+    (unknown) for another data set or when the run's config cannot be read."""
+    if adapter.parts[-len(ADAPTER_SUFFIX):] != ADAPTER_SUFFIX:
+        return None
+    try:
+        config = OmegaConf.load(adapter.parents[len(ADAPTER_SUFFIX) - 1] / ".hydra" / "config.yaml")
+        data = OmegaConf.to_container(config, resolve=False).get("data") or {}  # as written: no paths to resolve
+    except (OSError, OmegaConfBaseException, AttributeError):
+        return None
+    return set() if data.get("synthetic") else set(OPENDOCVQA_IN_MTEB) if data.get("qa_source") == OPENDOCVQA else None
 
 
 class MTEBRetriever(AbsEncoder):
     """A :class:`Phi3VRetriever` as an MTEB encoder: queries are texts (our instruction added), documents are
-    page images; embeddings are L2-normalised, so MTEB's cosine similarity is our FAISS inner product."""
+    page images; embeddings are L2-normalised, so MTEB's cosine similarity is our FAISS inner product.
+
+    Each query (by its text) and page (by its pixels) is encoded once per encoder: MTEB encodes every task's corpus
+    anew, and the tasks of ``benchmark=local`` share their pages (a data set's own pool lies in the ``all`` pool,
+    which every data set's ``all`` task ranks again). The embeddings are kept in memory (``embeddings``)."""
 
     def __init__(self, retriever: Phi3VRetriever, meta: ModelMeta) -> None:
         self.model = retriever
         self.mteb_model_meta = meta
+        self.embeddings: dict[tuple[str, str], np.ndarray] = {}
 
     def encode(
         self,
@@ -116,21 +176,34 @@ class MTEBRetriever(AbsEncoder):
             raise ValueError(f"MTEB task {task_metadata.name} ({hf_subset}/{hf_split}): its "
                              f"{prompt_type or 'document'}s have no {column!r} column (columns: "
                              f"{inputs.dataset.column_names}); this retriever reads text queries and page images")
-        encode = self._queries if column == "text" else self._pages
         batches = tqdm(inputs, desc=f"{task_metadata.name} {column}s", disable=not show_progress_bar)
         was_training = self.model.training
         self.model.eval()
         try:
-            out = [encode(batch[column]).float().numpy() for batch in batches]
+            out = [self._encode_once(column, batch[column]) for batch in batches]
         finally:
             self.model.train(was_training)
         return np.concatenate(out) if out else np.empty((0, self.mteb_model_meta.embed_dim), np.float32)
+
+    def _encode_once(self, column: str, items: Sequence[Any]) -> np.ndarray:
+        """Embeddings of ``items`` (texts or images), encoding only those not encoded before, each once."""
+        keys = [(column, query_text(item)) if column == "text" else (column, image_key(item)) for item in items]
+        todo = {key: item for key, item in zip(keys, items) if key not in self.embeddings}
+        if todo:
+            encode = self._queries if column == "text" else self._pages
+            self.embeddings.update(zip(todo, encode(list(todo.values())).float().numpy()))
+        return np.stack([self.embeddings[key] for key in keys])
 
     def _queries(self, texts: Sequence[str]) -> torch.Tensor:
         return self.model.encode_queries([query_text(text) for text in texts], batch_size=len(texts))
 
     def _pages(self, images: Sequence[Any]) -> torch.Tensor:
         return self.model.encode_documents([image.convert("RGB") for image in images], batch_size=len(images))
+
+
+def image_key(image: Any) -> str:
+    """A page image's identity for :class:`MTEBRetriever`'s embeddings: its mode, size and pixels' sha256."""
+    return f"{image.mode}{image.size}:{hashlib.sha256(image.tobytes()).hexdigest()}"
 
 
 class LocalRetrievalTask(AbsTaskRetrieval):

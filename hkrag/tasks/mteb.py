@@ -4,8 +4,10 @@
 ``benchmark`` names an MTEB benchmark (``ViDoRe(v1)``), an MTEB task (``VisRAGRetChartQA``), ``local`` (the
 evaluation's own data sets and pools, ``data=`` / ``eval.*``, as local MTEB tasks: no hub needed) or a list of
 these. Every task's data is loaded before the model, so a machine without hub access fails at once with the
-task's name. MTEB writes its result files (``results/<model>/<revision>/<Task>.json`` and ``model_meta.json``,
-the layout of a leaderboard submission) under ``<output_dir>/mteb``, and each task's ranking under
+task's name. Each page and query is encoded once for all the tasks (:class:`MTEBRetriever` keeps the embeddings:
+``benchmark=local``'s tasks share their pages). MTEB writes its result files
+(``results/<model>/<revision>/<Task>.json`` and ``model_meta.json``, the layout of a leaderboard submission) under
+``<output_dir>/mteb``, and each task's ranking under
 ``mteb/predictions``; tasks already there are not run again (``task.overwrite_strategy``).
 The main scores go to ``mteb.json`` / ``mteb.md`` and the run's summary. Importing this module needs MTEB (the
 adapter says how to install it); ``eval.py`` imports it only for ``task=mteb``.
@@ -55,7 +57,8 @@ def run_mteb(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     tasks = mteb_tasks(cfg)
     retriever = build_retriever(model_cfg, trainable=False)
     retriever.model.to(accelerator.device)
-    encoder = MTEBRetriever(retriever, model_meta(retriever, name, cfg.task.get("revision")))
+    encoder = MTEBRetriever(retriever, model_meta(retriever, name, cfg.task.get("revision"), model_cfg.get("base"),
+                                                  identity["adapter"]))
     result = evaluate(encoder, tasks, cache=ResultCache(output_dir / MTEB_DIR),
                       encode_kwargs={"batch_size": cfg.eval.doc_batch_size},
                       overwrite_strategy=overwrite,
