@@ -84,15 +84,15 @@ class RunLogger:
 
     def artifact(self, name: str, kind: str, folder: str | Path, files: Iterable[str]) -> None:
         """The report ``files`` of ``folder`` (paths relative to it; those that exist) as one artifact
-        ``<name>-<run id>`` of type ``kind``, each file under its relative path."""
-        if self.run is None:
+        ``<name>-<run id>`` of type ``kind``, each file under its relative path (none when no file exists)."""
+        present = [str(file) for file in files if (Path(folder) / file).is_file()]
+        if self.run is None or not present:
             return
         import wandb
 
         artifact = wandb.Artifact(re.sub(r"[^\w.-]", "_", f"{name}-{self.run.id}"), type=kind)
-        for file in files:
-            if (Path(folder) / file).is_file():
-                artifact.add_file(str(Path(folder) / file), name=str(file))
+        for file in present:
+            artifact.add_file(str(Path(folder) / file), name=file)
         self.run.log_artifact(artifact)
 
     def finish(self) -> None:
