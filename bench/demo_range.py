@@ -83,7 +83,9 @@ def load_runs(report: Path) -> list[dict]:
 
 
 def cell_range(values: list[float]) -> str:
-    return f"{min(values):.1f}–{max(values):.1f}"
+    """``lo–hi`` at one decimal (the README's cell format); one value when they agree."""
+    lo, hi = f"{min(values):.1f}", f"{max(values):.1f}"
+    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def summarize(report: Path) -> dict:
@@ -139,8 +141,9 @@ def render(summary: dict, kernels: list[str]) -> str:
                      f"{r['final_loss']:.3f} | {', '.join(map(str, r['loss_jumps'])) or 'none'} |")
     lines += ["", "## Where the kernel paths' training losses part (first step, relative difference > 1e-4)", ""]
     lines += [f"- {name}: step {step}" for name, step in summary["loss_parts_at_step"].items()]
-    env = next((r["environment"] for r in summary["runs"] if r["environment"]), None)
-    lines += ["", f"Machine: {describe(env) if env else describe(environment())}", f"Jump rule: {summary['jump_rule']}"]
+    env = next((r["environment"] for r in summary["runs"] if r["kernel"] == "native" and r["environment"]), None)
+    lines += ["", f"Machine (`native` runs; each run's ATen kernel path is in the table above): "
+              f"{describe(env or environment())}", f"Jump rule: {summary['jump_rule']}"]
     return "\n".join(lines) + "\n"
 
 
