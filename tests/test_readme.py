@@ -1,0 +1,397 @@
+"""The README runs: every command in the shell blocks of README.md and docs/*.md parses, runs at tiny scale where it
+can offline, and `python train.py` (the quick start) runs verbatim and lands in the README's demo table.
+
+The commands are read from the documents at collection time (tests/readme_commands.py), so a new one is tested
+without editing this file; one that cannot run here must be listed in OFFLINE (or EXTERNAL) with the reason, one too
+long for the default suite in SLOW (`python -m pytest -m slow tests/test_readme.py` runs those). Runs happen in a
+temporary working directory (symlinks to train.py, eval.py, conf/), never in the repository's data/ or outputs/:
+the demo's run serves `run_dir=latest` and `outputs/train/<stamp>`; commands reading `data/synthetic/corpus`
+directly (OCR, degradation, PDFs) run in a second directory with a small corpus. Shrinking overrides are appended
+unless the command sets the key itself. Slow commands that read an earlier command's output (the sweeps, the mining
+steps) run in document order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from hkrag.tasks.training import DEMO_COLUMNS, DEMO_ROWS, demo_figures
+
+sys.path.insert(0, str(Path(__file__).parent))
+import readme_commands as rc  # noqa: E402
+
+ROOT = rc.ROOT
+COMMANDS = rc.commands()
+DEMO = "python train.py"
+"""The quick start's main job; it runs exactly as written."""
+LINKED = ("train.py", "eval.py", "conf", "scripts", "constraints.txt", "pyproject.toml")
+"""What a working directory needs from the repository (weights come through HKRAG_WEIGHTS_DIR)."""
+TIMEOUT_S = 900
+DEMO_TABLE_HEADER = "| queries | before (the shipped reader), single"
+
+EXTERNAL: tuple[tuple[str, str], ...] = (
+    (r"^vllm ", "vLLM's server (GPU, hub weights), not installed here"),
+    (r"-m sglang\.", "SGLang's server (GPU, hub weights), not installed here"),
+    (r"^(mkdir|git) ", "set-up of the one-off comparison with the original remote code (docs/phi3v_fidelity.md)"),
+)
+"""Commands of programs outside this project: neither parsed nor run (regex on the command, reason)."""
+
+OFFLINE: tuple[tuple[str, str], ...] = (
+    (r"(^|/)pip install", "installs packages over the network (checked: requirements, extras, constraints file)"),
+    (r"-m pytest", "the test suite itself, which CI runs (.ci/run; checked: markers and paths)"),
+    (r"data=opendocvqa|opendocvqa_corpus", "OpenDocVQA from the Hugging Face hub (network)"),
+    (r"experiment=(hkrag_retriever|ablation_|pretrain_vdocrag|generator_vdocrag)",
+     "paper scale: the 4.2B Phi-3-vision from the hub, a GPU"),
+    (r"^accelerate launch", "several GPUs (DDP / DeepSpeed) and, here, paper-scale models"),
+    (r"lvlm=openai|judge=openai", "an OpenAI-compatible endpoint (tests/test_lvlm_http.py covers the client)"),
+    (r"task=mteb(?!.*benchmark=local)", "MTEB's ViDoRe / VisRAG benchmarks from the hub (network)"),
+    (r"hkrag\.lvlm\.serve", "a server that runs until stopped (tests/test_lvlm_http.py serves one over loopback)"),
+    (r"compare_phi3v_reference|/tmp/refenv|-m venv",
+     "the one-off comparison with the original remote code: a second venv (transformers 4.45.2) and a mirror"),
+    (r" \.\.\. resume=latest", "`...` stands for the interrupted run's own overrides (tests/test_training.py "
+     "resumes exactly)"),
+    (r"runs/(index|corpus)", "a user's own index and embeddings under runs/ (tests/test_index_tuning.py, "
+     "tests/test_retrieval_budget.py run the same code)"),
+)
+"""Commands that cannot run offline here: their parse is checked, their run skipped with the reason."""
+
+SLOW: tuple[tuple[str, str], ...] = (
+    (r"^python train\.py -m ", "a sweep of 12 demo runs (about 10 min; tiny: 12 short runs)"),
+    (r"multirun/train/<stamp>", "reads the sweep's output"),
+    (r"hkrag\.tasks\.(replica|chain)", "runs of runs (minutes even with their tiny flags)"),
+    (r"^python eval\.py -m ", "a sweep over the Judger threshold"),
+    (r"multirun/eval/<stamp>", "reads the sweep's output"),
+    (r"degrade=|task=degradation", "re-OCRs every degraded page"),
+    (r"text_column=ocr_text", "needs the OCR'd corpus: runs after the OCR command"),
+    (r"eval\.split=train|hkrag\.index\.mine|negatives_file=", "hard-negative mining: encodes the training corpus"),
+)
+"""Commands too long for the default suite (they run under ``-m slow``), with the reason."""
+
+TINY_FLAGS: tuple[tuple[str, str], ...] = (
+    (r"hkrag\.tasks\.replica", "--quick --steps 2 --eval-every 2 --generator-steps 2 --eval rag.max_queries=2"),
+    (r"hkrag\.tasks\.chain", "--generator-steps 2 --curve-every 0 --eval rag.max_queries=2"),
+)
+"""Each runs-of-runs module's own flags that shrink it (the train.py shrink overrides follow them)."""
+
+SMALL_DATA = ("data.synthetic.n_train=40", "data.synthetic.n_test=12", "data.synthetic.train_groups_per_style=2",
+              "data.synthetic.test_groups_per_style=1", "paths.data_dir=small-data")
+TRAIN_SHRINK = ("trainer.max_steps=2", "trainer.global_batch_size=8", "trainer.save_every=null",
+                "trainer.eval_every=0", "model.num_crops=4", "eval.doc_batch_size=16",
+                "data.eval_datasets=[synchart,synfine]", *SMALL_DATA, "generator_training.optim.max_steps=2",
+                "generator_training.optim.batch_size=2", "generator_training.max_queries=8")
+"""train.py overrides that shrink a run to seconds (only keys the composed config has and the command leaves)."""
+RUNS_SHRINK = ("trainer.max_steps=2", "trainer.global_batch_size=8", "eval.doc_batch_size=16",
+               "data.eval_datasets=[synchart,synfine]", *SMALL_DATA)
+"""The train.py overrides a runs-of-runs module passes to every run it starts."""
+EVAL_SHRINK = ("rag.max_queries=2", "rag.pools=[single]", "eval.pools=[single]", "data.eval_datasets=[synfine]",
+               "degradation.ocr_workers=1")
+"""eval.py overrides that shrink a run (on the demo's corpus: one data set, its own pool, two questions)."""
+SMALL_WORKSPACE = re.compile(r"hkrag\.data\.(ocr|degrade|pdf)|text_column=ocr_text|degrade=|task=degradation")
+"""Commands that run in the workspace with the small corpus (they read every page of data/synthetic/corpus)."""
+
+
+def first_match(table: tuple[tuple[str, str], ...], text: str) -> str | None:
+    return next((reason for pattern, reason in table if re.search(pattern, text)), None)
+
+
+def parse_param(command: rc.Command):
+    reason = first_match(EXTERNAL, command.text)
+    marks = [pytest.mark.skip(reason=f"not parsed: {reason}")] if reason else []
+    return pytest.param(command, marks=marks, id=command.text)
+
+
+def run_param(command: rc.Command):
+    reason = first_match(EXTERNAL, command.text) or first_match(OFFLINE, command.text)
+    slow = first_match(SLOW, command.text)
+    marks = [pytest.mark.skip(reason=f"cannot run offline: {reason}")] if reason else []
+    marks += [pytest.mark.slow] if slow and not reason else []
+    return pytest.param(command, marks=marks, id=command.text)
+
+
+def environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HKRAG_RUN_DIR", "HKRAG_DATA_DIR")}
+    return {**env, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "HKRAG_WEIGHTS_DIR": str(ROOT / "weights")}
+
+
+def run_shell(text: str, cwd: Path, timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run ``text`` with bash in ``cwd``; on failure the test fails with the command, exit status and stderr's tail."""
+    try:
+        result = subprocess.run(["bash", "-c", text], cwd=cwd, env=environment(), capture_output=True, text=True,
+                                timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"{text}\n(in {cwd}) did not finish in {timeout} s; stderr tail:\n{(expired.stderr or '')[-3000:]}")
+    if result.returncode != 0:
+        pytest.fail(f"{text}\n(in {cwd}) exited {result.returncode}; stderr tail:\n{result.stderr[-4000:]}")
+    return result
+
+
+def workspace(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for name in LINKED:
+        (root / name).symlink_to(ROOT / name)
+    return root
+
+
+@pytest.fixture(scope="session")
+def demo_workspace(tmp_path_factory) -> Path:
+    return workspace(tmp_path_factory.mktemp("readme") / "work")
+
+
+@pytest.fixture(scope="session")
+def demo_run(demo_workspace) -> Path:
+    """``python train.py`` exactly as the README's quick start runs it (the demo's corpus, the shipped reader,
+    324 steps), in the temporary working directory; its run folder."""
+    run_shell(DEMO, demo_workspace)
+    runs = sorted((demo_workspace / "outputs" / "train").glob("*/report.json"))
+    assert len(runs) == 1, f"`{DEMO}` wrote {len(runs)} reports: {runs}"
+    return runs[0].parent
+
+
+@pytest.fixture(scope="session")
+def small_workspace(tmp_path_factory) -> Path:
+    """A working directory whose data/synthetic is a small corpus (20 pages) and reports/ two PDFs, with
+    Tesseract installed: for the commands that read every page."""
+    from PIL import Image
+
+    from hkrag.data.ocr import OcrUnavailable, install_tesseract
+    from hkrag.data.synthetic import SyntheticConfig, generate
+
+    try:
+        install_tesseract("eng")
+    except OcrUnavailable as reason:
+        pytest.skip(f"Tesseract: {reason}")
+    root = workspace(tmp_path_factory.mktemp("readme-small") / "work")
+    generate(root / "data" / "synthetic", SyntheticConfig(n_train=10, n_test=10, train_groups_per_style=1,
+                                                          test_groups_per_style=1, group_size=2,
+                                                          train_fine_groups=1, test_fine_groups=1))
+    (root / "reports").mkdir()
+    for name, colour in (("a.pdf", "white"), ("b.pdf", "lightgrey")):
+        pages = [Image.new("RGB", (200, 280), colour) for _ in range(2)]
+        pages[0].save(root / "reports" / name, "PDF", save_all=True, append_images=pages[1:], resolution=72)
+    return root
+
+
+def newest(folder: Path) -> Path:
+    found = sorted(path for path in folder.glob("*") if path.is_dir())
+    if not found:
+        pytest.fail(f"nothing under {folder}: the command that writes it runs earlier in its document (-m slow)")
+    return found[-1]
+
+
+def placeholder_values(text: str, request, cwd: Path) -> dict[str, str]:
+    """Concrete values for the placeholders ``text`` names, from the fixtures' runs."""
+    values = dict(rc.PARSE_VALUES)
+    needed = rc.needed_values(text)
+    if {"train_run", "shards", "queries", "qrels", "adapter"} & set(needed):
+        run = request.getfixturevalue("demo_run").relative_to(request.getfixturevalue("demo_workspace"))
+        after = run / "eval-after"
+        values.update(train_run=str(run), adapter=str(run / "checkpoints" / "final" / "adapter"),
+                      shards=f"--shards {after / 'embeddings-all'}", queries=f"--queries {after / 'queries'}",
+                      qrels=f"--qrels {after / 'qrels.json'}")
+    if "train_sweep" in needed:
+        values["train_sweep"] = str(newest(cwd / "multirun" / "train"))
+    if "eval_sweep" in needed:
+        values["eval_sweep"] = str(newest(cwd / "multirun" / "eval"))
+    if "rag_runs" in needed:
+        values["rag_runs"] = " ".join(map(str, request.getfixturevalue("rag_runs")))
+    if "out_dir" in needed:
+        values["out_dir"] = "--out outputs/readme/out-dir"
+    return values
+
+
+@pytest.fixture(scope="session")
+def rag_runs(demo_workspace) -> list[Path]:
+    """Two RAG runs for `python -m hkrag.rag compare`: those of the commands run before it, else two tiny
+    `eval.py task=generation` runs (single-pass and HKRAG's agents)."""
+    runs = sorted(path.parent.relative_to(demo_workspace)
+                  for path in (demo_workspace / "outputs" / "readme").glob("*/rag.json"))
+    if len(runs) >= 2:
+        return runs[:2]
+    runs = []
+    for generator in ("single_pass", "hkrag"):
+        folder = Path("outputs", "readme", f"compare-{generator}")
+        run_shell(f"python eval.py task=generation generator={generator} {' '.join(EVAL_SHRINK)} "
+                  f"hydra.run.dir={folder}", demo_workspace)
+        runs.append(folder)
+    return runs
+
+
+def override_keys(args: list[str]) -> set[str]:
+    return {arg.split("=", 1)[0].lstrip("+~") for arg in args if "=" in arg and not arg.startswith("-")}
+
+
+def shrink(argv: list[str], slug: str) -> list[str]:
+    """Overrides appended to a train.py / eval.py command: those of :data:`TRAIN_SHRINK` / :data:`EVAL_SHRINK`
+    whose key its config has and it does not set, and its own run folder (so `latest` stays the demo)."""
+    script, args = argv[1], argv[2:]
+    multirun = any(arg in rc.HYDRA_FLAGS for arg in args)
+    plain = [arg for arg in args if arg not in rc.HYDRA_FLAGS]
+    cfg = rc.compose(script, rc.hydra_jobs(plain, multirun)[0])
+    given = override_keys(plain)
+    extra = [o for o in (TRAIN_SHRINK if script == "train.py" else EVAL_SHRINK)
+             if o.split("=")[0] not in given and OmegaConf.select(cfg, o.split("=")[0], default="?") != "?"]
+    folder = f"hydra.sweep.dir=multirun/{cfg.run_name}/readme-{slug}" if multirun else \
+        f"hydra.run.dir=outputs/readme/{slug}"
+    return [*extra, folder]
+
+
+def tiny(text: str, slug: str) -> str:
+    """The command as the test runs it: placeholders filled, tiny flags and shrinking overrides appended."""
+    if text == DEMO:
+        return text
+    argv = shlex.split(text)
+    env, command = rc.split_env(argv)
+    appended: list[str] = []
+    flags = first_match(TINY_FLAGS, text)
+    if flags:
+        appended += [*shlex.split(flags), *RUNS_SHRINK]
+    elif rc.program(command) in rc.PYTHON and command[1:2] and command[1] in rc.HYDRA_SCRIPTS:
+        appended += shrink(command, slug)
+    return " ".join([text, *map(shlex.quote, appended)])
+
+
+@pytest.mark.parametrize("command", [parse_param(c) for c in COMMANDS])
+def test_command_parses(command: rc.Command):
+    """Every command's flags and overrides are accepted by the program it calls (nothing runs)."""
+    try:
+        rc.check_parses(command.text)
+    except (AssertionError, ValueError) as error:
+        pytest.fail(f"{command.source}: `{command.text}` does not parse: {error}")
+
+
+@pytest.mark.parametrize("command", [run_param(c) for c in COMMANDS])
+def test_command_runs(command: rc.Command, request):
+    """Every command that can run offline runs, shrunk; `python train.py` runs verbatim (the demo fixture)."""
+    if command.text == DEMO:
+        report = json.loads((request.getfixturevalue("demo_run") / "report.json").read_text())
+        assert report["steps"] == 324 and report["before"] and report["after"]
+        return
+    small = SMALL_WORKSPACE.search(command.text)
+    cwd = request.getfixturevalue("small_workspace" if small else "demo_workspace")
+    if "latest" in command.text:
+        runs = request.getfixturevalue("demo_run").parent
+        if small and not (cwd / "outputs" / "train").exists():  # the small corpus's pages, the demo's model
+            (cwd / "outputs").mkdir(exist_ok=True)
+            (cwd / "outputs" / "train").symlink_to(runs)
+    slug = f"c{COMMANDS.index(command):03d}"
+    text = rc.concrete(command.text, placeholder_values(command.text, request, cwd))
+    run_shell(tiny(text, slug), cwd)
+
+
+# --- the demo's figures against the README's table ----------------------------------------------------------------
+
+
+def parse_cell(cell: str) -> tuple[float, float]:
+    """A demo-table cell as (lo, hi): ``83.9–89.7`` (en dash) or a single figure ``89.7`` (lo = hi); bold allowed."""
+    text = cell.replace("*", "").strip()
+    match = re.fullmatch(r"(\d+(?:\.\d)?)\s*[–-]\s*(\d+(?:\.\d)?)", text) or re.fullmatch(r"(\d+(?:\.\d)?)", text)
+    if not match:
+        raise ValueError(f"demo table cell {cell!r} is neither `lo–hi` nor a figure")
+    lo, hi = float(match.group(1)), float(match.group(match.lastindex))
+    if lo > hi:
+        raise ValueError(f"demo table cell {cell!r}: lo > hi")
+    return lo, hi
+
+
+def demo_table(readme: str) -> dict[tuple[str, str], tuple[float, float]]:
+    """The README's demo table ("What the demo shows") as (row, column) -> (lo, hi); fails naming what it lacks."""
+    rows = list(rc.iter_markdown_table(readme, DEMO_TABLE_HEADER))
+    if not rows:
+        pytest.fail(f"README.md has no table whose header starts {DEMO_TABLE_HEADER!r}")
+    header, body = rows[0], rows[1:]
+    if header[1:] != list(DEMO_COLUMNS):
+        pytest.fail(f"README demo table columns {header[1:]} are not hkrag.tasks.training.DEMO_COLUMNS "
+                    f"{list(DEMO_COLUMNS)}: update one or the other")
+    if [row[0] for row in body] != list(DEMO_ROWS):
+        pytest.fail(f"README demo table rows {[row[0] for row in body]} are not hkrag.tasks.training.DEMO_ROWS "
+                    f"{list(DEMO_ROWS)}: update one or the other")
+    return {(row[0], column): parse_cell(cell) for row in body for column, cell in zip(DEMO_COLUMNS, row[1:])}
+
+
+def test_demo_table_parser():
+    table = "\n".join([
+        "text", "| queries | " + " | ".join(DEMO_COLUMNS) + " |",
+        "|---|---|---|---|---|",
+        *(f"| {row} | 83.9–89.7 | 1.0 | **93.5** | **60.1–62.0** |" for row in DEMO_ROWS), "", "after"])
+    parsed = demo_table(table)
+    first = DEMO_ROWS[0]
+    assert parsed[(first, "before (the shipped reader), single")] == (83.9, 89.7)
+    assert parsed[(first, "before, all")] == (1.0, 1.0)
+    assert parsed[(first, "after 324 steps, single")] == (93.5, 93.5)
+    assert parsed[(first, "after, all")] == (60.1, 62.0)
+    assert len(parsed) == 16
+    with pytest.raises(ValueError, match="neither"):
+        parse_cell("about 90")
+    with pytest.raises(pytest.fail.Exception, match="DEMO_ROWS"):
+        demo_table(table.replace(DEMO_ROWS[1], "styles, other"))
+
+
+def test_the_readme_demo_table_parses():
+    """Cheap, without the demo: the README's table has the rows and columns report.json maps to."""
+    assert len(demo_table((ROOT / "README.md").read_text())) == len(DEMO_ROWS) * len(DEMO_COLUMNS)
+
+
+def test_demo_lands_in_the_readme_range(demo_run):
+    """Each figure of `python train.py`'s report.json (nDCG@5 x100, the four styles averaged per evidence type, then
+    synfine; hkrag.tasks.training.demo_figures) lies in the README's stated range, rounded to one decimal."""
+    report = json.loads((demo_run / "report.json").read_text())
+    figures = {when: demo_figures(report[when]) for when in ("before", "after")}
+    outside = []
+    for (row, column), (lo, hi) in demo_table((ROOT / "README.md").read_text()).items():
+        when, pool = DEMO_COLUMNS[column]
+        figure = round(figures[when][pool][row], 1)
+        if not lo <= figure <= hi:
+            outside.append(f"{row} | {column}: {figure:.1f} not in {lo:.1f}–{hi:.1f}")
+    assert not outside, "the demo left the README's range:\n" + "\n".join(outside)
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run ends with the README's quick-start test command, verbatim (install line included)."""
+    readme = (ROOT / "README.md").read_text()
+    lines = [line for _, body in re.findall(r"^```(\w*)\n(.*?)^```", readme, re.M | re.S) for line in body.splitlines()
+             if line.rstrip().endswith("python -m pytest") and line.startswith("pip install")]
+    assert len(lines) == 1, f"the README's quick start has {len(lines)} install-and-test lines: {lines}"
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.strip()]
+    assert ci[-1] == lines[0].strip(), f".ci/run's last command {ci[-1]!r} is not the README's {lines[0]!r}"
+
+
+def test_commands_are_found():
+    """The extraction sees the README's commands (a broken fence parser would silently test nothing)."""
+    texts = [c.text for c in COMMANDS]
+    assert DEMO in texts and "python -m pytest -m slow" in texts
+    assert "python -m hkrag.data.synthetic --out data/synthetic" in texts  # trailing comment stripped
+    assert 'pip install -e ".[dev]" -c constraints.txt' in texts  # && chain split
+    assert any(t.startswith("python -m hkrag.data.ocr data/synthetic/corpus --out /tmp/syn_ocr") and
+               t.endswith("--split test") for t in texts)  # continuation lines joined
+    assert not any(t.startswith("corpus/") or t.startswith("invalid config") for t in texts)  # plain fences
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("python train.py trainer.bogus_key=1", "bogus_key"),
+    ("python train.py loss.tau=0", "loss.tau=0"),
+    ("python eval.py task=nosuch", "nosuch"),
+    ("python train.py -m loss=hkrag,nosuch", "nosuch"),
+    ("python train.py loss=hkrag,infonce", "no -m"),
+    ("python -m hkrag.data.degrade data/synthetic/corpus jpeg:10 --output x", "--out"),
+    ("python -m hkrag.tasks.chain --out x --worker-count 2", "--worker-count"),
+    ("python -m hkrag.nosuch --out x", "no such module"),
+    ("accelerate launch --config_file conf/accelerate/nosuch.yaml train.py", "does not exist"),
+    ("accelerate launch --nosuch train.py", "--nosuch"),
+    ('pip install -e ".[nosuch]" -c constraints.txt', "nosuch"),
+    ("pip install torch==1.0 -c constraints.txt", "disagrees"),
+    ("python -m pytest -m fast", "fast"),
+    ("python eval.py task=rag run_dir=outputs/eval/<run>", "placeholder '<run>'"),
+])
+def test_a_changed_flag_fails_the_parse_check(text: str, message: str):
+    """What a README command that changed its flags (or names a missing file, extra or marker) meets."""
+    with pytest.raises((AssertionError, ValueError), match=re.escape(message)):
+        rc.check_parses(text)
