@@ -129,3 +129,11 @@ def test_cli_from_shard_directories(planted, tmp_path):
     assert [r["spec"] for r in rows] == ["flat", "sq8"]
     assert (tmp_path / "out" / "budget.png").stat().st_size > 0
     assert (tmp_path / "out" / "budget.md").read_text().count("\n") == 4
+
+
+def test_default_specs_that_do_not_fit_small_embeddings_are_dropped():
+    from hkrag.retrieval.budget import DEFAULT_SPECS, fitting_defaults
+
+    assert fitting_defaults(3072, 10_000) == list(DEFAULT_SPECS)
+    assert fitting_defaults(64, 120) == ["flat", "fp16", "sq8", "binary", "binary:rerank=10"]  # the tiny demo's
+    assert "faiss:PCA128,SQ8" in fitting_defaults(256, 300) and "faiss:PCA256,SQ8" not in fitting_defaults(256, 300)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,6 +48,22 @@ DEFAULT_SPECS = (
     "binary",
     "binary:rerank=10",
 )
+
+
+def fitting_defaults(dim: int, count: int, specs: Sequence[str] = DEFAULT_SPECS) -> list[str]:
+    """The default specs that ``count`` documents of ``dim`` dimensions can build (the defaults are sized for
+    paper-scale embeddings): PCA only to fewer dimensions than ``dim``, IVF-PQ only with ``m`` dividing ``dim`` and at
+    least 2**8 documents to train its codebooks on. Specs named with ``--specs`` are never dropped."""
+    def fits(spec: str) -> bool:
+        pca = re.search(r"PCA(\d+)", spec)
+        ivfpq = re.fullmatch(r"ivfpq:m=(\d+)", spec)
+        return (not pca or int(pca.group(1)) < dim) and (not ivfpq or (dim % int(ivfpq.group(1)) == 0 and count >= 256))
+
+    kept = [spec for spec in specs if fits(spec)]
+    if len(kept) < len(specs):
+        log.info("default specs skipped for %d documents of %d dimensions: %s", count, dim,
+                 ", ".join(spec for spec in specs if spec not in kept))
+    return kept
 
 
 class SignIndex:
@@ -207,7 +224,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--shards", required=True, help="shard directory of document embeddings")
     parser.add_argument("--queries", required=True, help="shard directory of query embeddings")
     parser.add_argument("--qrels", required=True, help="qrels JSON or TREC file")
-    parser.add_argument("--specs", nargs="+", default=list(DEFAULT_SPECS))
+    parser.add_argument("--specs", nargs="+", help="index specs (default: those of DEFAULT_SPECS that fit the "
+                        "embeddings: PCA below their dimension, IVF-PQ from 256 documents)")
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--out", default="budget", help="output directory")
     parser.add_argument("--cpu", action="store_true", help="never use a GPU")
@@ -223,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         query_vectors,
         query_ids,
         load_qrels(args.qrels),
-        args.specs,
+        args.specs or fitting_defaults(doc_vectors.shape[1], len(doc_ids)),
         k=args.k,
         use_gpu=False if args.cpu else None,
     )
