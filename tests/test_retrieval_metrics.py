@@ -1,18 +1,22 @@
 """Retrieval metrics agree with trec_eval and with hand-computed values."""
 
+import itertools
 import logging
 import math
 import random
+import statistics
 
 import pytest
 import pytrec_eval
 
 from hkrag.retrieval.metrics import (
     check_qrels,
+    cut_with_ties,
     evaluate_run,
     format_table,
     load_qrels,
     qrels_from_rows,
+    tie_groups,
     trec_order,
     truncate,
 )
@@ -132,3 +136,61 @@ def test_format_table_like_table_2():
     assert table[1] == "|---|---|---|---|---|---|---|"
     assert table[2] == "| HKRAG | 87.6 | 82.1 | 76.2 | 72.5 | 81.9 | 77.3 |"
     assert table[3] == "| BM25 | 54.8 | – | – | – | – | – |"
+
+
+EXPECTED = {"ks": (1, 3, 5), "ndcg_ks": (3, 5), "mrr_k": 3}
+
+
+def test_tie_aware_metrics_by_hand():
+    # a first; b, c, d, e tied at positions 2-5 (c and e relevant); f, g tied at 6-7 (g relevant); z never retrieved
+    run = {"q": {"a": 3.0, "b": 2.0, "c": 2.0, "d": 2.0, "e": 2.0, "f": 1.0, "g": 1.0}}
+    qrels = {"q": {"c": 1, "e": 1, "g": 1, "z": 1}}
+    m = evaluate_run(run, qrels, ties="expected", **EXPECTED)["mean"]
+    ideal3 = 1 + 1 / math.log2(3) + 1 / math.log2(4)
+    ideal5 = ideal3 + 1 / math.log2(5)
+    # each of c, e holds each of the positions 2..5 with probability 1/4: mean gain 2/4 per position
+    assert m["ndcg@3"] == pytest.approx(2 / 4 * (1 / math.log2(3) + 1 / math.log2(4)) / ideal3, abs=1e-12)
+    assert m["ndcg@5"] == pytest.approx(2 / 4 * sum(1 / math.log2(p + 1) for p in range(2, 6)) / ideal5, abs=1e-12)
+    assert (m["recall@1"], m["recall@3"], m["recall@5"]) == pytest.approx((0.0, 2 * 2 / 4 / 4, 2 / 4))
+    # first relevant of the group (r = 2 of t = 4) is its 1st with P = C(3,1)/C(4,2) = 1/2, 2nd with 1/3 (rank 3)
+    assert m["mrr@3"] == pytest.approx(1 / 2 * 1 / 2 + 1 / 3 * 1 / 3, abs=1e-12)
+    # trec_eval's order puts e, d, c, b: e at 2 and c at 4
+    trec = evaluate_run(run, qrels, **EXPECTED)["mean"]
+    assert trec["mrr@3"] == 0.5 and trec["ndcg@3"] == pytest.approx(1 / math.log2(3) / ideal3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tie_aware_metrics_are_the_mean_over_every_order_of_the_ties(seed):
+    rng = random.Random(seed)
+    docs = [f"d{i}" for i in range(8)]
+    run = {"q": {d: rng.randint(0, 2) for d in docs}}  # 3 scores over 8 pages: large tie groups
+    qrels = {"q": {d: rng.randint(1, 2) for d in rng.sample(docs, 3)} | {"absent": 1}}  # graded, one never retrieved
+    groups = tie_groups(run["q"])
+    orders = [sum(perms, []) for perms in itertools.product(*(map(list, itertools.permutations(g)) for g in groups))]
+    ranked = [evaluate_run({"q": {d: -i for i, d in enumerate(order)}}, qrels, **EXPECTED)["mean"] for order in orders]
+    expected = evaluate_run(run, qrels, ties="expected", **EXPECTED)["mean"]
+    assert expected == pytest.approx({k: statistics.mean(r[k] for r in ranked) for k in expected}, abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tie_aware_metrics_ignore_doc_ids_and_equal_trec_eval_without_ties(seed):
+    run, qrels = random_case(seed)
+    rng = random.Random(seed)
+    names = {d: f"x{rng.random()}" for d in {d for docs in [*run.values(), *qrels.values()] for d in docs}}
+    renamed_run = {q: {names[d]: s for d, s in docs.items()} for q, docs in run.items()}
+    renamed_qrels = {q: {names[d]: g for d, g in docs.items()} for q, docs in qrels.items()}
+    ours = evaluate_run(run, qrels, ties="expected")["per_query"]
+    assert ours == evaluate_run(renamed_run, renamed_qrels, ties="expected")["per_query"]
+    assert evaluate_run(run, qrels)["per_query"] != evaluate_run(renamed_run, renamed_qrels)["per_query"]  # trec moves
+    distinct = {q: {d: docs[d] + i * 1e-6 for i, d in enumerate(docs)} for q, docs in run.items()}  # no ties left
+    expected, trec = (evaluate_run(distinct, qrels, ties=t)["per_query"] for t in ("expected", "trec"))
+    assert expected == {q: pytest.approx(v, abs=1e-12) for q, v in trec.items()}
+    with pytest.raises(ValueError, match=r"ties='random': expected one of \['trec', 'expected'\]"):
+        evaluate_run(run, qrels, ties="random")
+
+
+def test_cut_with_ties_keeps_the_group_at_the_cut():
+    run = {"q": {"a": 3.0, "b": 2.0, "c": 2.0, "d": 2.0, "e": 1.0}, "short": {"a": 1.0}}
+    assert cut_with_ties(run, 2) == {"q": {"a": 3.0, "d": 2.0, "c": 2.0, "b": 2.0}, "short": {"a": 1.0}}
+    assert list(cut_with_ties(run, 4)["q"]) == ["a", "d", "c", "b"] and len(cut_with_ties(run, 5)["q"]) == 5
+    assert tie_groups(run["q"]) == [["a"], ["d", "c", "b"], ["e"]]

@@ -33,12 +33,25 @@ from hkrag.distributed import is_main, rank, world_size
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import config_hash, encode_corpus, load_shards
 from hkrag.io import atomic_directory, write_json
-from hkrag.retrieval.metrics import Run, check_qrels, evaluate_run, format_table, table_rows
+from hkrag.retrieval.metrics import (
+    Run,
+    check_qrels,
+    cut_with_ties,
+    evaluate_run,
+    expected_name,
+    format_table,
+    table_rows,
+)
 from hkrag.retriever import Phi3VRetriever, weights_fingerprint
 
 logger = logging.getLogger(__name__)
 
 REPORTED_METRICS = ("ndcg@5", "recall@1", "recall@5", "recall@10", "mrr@10")
+EXPECTED_METRICS = tuple(expected_name(metric) for metric in REPORTED_METRICS)
+"""The same metrics' expectations over the orders of tied pages (``E[ndcg@5]``, ...: :mod:`hkrag.retrieval.metrics`),
+scored beside trec_eval's values, which break ties by doc id."""
+TABLE_METRICS = (EXPECTED_METRICS[0], *REPORTED_METRICS)
+"""The tables of ``retrieval.md``: the tie-aware nDCG@5, then trec_eval's metrics (every value is in the JSON)."""
 PER_QUERY_FILE = "per_query.json"
 QUERIES_DIR = "queries"
 TABLE_FILE = "retrieval.md"
@@ -163,12 +176,19 @@ def pool_embeddings(
 
 
 def score(run: dict, qa: Sequence[QAExample]) -> dict[str, Any]:
-    """Mean metrics overall and per evidence label."""
-    result = {"all": evaluate_run(run, qrels(qa))["mean"], "num_queries": len(qa)}
+    """Mean metrics overall and per evidence label: trec_eval's (``ndcg@5``, ...) and the tie-aware ones
+    (``E[ndcg@5]``, ...)."""
+    result = {"all": both_means(run, qa), "num_queries": len(qa)}
     for label in sorted({ex.evidence for ex in qa if ex.evidence}):
         subset = [ex for ex in qa if ex.evidence == label]
-        result[label] = evaluate_run({ex.query_id: run.get(ex.query_id, {}) for ex in subset}, qrels(subset))["mean"]
+        result[label] = both_means({ex.query_id: run.get(ex.query_id, {}) for ex in subset}, subset)
     return result
+
+
+def both_means(run: dict, qa: Sequence[QAExample]) -> dict[str, float]:
+    """trec_eval's mean metrics of ``run`` over ``qa`` and, under ``E[...]`` names, their tie-aware expectations."""
+    expected = evaluate_run(run, qrels(qa), ties="expected")["mean"]
+    return {**evaluate_run(run, qrels(qa))["mean"], **{expected_name(m): v for m, v in expected.items()}}
 
 
 def per_query_scores(run: dict, qa: Sequence[QAExample], metric: str = "ndcg@5") -> dict[str, dict[str, Any]]:
@@ -229,7 +249,7 @@ class DenseRanker:
         if not is_main():
             return {}
         index = DocumentIndex.build(corpus.doc_ids, vectors, self.cfg.index, use_gpu=self.cfg.use_gpu)
-        return index.to_run([ex.query_id for ex in qa], queries.numpy(), depth)
+        return search_with_ties(index, [ex.query_id for ex in qa], queries.numpy(), depth)
 
     def encode_queries(self, qa: Sequence[QAExample]) -> torch.Tensor:
         """The embeddings of ``qa`` (encoded once per query set; a new set is saved with the others)."""
@@ -241,6 +261,19 @@ class DenseRanker:
             if is_main():
                 save_queries(self.queried, self.work_dir, self.identity)
         return self.queries[key]
+
+
+def search_with_ties(index: DocumentIndex, query_ids: Sequence[str], queries: np.ndarray, depth: int) -> Run:
+    """``index``'s run at ``depth`` holding, for each query, every page tied with its ``depth``-th score
+    (:func:`~hkrag.retrieval.metrics.cut_with_ties`; FAISS alone cuts a tie group by its internal order): searched
+    deeper, doubling, until each query's list ends below its cut or holds every page the index returns."""
+    k = depth
+    while True:
+        k = min(2 * k, len(index))
+        run = index.to_run(query_ids, queries, k)
+        cut = cut_with_ties(run, depth)
+        if k == len(index) or all(len(cut[q]) < len(run[q]) or len(run[q]) < k for q in run):
+            return cut
 
 
 @contextmanager
@@ -298,7 +331,7 @@ def evaluate_ranker(
     if not is_main():
         return {}
     write_json(work_dir / PER_QUERY_FILE, per_query)
-    tables = "\n\n".join(retrieval_table(results, metric) for metric in REPORTED_METRICS)
+    tables = "\n\n".join(retrieval_table(results, metric) for metric in TABLE_METRICS)
     return {"results": results, "table": tables, "runs": runs, "per_query": per_query}
 
 

@@ -1,25 +1,32 @@
 """Fusing rankings (hybrid retrieval): reciprocal-rank fusion and a min-max-normalised weighted sum.
 
-Runs are TREC-style ``{query_id: {doc_id: score}}``. A run's ranking is trec_eval's order (score descending, ties
-by doc id descending: :func:`hkrag.retrieval.metrics.trec_order`), so tied pages get distinct ranks the same way
-the metrics rank them; fused runs are cut in that order too. A query absent from a run counts as one that run
-retrieved nothing for, and a page absent from a run's list of a query adds nothing from that run.
+Runs are TREC-style ``{query_id: {doc_id: score}}``. No doc id ever decides a fused score or which pages a fused
+run keeps: pages of equal score in a run (a tie group) are treated alike, and a fused run of depth ``n`` keeps its
+top ``n`` pages and every page tied with the ``n``-th (:func:`hkrag.retrieval.metrics.cut_with_ties`), so the
+tie-aware metrics can score it exactly. A query absent from a run counts as one that run retrieved nothing for,
+and a page absent from a run's list of a query adds nothing from that run. Sums use :func:`math.fsum`, so pages with
+the same contributions get bit-identical fused scores (a tie) whatever the order of the runs.
 
-* **RRF** (Cormack et al., SIGIR 2009): ``score(d) = sum_r w_r / (k + rank_r(d))``, ranks from 1, ``k = 60``.
+* **RRF** (Cormack et al., SIGIR 2009): ``score(d) = sum_r w_r * E[1 / (k + rank_r(d))]``, ranks from 1,
+  ``k = 60``. A page alone at its score has its rank; a page of a tie group at positions ``s+1 .. s+t`` gets the
+  mean of ``1 / (k + p)`` over those positions: its expected reciprocal rank when the group's order is random
+  (where ranking by doc id would give the group's pages ``1/(k+s+1)``, ``1/(k+s+2)``, ... by name).
 * **Normalised sum**: each run's scores of a query min-max scaled to [0, 1]
   (``(s - min) / (max - min)``; all pages get 1 when every score is equal), then
-  ``score(d) = sum_r w_r * norm_r(d)``; with two runs (dense, lexical) the weights are ``w`` and ``1 - w``.
+  ``score(d) = sum_r w_r * norm_r(d)``; with two runs (dense, lexical) the weights are ``w`` and ``1 - w``. Tied
+  pages get equal normalised scores; only the cut needed the tie rule above.
 
 :class:`HybridRanker` (``retriever=hybrid``) fuses the dense ranker of the evaluated model with a lexical one.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hkrag.retrieval.metrics import Run, trec_order, truncate
+from hkrag.retrieval.metrics import Run, cut_with_ties, tie_groups, trec_order
 
 if TYPE_CHECKING:
     from hkrag.data.opendocvqa import Corpus, QAExample
@@ -36,13 +43,23 @@ def reciprocal_rank_fusion(
     if k < 0:
         raise ValueError(f"RRF k={k}: expected a number >= 0")
     weights = _weights(runs, weights)
-    fused: dict[str, dict[str, float]] = {}
+    fused: dict[str, dict[str, list[float]]] = {}
     for query_id in _query_ids(runs):
-        scores = fused.setdefault(query_id, {})
+        parts = fused.setdefault(query_id, {})
         for run, weight in zip(runs, weights):
-            for rank, doc_id in enumerate(trec_order(run.get(query_id, {})), start=1):
-                scores[doc_id] = scores.get(doc_id, 0.0) + weight / (k + rank)
+            for doc_id, value in reciprocal_ranks(run.get(query_id, {}), k).items():
+                parts.setdefault(doc_id, []).append(weight * value)
     return _cut(fused, depth)
+
+
+def reciprocal_ranks(scores: Mapping[str, float], k: float = RRF_K) -> dict[str, float]:
+    """Each page's ``1 / (k + rank)`` in one query's run, a tie group's pages the mean over the group's positions."""
+    values, start = {}, 0
+    for group in tie_groups(scores):
+        value = math.fsum(1 / (k + p) for p in range(start + 1, start + len(group) + 1)) / len(group)
+        values.update(dict.fromkeys(group, value))
+        start += len(group)
+    return values
 
 
 def normalized_sum(
@@ -50,12 +67,12 @@ def normalized_sum(
 ) -> dict[str, dict[str, float]]:
     """Weighted sum of per-query min-max-normalised scores, each query cut to ``depth`` pages (all when ``None``)."""
     weights = _weights(runs, weights)
-    fused: dict[str, dict[str, float]] = {}
+    fused: dict[str, dict[str, list[float]]] = {}
     for query_id in _query_ids(runs):
-        scores = fused.setdefault(query_id, {})
+        parts = fused.setdefault(query_id, {})
         for run, weight in zip(runs, weights):
             for doc_id, value in min_max(run.get(query_id, {})).items():
-                scores[doc_id] = scores.get(doc_id, 0.0) + weight * value
+                parts.setdefault(doc_id, []).append(weight * value)
     return _cut(fused, depth)
 
 
@@ -78,17 +95,21 @@ def _query_ids(runs: Sequence[Run]) -> list[str]:
     return list(dict.fromkeys(q for run in runs for q in run))
 
 
-def _cut(run: dict[str, dict[str, float]], depth: int | None) -> dict[str, dict[str, float]]:
-    return truncate(run, depth) if depth is not None else {q: {d: docs[d] for d in trec_order(docs)}
-                                                           for q, docs in run.items()}
+def _cut(parts: dict[str, dict[str, list[float]]], depth: int | None) -> dict[str, dict[str, float]]:
+    """The fused run (each page's contributions summed exactly) cut to ``depth`` with its ties, in trec_eval order."""
+    run = {q: {d: math.fsum(values) for d, values in docs.items()} for q, docs in parts.items()}
+    if depth is not None:
+        return cut_with_ties(run, depth)
+    return {q: {d: docs[d] for d in trec_order(docs)} for q, docs in run.items()}
 
 
 @dataclass
 class HybridRanker:
     """Dense + lexical retrieval fused (config ``retriever=hybrid``).
 
-    Each ranker returns its top ``max(depth, fusion_depth)`` pages per query; ``fusion`` (``rrf`` with ``rrf_k``,
-    or ``sum`` with weights ``dense_weight`` and ``1 - dense_weight``) fuses them and the evaluation's depth is kept.
+    Each ranker returns its top ``max(depth, fusion_depth)`` pages per query (with the pages tied at the cut);
+    ``fusion`` (``rrf`` with ``rrf_k``, or ``sum`` with weights ``dense_weight`` and ``1 - dense_weight``) fuses them
+    and the evaluation's depth is kept, with its ties.
     """
 
     dense: Ranker

@@ -13,6 +13,16 @@ descending (string comparison), whatever order the run dict has. Queries judged 
 absent from the run score 0 on every metric (a failed query counts, it is never dropped); queries
 in the run but not judged are excluded with a warning; queries whose qrels list no relevant
 document are excluded with a warning, since no metric is defined for them.
+
+**Tie-aware metrics** (``evaluate_run(..., ties="expected")``, reported as ``E[ndcg@5]`` etc.): the expectation of
+each metric over every order of the tied documents, equally likely, computed exactly as in McSherry & Najork (ECIR
+2008), so no doc id moves a figure. Documents of equal score form a group holding positions ``s+1 .. s+t``; each
+of them is at each of those positions with probability ``1/t``, so the group adds its mean gain times the sum of the
+discounts of its positions within the cut (nDCG), its relevant count times the share of its positions within the
+cut (recall), and, for the first group holding ``r`` relevant documents, ``sum_j P(j) / (s+j)`` with
+``P(j) = C(t-j, r-1) / C(t, r)`` the chance that its first relevant document is its ``j``-th (MRR). Without ties the
+values equal trec_eval's. Exact only when the run holds every document tied with the last one it keeps within the
+cut (:func:`cut_with_ties`; the rankers of :mod:`hkrag.retrieval` return runs that way).
 """
 
 from __future__ import annotations
@@ -30,6 +40,14 @@ log = logging.getLogger(__name__)
 
 Run = Mapping[str, Mapping[str, float]]
 Qrels = Mapping[str, Mapping[str, int]]
+
+TIES = ("trec", "expected")
+"""How :func:`evaluate_run` treats tied scores: trec_eval's doc-id order, or the expectation over tie orders."""
+
+
+def expected_name(metric: str) -> str:
+    """The report name of ``metric``'s tie-aware value: ``E[ndcg@5]`` for ``ndcg@5``."""
+    return f"E[{metric}]"
 
 
 def qrels_from_rows(rows: Iterable[Mapping], *, qid_key: str = "query_id", docs_key: str = "relevant_doc_ids") -> dict:
@@ -82,6 +100,58 @@ def truncate(run: Run, k: int) -> dict[str, dict[str, float]]:
     return {q: {d: float(docs[d]) for d in trec_order(docs)[:k]} for q, docs in run.items()}
 
 
+def cut_with_ties(run: Run, k: int) -> dict[str, dict[str, float]]:
+    """Each query's top ``k`` documents and every document tied with the ``k``-th score (so which documents are
+    kept never depends on doc ids), in trec_eval order."""
+    cut = {}
+    for q, docs in run.items():
+        order = trec_order(docs)
+        floor = float(docs[order[k - 1]]) if len(order) > k else -math.inf
+        cut[q] = {d: float(docs[d]) for d in order if float(docs[d]) >= floor}
+    return cut
+
+
+def tie_groups(docs: Mapping[str, float]) -> list[list[str]]:
+    """Doc ids grouped by equal score, best score first (each group in trec_eval order)."""
+    groups: list[list[str]] = []
+    last = None
+    for d in trec_order(docs):
+        if groups and float(docs[d]) == last:
+            groups[-1].append(d)
+        else:
+            groups.append([d])
+        last = float(docs[d])
+    return groups
+
+
+def expected_query_metrics(
+    docs: Mapping[str, float], rels: Mapping[str, int], ks: Sequence[int], ndcg_ks: Sequence[int], mrr_k: int
+) -> dict[str, float]:
+    """One query's tie-aware nDCG@k, recall@k and MRR@k (module docstring): ``docs`` its run, ``rels`` its grades."""
+    gains = {d: g for d, g in rels.items() if g > 0}
+    ideal = sorted(gains.values(), reverse=True)
+    dcg = dict.fromkeys(ndcg_ks, 0.0)
+    found = dict.fromkeys(ks, 0.0)
+    rr: float | None = None
+    start = 0
+    for group in tie_groups(docs):
+        size, relevant = len(group), [gains[d] for d in group if d in gains]
+        for k in ndcg_ks:
+            positions = range(start + 1, min(start + size, k) + 1)
+            dcg[k] += sum(relevant) / size * sum(1 / math.log2(p + 1) for p in positions)
+        for k in ks:
+            found[k] += len(relevant) * max(0, min(start + size, k) - start) / size
+        if relevant and rr is None:  # the first group with a relevant document sets RR (0 past the cut)
+            r = len(relevant)
+            rr = sum(math.comb(size - j, r - 1) / math.comb(size, r) / (start + j)
+                     for j in range(1, min(size - r + 1, mrr_k - start) + 1))
+        start += size
+    values = {f"ndcg@{k}": dcg[k] / sum(g / math.log2(i + 2) for i, g in enumerate(ideal[:k])) for k in ndcg_ks}
+    values.update({f"recall@{k}": found[k] / len(gains) for k in ks})
+    values[f"mrr@{mrr_k}"] = rr or 0.0
+    return values
+
+
 def _names(ks: Sequence[int], ndcg_ks: Sequence[int], mrr_k: int) -> dict[str, str]:
     """Our metric name -> pytrec_eval result key."""
     names = {f"ndcg@{k}": f"ndcg_cut_{k}" for k in ndcg_ks}
@@ -97,12 +167,17 @@ def evaluate_run(
     *,
     ndcg_ks: Sequence[int] = (5,),
     mrr_k: int = 10,
+    ties: str = "trec",
 ) -> dict:
     """nDCG@k, recall@k and MRR@k per query and averaged over the judged queries.
 
-    Returns ``{"mean": {metric: value}, "per_query": {qid: {metric: value}}, "num_queries": n,
-    "unjudged": [qids in run not in qrels], "no_run": [judged qids the run lacks]}``.
+    ``ties="trec"``: trec_eval's values (ties by doc id descending); ``ties="expected"``: their expectation over the
+    orders of tied documents (module docstring), under the same names. Returns ``{"mean": {metric: value},
+    "per_query": {qid: {metric: value}}, "num_queries": n, "unjudged": [qids in run not in qrels], "no_run": [judged
+    qids the run lacks]}``.
     """
+    if ties not in TIES:
+        raise ValueError(f"ties={ties!r}: expected one of {list(TIES)}")
     judged = {q: {d: int(g) for d, g in docs.items()} for q, docs in qrels.items() if any(g > 0 for g in docs.values())}
     if len(judged) < len(qrels):
         log.warning("%d queries have no relevant document in qrels; excluded", len(qrels) - len(judged))
@@ -118,12 +193,16 @@ def evaluate_run(
     names = _names(ks, ndcg_ks, mrr_k)
     measures = {f"ndcg_cut.{k}" for k in ndcg_ks} | {f"recall.{k}" for k in ks}
     scored = {q: {d: float(s) for d, s in docs.items()} for q, docs in run.items() if q in judged and docs}
-    full = pytrec_eval.RelevanceEvaluator(judged, measures).evaluate(scored)
-    mrr = pytrec_eval.RelevanceEvaluator(judged, {"recip_rank"}).evaluate(truncate(scored, mrr_k))
-    per_query = {
-        q: {name: float({**full.get(q, {}), **mrr.get(q, {})}.get(key, 0.0)) for name, key in names.items()}
-        for q in sorted(judged)
-    }
+    if ties == "expected":
+        per_query = {q: expected_query_metrics(scored.get(q, {}), judged[q], ks, ndcg_ks, mrr_k)
+                     for q in sorted(judged)}
+    else:
+        full = pytrec_eval.RelevanceEvaluator(judged, measures).evaluate(scored)
+        mrr = pytrec_eval.RelevanceEvaluator(judged, {"recip_rank"}).evaluate(truncate(scored, mrr_k))
+        per_query = {
+            q: {name: float({**full.get(q, {}), **mrr.get(q, {})}.get(key, 0.0)) for name, key in names.items()}
+            for q in sorted(judged)
+        }
     mean = {name: sum(v[name] for v in per_query.values()) / len(per_query) for name in names}
     return {"mean": mean, "per_query": per_query, "num_queries": len(per_query), "unjudged": unjudged, "no_run": no_run}
 
