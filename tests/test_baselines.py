@@ -4,10 +4,12 @@ same report files and metrics as the dense retriever, and Table 2's layout with 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _eval_config import tiny_eval_config
 
-from hkrag.retrieval.evaluation import PER_QUERY_FILE, TABLE_FILE
+from hkrag.index.faiss_index import DocumentIndex
+from hkrag.retrieval.evaluation import PER_QUERY_FILE, TABLE_FILE, search_with_ties
 from hkrag.tasks.retrieval import run_baselines, run_retrieval_evaluation
 
 REPORT = {"retrieval.json", TABLE_FILE, PER_QUERY_FILE}
@@ -66,6 +68,17 @@ def test_vidore_bm25_runs_from_the_config(tmp_path):
     assert (tmp_path / "v" / TABLE_FILE).read_text().startswith("E[ndcg@5] (x100)")
     scores = result["results"]["synchart"]["single"]["all"]
     assert 0 < scores["E[ndcg@5]"] <= 1 and scores["recall@10"] == 1.0  # every page is ranked, score 0 or not
+
+
+def test_the_dense_search_keeps_every_page_tied_at_the_depth():
+    rows = np.eye(4, dtype=np.float32)
+    vectors = np.stack([rows[0], rows[1], rows[1], rows[1], rows[1], rows[1], rows[2], rows[3]])  # p1..p5 identical
+    index = DocumentIndex.build([f"p{i}" for i in range(8)], vectors, "flat")
+    query = (rows[0] * 0.9 + rows[1] * 0.5)[None]
+    run = search_with_ties(index, ["q"], query, 2)["q"]  # FAISS alone would cut the five tied pages after one
+    assert list(run) == ["p0", "p5", "p4", "p3", "p2", "p1"] and len({run[f"p{i}"] for i in range(1, 6)}) == 1
+    assert list(search_with_ties(index, ["q"], query, 1)["q"]) == ["p0"]
+    assert len(search_with_ties(index, ["q"], query, 7)["q"]) == 8  # 7th score ties the 8th page (0): all kept
 
 
 def test_bad_retriever_settings_fail_before_any_work(tmp_path):
