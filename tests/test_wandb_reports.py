@@ -28,7 +28,7 @@ from test_rag_task import GoldBackend, backends, config, data, gold_answers, run
 
 from hkrag.rag.ablation import generator_ablation
 from hkrag.retrieval.ablation import aggregate
-from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, BEFORE_TRAINING_DIR, PER_QUERY_FILE, REPORTED_METRICS
+from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, BEFORE_TRAINING_DIR, PER_QUERY_FILE, TABLE_METRICS
 from hkrag.run_log import RunLogger
 from hkrag.tasks import replica
 from hkrag.tasks.retrieval import run_retrieval_evaluation
@@ -135,11 +135,13 @@ def assert_artifact(run: OfflineRun, name: str, folder: Path, files: list[str]) 
 
 
 def assert_table_2(run: OfflineRun, key: str, results: dict[str, Any]) -> None:
-    """The run's Table 2 of every reported metric under ``key/`` holds ``results`` (``retrieval.json``) x100: a row
-    per evidence label, a cell per data set and pool (``None`` where a label has no query), each pool's average."""
+    """The run's Table 2 of every metric ``retrieval.md`` shows (the tie-aware nDCG@5, then trec_eval's) under
+    ``key/`` holds ``results`` (``retrieval.json``) x100: a row per evidence label, a cell per data set and pool
+    (``None`` where a label has no query), each pool's average."""
     groups = [(f"{ds} {pool.capitalize()}", pool, r) for ds, by_pool in results.items() for pool, r in by_pool.items()]
     labels = dict.fromkeys(label for *_, r in groups for label in r if label != "num_queries")
-    for metric in REPORTED_METRICS:
+    assert TABLE_METRICS[0] == "E[ndcg@5]"
+    for metric in TABLE_METRICS:
         table = run.table(f"{key}/{metric}")
         assert list(table) == ["all queries", *sorted(set(labels) - {"all"})]
         for label in labels:

@@ -26,8 +26,8 @@ from hkrag.retrieval.baselines import BASELINES_FILE, BASELINES_TABLE, baselines
 from hkrag.retrieval.degradation import DegradationStudy, run_study
 from hkrag.retrieval.evaluation import (
     PER_QUERY_FILE,
-    REPORTED_METRICS,
     TABLE_FILE,
+    TABLE_METRICS,
     DenseRanker,
     Ranker,
     RetrievalEvalConfig,
@@ -208,8 +208,8 @@ def write_report(cfg: DictConfig, output_dir: Path, result: dict[str, Any]) -> N
 
 
 def log_retrieval(run_logger: RunLogger, result: dict[str, Any], prefix: str = "retrieval") -> None:
-    """An evaluation's Table 2 of every reported metric (x100) and its per-query rows as W&B tables under
-    ``prefix/`` (no-op without W&B): the rows ``retrieval.md`` and ``per_query.json`` hold."""
-    for metric in REPORTED_METRICS:
+    """An evaluation's Table 2 of every metric ``retrieval.md`` shows (x100) and its per-query rows as W&B tables
+    under ``prefix/`` (no-op without W&B): the rows ``retrieval.md`` and ``per_query.json`` hold."""
+    for metric in TABLE_METRICS:
         run_logger.table(f"{prefix}/{metric}", *retrieval_rows(result["results"], metric))
     run_logger.table(f"{prefix}/per_query", *per_query_rows(result["per_query"]))
