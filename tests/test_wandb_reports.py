@@ -163,8 +163,8 @@ def assert_per_query(run: OfflineRun, key: str, per_query_file: Path) -> None:
 
 def test_training_report_tables_per_query_rows_and_files_equal_the_local_report(tmp_path, offline):
     tiny_data = [f"paths.data_dir={tmp_path / 'data'}", "data.synthetic.n_train=8", "data.synthetic.n_test=12",
-            "data.synthetic.train_groups_per_style=1", "data.synthetic.test_groups_per_style=1",
-            "+data.synthetic.group_size=3", "data.eval_datasets=[synchart,syninfo]"]
+                 "data.synthetic.train_groups_per_style=1", "data.synthetic.test_groups_per_style=1",
+                 "+data.synthetic.group_size=3", "data.eval_datasets=[synchart,syninfo]"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", [*tiny_data, f"paths.output_dir={tmp_path / 'run'}", "model.num_crops=4",
                                 "trainer.global_batch_size=4", "trainer.chunk_size=4", "trainer.max_steps=1",
@@ -240,6 +240,7 @@ def test_ablation_and_replica_get_runs_of_their_own(tmp_path, multirun, offline)
             100 * local["vs_baseline"][pool]["fine_print"]["hkrag"]["diff"])
         assert differences["no_sin"]["all p_value"] == local["vs_baseline"][pool]["all"]["no_sin"]["p_value"]
     verdicts = run.rows("ablation/verdicts")
+    assert len(verdicts) == len(local["verdicts"]) == 8  # four claims on these losses, two pools
     assert [(v["better"], v["worse"], v["pool"], v["verdict"]) for v in verdicts] == [
         (v["better"], v["worse"], v["pool"], v["verdict"]) for v in local["verdicts"]]
     assert run.image("ablation/plot") == (out / "ablation.png").read_bytes()
@@ -261,7 +262,9 @@ def test_ablation_and_replica_get_runs_of_their_own(tmp_path, multirun, offline)
     assert rows["hkrag"]["score"] == pytest.approx(100 * table6["rows"]["hkrag"]["value"])
     assert rows["single_pass"]["vs_baseline"] is None
     assert rows["hkrag"]["vs_baseline"] == pytest.approx(100 * table6["rows"]["hkrag"]["vs_baseline"]["diff"])
-    assert [v["verdict"] for v in run.rows("table6/gold/verdicts")] == [v["verdict"] for v in table6["verdicts"]]
+    assert [(v["better"], round(v["diff"], 9), v["verdict"]) for v in run.rows("table6/gold/verdicts")] == [
+        (v["better"], round(100 * v["diff"], 9), v["verdict"]) for v in table6["verdicts"]]
+    assert len(table6["verdicts"]) == 5
     assert run.image("table6/sweep") == (folder / "table6/sweep.png").read_bytes()
     assert_artifact(run, "replica-report", folder, ["replica.json", "replica.md", replica.TIMINGS_FILE, "table5.png",
                                                     "table6/sweep.png"])
