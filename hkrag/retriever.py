@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+from peft.tuners.lora import LoraLayer
+from peft.utils import get_peft_model_state_dict, load_peft_weights
 from PIL import Image
 from safetensors import SafetensorError
 from torch import nn
@@ -46,7 +50,36 @@ from hkrag.models.phi3v.modeling_phi3v import Phi3VImageEmbedding
 logger = logging.getLogger(__name__)
 
 PHI3_LORA_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-"""Phi-3's fused projection names; targeting ``q_proj``/``v_proj`` would silently match nothing."""
+"""Our choice (``model/lora=phi3_fused``): every linear layer of the language model, whose attention and MLP input
+projections Phi-3 fuses (``qkv_proj``, ``gate_up_proj``); the vision tower is left as it is."""
+VDOCRAG_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "up_proj", "gate_proj")
+"""VDocRAG's ``--lora_target_modules`` (every training command of github.com/nttmdlab-nlp/VDocRAG's README, and
+their arguments' default; ``model/lora=vdocrag``). peft matches a name by suffix, so on Phi3V this trains the CLIP
+tower's attention ``q_proj``, ``k_proj`` and ``v_proj`` and the language model's ``o_proj`` and ``down_proj``:
+Phi-3 has no ``up_proj`` or ``gate_proj`` (fused into ``gate_up_proj``) nor separate ``q/k/v`` (``qkv_proj``).
+Their released adapters were trained on exactly that set."""
+
+
+def lora_modules(model: nn.Module) -> list[str]:
+    """The full names of the modules a LoRA adapter wraps in ``model`` (peft's LoRA layers), in module order."""
+    return [name for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+
+
+def describe_lora_modules(names: Sequence[str]) -> str:
+    """``names`` grouped by pattern with layer indices as ``*``: ``"model.layers.*.self_attn.o_proj (32), ..."``."""
+    groups: dict[str, int] = {}
+    for name in names:
+        pattern = re.sub(r"\.\d+(?=\.|$)", ".*", name.removeprefix("base_model.model."))
+        groups[pattern] = groups.get(pattern, 0) + 1
+    return ", ".join(f"{pattern} ({count})" for pattern, count in groups.items()) or "none"
+
+
+def log_lora_modules(model: nn.Module) -> list[str]:
+    """Log which modules LoRA matched (at start-up, so a target list that matches nothing, or something else than
+    meant, shows at once); returns their names."""
+    names = lora_modules(model)
+    logger.info("LoRA wraps %d modules: %s", len(names), describe_lora_modules(names))
+    return names
 
 
 def last_token_pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -187,7 +220,7 @@ class Phi3VRetriever(nn.Module):
         adapter: str | None = None,
         lora: LoraSettings | None = None,
         trainable: bool = False,
-        num_crops: int | None = 4,
+        num_crops: int | None = None,
         dtype: torch.dtype | str = torch.bfloat16,
         attn_implementation: str | None = None,
         gradient_checkpointing: bool = False,
@@ -196,7 +229,8 @@ class Phi3VRetriever(nn.Module):
         """Base checkpoint + optional existing adapter (e.g. VDocRAG's) + optional new LoRA.
 
         ``adapter`` loads an existing adapter (trainable when ``trainable``); otherwise ``lora`` adds a
-        fresh one. ``num_crops=4`` follows VDocRAG's retriever; ``None`` keeps the saved value.
+        fresh one. ``num_crops=None`` keeps the checkpoint's value (16 for Phi-3-vision), as VDocRAG's drivers do
+        (they load the processor without ``num_crops``).
         """
         model = load_phi3v(base, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
         return cls.wrap(model, load_processor(base, num_crops), adapter, lora, trainable, gradient_checkpointing)
@@ -234,6 +268,8 @@ class Phi3VRetriever(nn.Module):
         else:
             model.requires_grad_(trainable)
         freeze_unreachable(model)
+        if isinstance(model, PeftModel):
+            log_lora_modules(model)
         return cls(model, processor)
 
 
@@ -246,14 +282,38 @@ def freeze_unreachable(model: nn.Module) -> None:
                 parameter.requires_grad_(False)
 
 
+class AdapterMismatchError(CheckpointNotFoundError):
+    """A saved adapter made for another model: another hidden size, layer count or module names."""
+
+
+SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from "
+                           r"checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)")
+"""peft's (torch's) message for one adapter tensor whose shape differs from the model's."""
+
+
 def load_adapter(model: Phi3VForCausalLM, adapter: str | Path, trainable: bool = False) -> PeftModel:
     """A saved peft adapter (hub id or folder) on ``model``; failures name the adapter and the bad file.
 
-    A shipped adapter whose files no longer match its manifest is refused (:func:`verify_shipped`).
+    An adapter made for another model is refused (:class:`AdapterMismatchError`, naming the tensors and
+    their shapes) rather than loaded in part: peft raises a raw ``RuntimeError`` for another hidden size and
+    only warns when layers or module names differ, leaving those LoRA weights fresh or dropping them. A
+    shipped adapter whose files no longer match its manifest is refused (:func:`verify_shipped`).
     """
     verify_shipped(adapter)
     try:
-        return PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
+        with warnings.catch_warnings():  # check_adapter_keys refuses what peft would only warn about
+            warnings.filterwarnings("ignore", message="Found missing adapter keys")
+            loaded = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
+    except RuntimeError as error:
+        mismatched = SIZE_MISMATCH.findall(str(error))
+        if not mismatched:
+            raise
+        name, saved, now = mismatched[0]
+        raise AdapterMismatchError(
+            f"the adapter {str(adapter)!r} was made for a model of another size: {len(mismatched)} tensor(s) have "
+            f"other shapes, e.g. {name} {saved} in the adapter vs {now} in this model (hidden_size="
+            f"{model.config.hidden_size}); {_ADAPTER_ADVICE}"
+        ) from error
     except (OSError, ValueError, KeyError, SafetensorError) as error:
         folder = Path(adapter)
         if isinstance(error, SafetensorError):
@@ -267,18 +327,44 @@ def load_adapter(model: Phi3VForCausalLM, adapter: str | Path, trainable: bool =
             f"could not load the adapter {str(adapter)!r}: {reason}\nGive model.adapter a folder holding "
             "adapter_config.json and adapter_model.safetensors (re-save or re-download it), or model.adapter=null."
         ) from error
+    check_adapter_keys(loaded, adapter)
+    return loaded
 
 
-def weights_fingerprint(module: nn.Module, samples: int = 1024) -> str:
+_ADAPTER_ADVICE = ("load it on the base it was trained on (its run's model.base / model.config), or train a new "
+                   "adapter for this model")
+
+
+def check_adapter_keys(model: PeftModel, adapter: str | Path) -> None:
+    """Every weight of ``adapter`` has its place in ``model`` and every LoRA layer of ``model`` has its weight,
+    else :class:`AdapterMismatchError` naming the adapter, the counts and examples of each side."""
+    saved = set(load_peft_weights(str(adapter), device="cpu"))
+    expected = set(get_peft_model_state_dict(model))
+    unused, fresh = sorted(saved - expected), sorted(expected - saved)
+    if unused or fresh:
+        parts = [f"{len(unused)} of its {len(saved)} tensor(s) have no place in this model (e.g. {unused[:2]})"
+                 if unused else "",
+                 f"{len(fresh)} LoRA tensor(s) of this model have no weight in it (e.g. {fresh[:2]})" if fresh else ""]
+        targets = sorted(model.peft_config["default"].target_modules or [])
+        raise AdapterMismatchError(
+            f"the adapter {str(adapter)!r} does not fit this model ({model.config.num_hidden_layers} layers, "
+            f"target_modules {targets}): {'; '.join(p for p in parts if p)}; {_ADAPTER_ADVICE}"
+        )
+
+
+def weights_fingerprint(module: nn.Module, samples: int = 1024, frozen_only: bool = False) -> str:
     """A short hash of ``samples`` evenly spaced values of every parameter tensor (names, shapes included).
 
     Identifies the weights an embedding was computed with (another seed, checkpoint or adapter gives
     another fingerprint) in milliseconds, without hashing gigabytes; a change confined to values off
-    the sample grid of every tensor would go unnoticed, which training never produces.
+    the sample grid of every tensor would go unnoticed, which training never produces. ``frozen_only``
+    hashes only the parameters that do not train: the base model a run's adapter is trained on.
     """
     digest = hashlib.sha256()
     with torch.no_grad():
         for name, param in module.named_parameters():
+            if frozen_only and param.requires_grad:
+                continue
             flat = param.detach().reshape(-1)
             picked = flat[:: max(1, flat.numel() // samples)][:samples]
             digest.update(f"{name}|{tuple(param.shape)}|{param.dtype}".encode())
@@ -296,4 +382,4 @@ def enable_checkpointing(model: Phi3VForCausalLM) -> None:
 
 def lora_module_names(retriever: Phi3VRetriever) -> set[str]:
     """Leaf names of the modules carrying LoRA weights (``qkv_proj``, ...), for checks and logs."""
-    return {name.split(".")[-1] for name, module in retriever.model.named_modules() if hasattr(module, "lora_A")}
+    return {name.rsplit(".", 1)[-1] for name in lora_modules(retriever.model)}

@@ -156,6 +156,10 @@ def test_cli(tmp_path, capsys):
             "1",
             "--group-size",
             "3",
+            "--train-fine-groups",
+            "0",
+            "--test-fine-groups",
+            "0",
         ]
     )
     assert (tmp_path / "pages.jsonl").read_bytes() == generate(tmp_path / "api", SMALL).pages.read_bytes()

@@ -30,13 +30,14 @@ from hkrag.data.generator_pairs import GeneratorPair
 from hkrag.data.opendocvqa import Corpus
 from hkrag.lvlm.base import PageImage
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
-from hkrag.retriever import LoraSettings, freeze_unreachable
+from hkrag.retriever import LoraSettings, freeze_unreachable, log_lora_modules
 from hkrag.run_log import RunLogger
 from hkrag.training.checkpoint import (
     CHECKPOINTS_DIR,
     TrainState,
     check_finite,
     load_checkpoint,
+    model_identity,
     rng_state,
     save_checkpoint,
 )
@@ -56,6 +57,7 @@ def causal_lm_lora(model: Phi3VForCausalLM, lora: LoraSettings) -> PeftModel:
     config.task_type = TaskType.CAUSAL_LM
     model = get_peft_model(model, config)
     freeze_unreachable(model)
+    log_lora_modules(model)
     return model
 
 
@@ -97,6 +99,34 @@ class GeneratorDataset(Dataset):
         images = [self.corpus[doc_id].image for doc_id in pair.doc_ids]
         pages = [PageImage(image, doc_id) for image, doc_id in zip(images, pair.doc_ids)]
         return GeneratorExample(self.render(pair.question, pages), images, pair.answers[0])
+
+
+def check_lengths(dataset: GeneratorDataset, processor: Phi3VProcessor, context: int | None) -> None:
+    """Refuse to train when an example's prompt (pages included) plus its target exceeds the model's ``context``.
+
+    Cutting the target would teach a wrong (cut) answer, and training past the context positions the model
+    was never given; so a :class:`ValueError` names how many examples do not fit, the longest ones (query id,
+    prompt and target tokens) and the limit (``max_position_embeddings``), before any step. Page tokens are
+    counted from the pages' sizes (:meth:`~hkrag.models.phi3v.Phi3VImageProcessor.num_image_tokens`).
+    """
+    if context is None:
+        return
+    over = []
+    for index, pair in enumerate(dataset.pairs):
+        example = dataset[index]
+        counts = [processor.image_processor.num_image_tokens(*image.size) for image in example.images]
+        ids, labels = encode_example(processor, example.prompt, counts, example.answer)
+        if len(ids) > context:
+            target = sum(label != IGNORE_INDEX for label in labels)
+            over.append((len(ids), pair.query_id, len(ids) - target, target))
+    if over:
+        worst = "; ".join(f"query {qid!r}: prompt {prompt} + target {target} tokens"
+                          for _, qid, prompt, target in sorted(over, reverse=True)[:3])
+        raise ValueError(
+            f"{len(over)} of {len(dataset)} generator training example(s) are longer than the model's context "
+            f"(max_position_embeddings={context} tokens), e.g. {worst}: shorten those answers or questions, or give "
+            "fewer pages (generator.top_k) or fewer crops per page (model.num_crops)"
+        )
 
 
 @dataclass
@@ -158,6 +188,8 @@ class GeneratorTrainer:
                  output_dir: str | Path, run_logger: RunLogger, run_config: dict[str, Any] | None = None) -> None:
         if not len(dataset):
             raise ValueError("the generator's training set is empty")
+        if isinstance(dataset, GeneratorDataset):
+            check_lengths(dataset, processor, getattr(model.config, "max_position_embeddings", None))
         self.model, self.dataset, self.config = model, dataset, config
         self.collator = GeneratorCollator(processor)
         self.output_dir, self.run_logger = Path(output_dir), run_logger
@@ -169,7 +201,8 @@ class GeneratorTrainer:
         self.scheduler = get_scheduler(config.scheduler, self.optimizer,
                                        num_warmup_steps=int(config.warmup_ratio * self.total_steps),
                                        num_training_steps=self.total_steps)
-        self.state = TrainState(config=dict(run_config or {}))
+        identity = {**model_identity(model), "model.num_crops": processor.image_processor.num_crops}
+        self.state = TrainState(config={**identity, **(run_config or {})})
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean token NLL of the target tokens of ``batch`` (labels −100 elsewhere)."""
@@ -200,8 +233,8 @@ class GeneratorTrainer:
 
     def resume(self, checkpoint: str | Path) -> None:
         """Continue exactly where ``checkpoint`` stopped (adapter, optimizer, scheduler, RNG, data position); a
-        checkpoint of a run with other settings is refused naming them (:class:`~hkrag.training.checkpoint.
-        CheckpointError`)."""
+        checkpoint of a run with other settings (``run_config``, the LoRA settings, the crops per page, the frozen
+        base's weights) is refused naming them (:class:`~hkrag.training.checkpoint.CheckpointError`)."""
         state = load_checkpoint(checkpoint, self.model, self.optimizer, self.scheduler, 0, self.state.config)
         self.state = state
 
