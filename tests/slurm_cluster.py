@@ -16,6 +16,11 @@ pickles and ``sacct`` is only needed to notice jobs killed before writing one, w
 
 Where Slurm cannot run (not root, no apt-get, a daemon that fails) the fixture skips with the reason;
 ``HKRAG_REQUIRE_SLURM=1`` turns that skip into an error (for CI, where it must start).
+
+Every wait follows the work, not the wall clock (:func:`wait_until`): it lasts as long as something moves (a job
+changes state, a log grows, a file appears) and fails only after :data:`STALL` seconds without any change, or
+:data:`CAP` seconds in all, saying what it was waiting for and what it last saw; a loaded machine makes a test
+slower, not red.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,8 +83,42 @@ PartitionName={partition} Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """
 
 
+STALL = 300.0
+"""Seconds a wait accepts without progress (a job state changing, a log growing, a file appearing)."""
+CAP = 1800.0
+"""Seconds one wait may last in all, progress or not."""
+
+
 class SlurmUnavailable(RuntimeError):
     """Slurm cannot be started here; the message says why."""
+
+
+def wait_until(condition: Callable[[], Any], waiting_for: str, progress: Callable[[], Any], stall: float = STALL,
+               cap: float = CAP, poll: float = 0.2) -> Any:
+    """Poll ``condition`` until it returns a true value, and return that. ``progress()`` is a snapshot of what
+    moves while the wait is worth continuing (job states, file sizes); a ``TimeoutError`` saying what it waited
+    for and the last snapshot ends the wait when the snapshot has not changed for ``stall`` seconds, or after
+    ``cap`` seconds in all."""
+    start = changed = time.monotonic()
+    seen = progress()
+    while not (result := condition()):
+        now, snapshot = time.monotonic(), progress()
+        if snapshot != seen:
+            seen, changed = snapshot, now
+        if now - changed > stall or now - start > cap:
+            why = f"no progress for {now - changed:.0f} s" if now - changed > stall else f"the {cap:.0f} s cap"
+            raise TimeoutError(f"waited {now - start:.0f} s for {waiting_for} ({why}); last seen: {seen}")
+        time.sleep(poll)
+    return result
+
+
+def file_sizes(*paths: Path) -> tuple:
+    """What exists of ``paths`` and how big: a file's size, a folder's files and sizes, None for a missing path."""
+    def size(path: Path) -> Any:
+        if path.is_dir():
+            return tuple((str(f.relative_to(path)), f.stat().st_size) for f in sorted(path.rglob("*")) if f.is_file())
+        return path.stat().st_size if path.is_file() else None
+    return tuple(size(Path(path)) for path in paths)
 
 
 @dataclass
@@ -121,15 +161,21 @@ class SlurmCluster:
         out = self.command("scontrol", "show", "job", "-o", str(job_id)).stdout
         return re.findall(r"JobState=(\w+)", out)
 
-    def wait(self, job_id: int | str, timeout: float = 240, until: set[str] = FINISHED) -> list[str]:
-        """Poll until every task of the job is in a state of ``until``; returns the states."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    def progress(self, job_id: int | str, *watch: Path) -> tuple:
+        """What moves while a job runs: its tasks' states and restart counts, the sizes of their logs and of
+        ``watch`` (files or folders)."""
+        out = self.command("scontrol", "show", "job", "-o", str(job_id)).stdout
+        logs = [Path(path) for path in re.findall(r"StdOut=(\S+)", out)]
+        return re.findall(r"JobState=(\w+)", out), re.findall(r"Restarts=(\d+)", out), file_sizes(*logs, *watch)
+
+    def wait(self, job_id: int | str, *watch: Path, until: set[str] = FINISHED) -> list[str]:
+        """Poll until every task of the job is in a state of ``until``, for as long as the job makes progress
+        (:meth:`progress`, :func:`wait_until`); returns the states."""
+        def reached() -> list[str] | None:
             states = self.states(job_id)
-            if states and all(s in until for s in states):
-                return states
-            time.sleep(0.5)
-        raise TimeoutError(f"job {job_id} still {self.states(job_id)} after {timeout} s")
+            return states if states and all(s in until for s in states) else None
+        return wait_until(reached, f"job {job_id} to be {' or '.join(sorted(until))}",
+                          lambda: self.progress(job_id, *watch), poll=0.5)
 
     def stop(self) -> None:
         """Cancel every job, stop the daemons (slurmd, slurmctld, munged) and remove their files."""
@@ -177,8 +223,9 @@ def _tail(path: Path, lines: int = 8) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else "(no log)"
 
 
-def start_cluster(root: Path, timeout: float = 30) -> SlurmCluster:
-    """Write the configuration under ``root``, start the daemons and wait for the node to be idle."""
+def start_cluster(root: Path) -> SlurmCluster:
+    """Write the configuration under ``root``, start the daemons and wait for the node to be idle (while their logs
+    grow: :func:`_wait_for`)."""
     if os.geteuid() != 0:
         raise SlurmUnavailable("starting slurmctld/slurmd needs root")
     install_packages()
@@ -203,9 +250,10 @@ def start_cluster(root: Path, timeout: float = 30) -> SlurmCluster:
         for name, args in daemons.items():
             cluster.processes.append(_daemon(args, root / f"{name}.out"))
             if name == "munged":
-                _wait_for(lambda: (root / "munge.socket").exists(), timeout, f"munged: {_tail(root / 'munged.log')}")
-        _wait_for(lambda: _node_idle(cluster), timeout,
-                  f"node not idle: {_tail(root / 'slurmctld.log')}\n{_tail(root / 'slurmd.log')}")
+                _wait_for(root, lambda: (root / "munge.socket").exists(), "munged's socket",
+                          lambda: f"munged: {_tail(root / 'munged.log')}")
+        _wait_for(root, lambda: _node_idle(cluster), "the node to be idle",
+                  lambda: f"{_tail(root / 'slurmctld.log')}\n{_tail(root / 'slurmd.log')}")
     except BaseException:
         cluster.stop()
         raise
@@ -220,12 +268,14 @@ def _node_idle(cluster: SlurmCluster) -> bool:
     return result.returncode == 0 and result.stdout.strip() == "idle"
 
 
-def _wait_for(condition, timeout: float, message: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise SlurmUnavailable(f"timed out after {timeout} s: {message}")
-        time.sleep(0.1)
+def _wait_for(root: Path, condition: Callable[[], Any], waiting_for: str, logs: Callable[[], str]) -> None:
+    """:func:`wait_until` while the daemons' logs under ``root`` grow; :class:`SlurmUnavailable` with their tails
+    when they stall."""
+    try:
+        wait_until(condition, waiting_for, lambda: file_sizes(*sorted(root.glob("*.log")), *sorted(root.glob("*.out"))),
+                   stall=60, poll=0.1)
+    except TimeoutError as error:
+        raise SlurmUnavailable(f"{error}\n{logs()}") from error
 
 
 @pytest.fixture(scope="session")
