@@ -18,10 +18,10 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
-from peft import PeftModel
 
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor, image_tag
 from hkrag.models.phi3v.loading import PHI3V_HUB_ID, load_phi3v, load_processor, tiny_phi3v
+from hkrag.retriever import load_adapter
 
 from .base import LVLMRequest, Message, PageImage
 from .local import LocalBackend, ModelInputs, resolve_device, resolve_dtype
@@ -91,7 +91,7 @@ class Phi3VBackend(LocalBackend):
             processor = load_processor(base, num_crops)
             default_name = str(base)
         if adapter is not None:
-            model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+            model = load_adapter(model, adapter).merge_and_unload()  # one that does not fit is refused
             default_name = f"{default_name}+{adapter}"
         self.processor: Phi3VProcessor = processor
         super().__init__(
