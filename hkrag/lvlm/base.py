@@ -13,6 +13,7 @@ import io
 import json
 import math
 import numbers
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -222,6 +223,49 @@ class LVLMHTTPError(LVLMError):
 
 class LVLMResponseError(LVLMError):
     """The response was malformed or lacked what was asked for (e.g. no ``logprobs``)."""
+
+
+class LVLMContextError(LVLMError, ValueError):
+    """A request that does not fit the model's context: its prompt, or its prompt plus ``max_new_tokens``."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+        """What to shorten: ``messages`` (the prompt alone fills the context) or ``max_tokens``."""
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+"""A lone surrogate: what Python holds for a JSON ``\\ud800`` escape with no pair, or a ``surrogateescape``d byte;
+not a character, and no tokenizer encodes it."""
+
+
+class LVLMTextError(LVLMError, ValueError):
+    """A request holding text no tokenizer can encode (a lone surrogate)."""
+
+
+def check_text(request: LVLMRequest) -> None:
+    """:class:`LVLMTextError` naming the message part (``messages[0].content[1]``) and the character, when a text
+    part holds a lone surrogate; a local model's tokenizer would fail with an unrelated ``TypeError``."""
+    for m, message in enumerate(request.messages):
+        for k, part in enumerate(message.content):
+            if isinstance(part, str) and (bad := SURROGATE.search(part)):
+                raise LVLMTextError(f"messages[{m}].content[{k}] holds a lone surrogate U+{ord(bad.group()):04X} at "
+                                    f"character {bad.start()}, which is not a character: send valid Unicode text")
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, context: int | None) -> None:
+    """:class:`LVLMContextError` when a prompt of ``prompt_tokens`` tokens asking for ``max_new_tokens`` more does
+    not fit a context of ``context`` tokens (``None``: unknown, not checked). Refused, never cut: a cut prompt
+    loses the question or pages, a capped answer looks complete."""
+    if context is None:
+        return
+    if prompt_tokens >= context:
+        raise LVLMContextError(f"the prompt is {prompt_tokens} tokens, over the model's context of {context} tokens; "
+                               "send fewer or smaller pages or less text", "messages")
+    if prompt_tokens + max_new_tokens > context:
+        raise LVLMContextError(f"the prompt is {prompt_tokens} tokens and max_tokens is {max_new_tokens}: "
+                               f"{prompt_tokens + max_new_tokens} > the model's context of {context} tokens; ask for "
+                               f"at most {context - prompt_tokens}", "max_tokens")
 
 
 class LVLMBackend(ABC):

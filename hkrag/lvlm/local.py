@@ -12,6 +12,9 @@ rest the same way for both:
 * the answer ends at the first end token (``finish_reason="stop"``), at the first stop string (text and
   tokens cut together), or at ``max_new_tokens`` (``"length"``); the end token is not part of the answer
   (the end-token rule of :class:`~hkrag.lvlm.base.LVLMBackend`);
+* a request holding a lone surrogate raises :class:`~hkrag.lvlm.base.LVLMTextError` naming its message part;
+* a request whose prompt, or prompt plus ``max_new_tokens``, does not fit the model's context raises
+  :class:`~hkrag.lvlm.base.LVLMContextError` naming both lengths before anything is generated (never cut);
 * NaN logits at any generated step (an overflow, a broken checkpoint) raise
   :class:`~hkrag.lvlm.base.LVLMResponseError` instead of yielding a NaN or silently zero uncertainty;
 * page image features are computed one page at a time and kept in a bounded LRU cache keyed by the
@@ -36,7 +39,18 @@ from typing import Any
 import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria
 
-from .base import GenerationSettings, LVLMBackend, LVLMRequest, LVLMResponseError, LVLMResult, PageImage, TokenLogprob
+from .base import (
+    GenerationSettings,
+    LVLMBackend,
+    LVLMContextError,
+    LVLMRequest,
+    LVLMResponseError,
+    LVLMResult,
+    PageImage,
+    TokenLogprob,
+    check_context,
+    check_text,
+)
 from .feature_cache import FeatureCache
 from .prefix_cache import PrefixCache, PromptLayout
 
@@ -261,7 +275,14 @@ class LocalBackend(LVLMBackend):
     def generate_batch(self, requests: Sequence[LVLMRequest], settings: GenerationSettings) -> list[LVLMResult]:
         """One ``generate`` call for requests sharing ``settings``; latency is the batch's wall time."""
         start = time.perf_counter()
+        for request in requests:
+            check_text(request)
         inputs = self.prepare(requests)
+        for row, tokens in enumerate(inputs.prompt_tokens):
+            try:
+                check_context(tokens, settings.max_new_tokens, self.context_length)
+            except LVLMContextError as error:
+                raise LVLMContextError(f"{self.model}: request {row} of the batch: {error}", error.field) from None
         prompt_length = inputs.kwargs["input_ids"].shape[1]
         stopping = [StopOnStrings(self.tokenizer, settings.stop, prompt_length)] if settings.stop else []
         layout = self.layout(inputs) if len(requests) == 1 and self.prefixes.capacity else None

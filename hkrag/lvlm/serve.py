@@ -50,7 +50,17 @@ from starlette.requests import ClientDisconnect
 from hkrag.data.images import ImageError
 
 from . import build_backend
-from .base import GenerationSettings, LVLMBackend, LVLMRequest, LVLMResult, Message, PageImage
+from .base import (
+    SURROGATE,
+    GenerationSettings,
+    LVLMBackend,
+    LVLMContextError,
+    LVLMRequest,
+    LVLMResult,
+    Message,
+    PageImage,
+    check_context,
+)
 from .data_uri import decode_data_uri
 
 log = logging.getLogger(__name__)
@@ -197,14 +207,41 @@ def parse_request(raw: bytes) -> ChatRequest:
                          f"{error.colno}", code="invalid_json") from None
     except RecursionError:
         raise BadRequest("request body is not valid JSON: nested too deeply", code="invalid_json") from None
-    except ValueError as error:  # not UTF-8/16/32, or NaN/Infinity
+    except UnicodeDecodeError as error:  # invalid UTF-8: inside a string, name its field (below)
+        data = _with_undecodable_bytes(raw, error)
+    except ValueError as error:  # NaN/Infinity
         raise BadRequest(f"request body is not valid JSON: {error}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise BadRequest(f"request body must be a JSON object, got a JSON {type(data).__name__}", code="invalid_json")
+    check_body_text(data)
     try:
         return ChatRequest.model_validate(data)
     except ValidationError as error:
         raise invalid_fields(error.errors()) from None
+
+
+def _with_undecodable_bytes(raw: bytes, error: UnicodeDecodeError) -> Any:
+    """The JSON of a body that is not valid UTF-8, its bad bytes kept as lone surrogates (``surrogateescape``) so
+    that :func:`check_body_text` names the field holding them; a body that is not JSON even so is ``invalid_json``."""
+    try:
+        return json.loads(raw.decode("utf-8", errors="surrogateescape"), parse_constant=_no_constants)
+    except (ValueError, RecursionError):
+        raise BadRequest(f"request body is not valid JSON: {error}", code="invalid_json") from None
+
+
+def check_body_text(data: Any, path: str = "") -> None:
+    """Refuse text no tokenizer can encode: a lone surrogate (``\\ud800`` in the JSON) or an invalid UTF-8 byte,
+    anywhere in the body; :class:`BadRequest` names the field (``messages[0].content``) and the character."""
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        for text, whose in ((key, "its key"), (value, "the text")):
+            if isinstance(text, str) and (bad := SURROGATE.search(text)):
+                code = ord(bad.group())
+                byte = f" (or the byte 0x{code - 0xDC00:02x}: not UTF-8)" if 0xDC80 <= code <= 0xDCFF else ""
+                what = f"a lone surrogate U+{code:04X}, which is not a character{byte}"
+                raise BadRequest(f"{whose} holds {what} at character {bad.start()}; send valid UTF-8 text", where)
+        check_body_text(value, where)
 
 
 def check_request(body: ChatRequest, model_name: str, limits: Limits) -> None:
@@ -307,16 +344,13 @@ class ContextWindow:
 
     def check(self, request: LVLMRequest) -> None:
         """:class:`BadRequest` naming ``messages`` (the prompt alone is too long) or ``max_tokens``."""
-        prompt, answer = self.backend.count_prompt_tokens(request), request.settings.max_new_tokens
+        prompt = self.backend.count_prompt_tokens(request)
         if prompt is None:
             return
-        if prompt >= self.length:
-            raise BadRequest(f"the prompt is {prompt} tokens, over the model's context of {self.length} tokens; "
-                             "send fewer or smaller pages or less text", "messages", "context_length_exceeded")
-        if prompt + answer > self.length:
-            raise BadRequest(f"the prompt is {prompt} tokens and max_tokens is {answer}: {prompt + answer} > the "
-                             f"model's context of {self.length} tokens; ask for at most {self.length - prompt}",
-                             "max_tokens", "context_length_exceeded")
+        try:
+            check_context(prompt, request.settings.max_new_tokens, self.length)
+        except LVLMContextError as error:
+            raise BadRequest(str(error), error.field, "context_length_exceeded") from None
 
     @classmethod
     def of(cls, backend: LVLMBackend, length: int | None = None) -> ContextWindow | None:
@@ -524,6 +558,8 @@ def create_app(backend: LVLMBackend, served_model_name: str | None = None, max_b
             raise
         except ImageError as error:  # a page the model's processor refuses (e.g. a 500x2 strip)
             raise BadRequest(str(error), "messages", "invalid_image") from None
+        except LVLMContextError as error:  # the model's own context, under a larger --context-length
+            raise BadRequest(str(error), error.field, "context_length_exceeded") from None
         except Exception as error:
             log.exception("generation failed")
             raise APIError(500, f"generation failed: {type(error).__name__}: {error}", None,
