@@ -17,7 +17,7 @@ from pathlib import Path
 from common import machine
 
 from hkrag.tasks.chain import retrieval_rows, retrieval_table
-from hkrag.tasks.replica import REPORT_FILE, run_jobs
+from hkrag.tasks.replica import REPORT_FILE, check_seeds, run_jobs
 
 
 def main() -> None:
@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, default=Path("data/synthetic/corpus"), help="the built-in corpus")
     parser.add_argument("overrides", nargs="*", help="train.py overrides for every run")
     args = parser.parse_args()
+    check_seeds(args.seeds, args.overrides)
     runs = [args.out / f"s{seed}" for seed in args.seeds]
     start = time.perf_counter()
     jobs = [(run, ["experiment=reader_tiny", f"trainer.seed={seed}", *args.overrides], "train", REPORT_FILE)

@@ -178,14 +178,36 @@ def load_multirun(
     if by == "auto":
         by = varying_keys(jobs, seed_key)
     runs = [load_run(job, by, seed_key) for job in jobs]
+    check_distinct(runs, by if isinstance(by, str) else None, seed_key)
+    check_settings_distinct(jobs)
+    return runs
+
+
+def check_distinct(runs: Sequence[Run], by: str | None = None, seed_key: str = "seed") -> None:
+    """Refuse two runs of one condition with one seed: the intervals would count one run twice as independent
+    (``trainer.seed=0,0,1``, or a job folder copied); :class:`AblationError` names both folders."""
     seen: dict[tuple[str, int], Path] = {}
     for run in runs:
         if (run.condition, run.seed) in seen:
-            what = f"{by}={run.condition}" if isinstance(by, str) else run.condition
+            what = f"{by}={run.condition}" if by else run.condition
             raise AblationError(f"{run.path} repeats {what} {seed_key}={run.seed} of "
-                                f"{seen[run.condition, run.seed]}")
+                                f"{seen[run.condition, run.seed]}: each seed must be one run; drop one of them")
         seen[run.condition, run.seed] = run.path
-    return runs
+
+
+def check_settings_distinct(jobs: Sequence[Path]) -> None:
+    """Refuse two jobs run with the same settings and seed (their ``.hydra/config.yaml`` equal), whatever their
+    overrides say (``loss=hkrag`` and ``loss=hkrag loss.alpha=1.0`` are one setting): one run counted twice."""
+    seen: dict[str, Path] = {}
+    for job in jobs:
+        path = job / ".hydra" / "config.yaml"
+        if not path.is_file():
+            continue
+        settings = json.dumps(yaml.safe_load(path.read_text()), sort_keys=True, default=str)
+        if settings in seen:
+            raise AblationError(f"{job} ran with the same settings and seed as {seen[settings]} ({path.name} equal): "
+                                "one run would be counted twice; drop one of them")
+        seen[settings] = job
 
 
 def evidence_types(runs: Sequence[Run]) -> list[str]:
@@ -216,6 +238,7 @@ def summarize(
     """Means, stds, intervals, differences to ``baseline``, verdicts on ``claims``, learning curves and mask
     shares (see the module docstring); ``datasets`` adds columns of those data sets' queries alone (e.g. the
     fine-print split ``synfine``) after the evidence types, where the runs scored any."""
+    check_distinct(runs)
     conditions = list(dict.fromkeys(run.condition for run in runs))
     if baseline not in conditions:
         raise AblationError(f"baseline {baseline!r} is not among the conditions {conditions}; pass --baseline")

@@ -46,7 +46,7 @@ from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, PER_QUERY_FILE
 from hkrag.retrieval.metrics import chance_ndcg
 from hkrag.stats import hierarchical_bootstrap
 from hkrag.tasks.common import BASE_DIR, CONF_DIR, FINAL_ADAPTER
-from hkrag.tasks.replica import REPORT_FILE, Job, read_timings, record_time, run_jobs
+from hkrag.tasks.replica import REPORT_FILE, Job, check_seeds, read_timings, record_time, run_jobs
 from hkrag.training.checkpoint import ADAPTER_DIR, CHECKPOINTS_DIR
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ class ChainConfig:
                              f"workers >= 1: got seeds={list(self.seeds)}, pretrain_steps={self.pretrain_steps}, "
                              f"curve_every={self.curve_every}, generator_steps={self.generator_steps}, "
                              f"workers={self.workers}")
+        check_seeds(self.seeds, self.overrides)
         self.out = Path(self.out)
 
     def folder(self, stage: str, seed: int) -> Path:

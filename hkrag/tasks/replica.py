@@ -110,6 +110,23 @@ FINE_PRINT_SPLITS = ("synfine",)
 """Data sets reported as their own column besides the evidence types: the built-in fine-print split (docs/data.md)."""
 
 
+SEED_KEYS = ("trainer.seed", "generator_training.optim.seed")
+"""The overrides each run's seed is given by (the retriever's, the generator's)."""
+
+
+def check_seeds(seeds: Sequence[int], overrides: Sequence[str] = ()) -> None:
+    """Refuse seeds that would count one run as several independent ones in the intervals: a seed given twice
+    (``--seeds 0 0 1``), or an override fixing every run's seed (``trainer.seed=3``), naming them."""
+    repeated = sorted({seed for seed in seeds if list(seeds).count(seed) > 1})
+    if repeated:
+        raise ValueError(f"seeds {list(seeds)} repeat {repeated}: each seed is one independent run in the intervals "
+                         "(seeds x queries), so a repeated seed would be counted twice; give distinct seeds")
+    fixed = [item for item in overrides if item.lstrip("+~").split("=", 1)[0] in SEED_KEYS]
+    if fixed:
+        raise ValueError(f"the override(s) {fixed} give every run the same seed, which the seeds {list(seeds)} must "
+                         "vary: drop them (the seeds set them per run)")
+
+
 @dataclass
 class ReplicaConfig:
     """What the replica runs; ``overrides`` go to every ``train.py`` run (e.g. ``paths.data_dir=...``)."""
@@ -143,6 +160,7 @@ class ReplicaConfig:
             raise ValueError(f"the replica needs seeds, steps >= 1, eval_every >= 0 and workers >= 1: got "
                              f"seeds={list(self.seeds)}, steps={self.steps}, eval_every={self.eval_every}, "
                              f"workers={self.workers}")
+        check_seeds(self.seeds, self.overrides)
         self.out = Path(self.out)
         self.tables = {"table5": TABLE5}
         if len(self.alphas) * len(self.betas) > 1:
