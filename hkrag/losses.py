@@ -368,15 +368,19 @@ class PretrainingLoss(nn.Module):
 
     generative = True
 
-    def __init__(self, tau: float = 0.01, max_target_length: int = 512) -> None:
+    def __init__(self, tau: float = 0.01, max_target_length: int = 512, max_query_length: int = 512) -> None:
         super().__init__()
-        if max_target_length < 1:
-            raise ValueError(f"loss.max_target_length must be >= 1, got {max_target_length}")
+        for name, value in (("max_target_length", max_target_length), ("max_query_length", max_query_length)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"loss.{name} must be an integer >= 1, got {value!r}")
         self.tau = tau
         self.max_target_length = max_target_length
+        self.max_query_length = max_query_length
+        """RCR's query (the page text + EOS) is cut to this many tokens, its own limit (VDocRAG's query_max_len)."""
 
     def settings(self) -> dict[str, float | int]:
-        return {"tau": self.tau, "max_target_length": self.max_target_length}
+        return {"tau": self.tau, "max_target_length": self.max_target_length,
+                "max_query_length": self.max_query_length}
 
     def extra_repr(self) -> str:
         return ", ".join(f"{name}={value}" for name, value in self.settings().items())

@@ -42,14 +42,17 @@ class RetrieverCollator:
 
     The number of crops per page is bounded by the processor's ``num_crops`` (config
     ``model.num_crops``); ``max_length`` turns an over-long document prompt into a clear error.
-    A query longer than ``max_query_length`` tokens (the model's context) is cut to that length,
-    keeping its final EOS token (the pooled one), with a warning naming the first such query.
+    A query longer than ``max_query_length`` tokens (the model's context, or ``limit_name``) is cut to that
+    length, keeping its final EOS token (the pooled one): the first such query is named in a warning and every
+    one is counted in ``truncated``. Cut rather than refused: the retriever embeds the query's start, as
+    VDocRAG's ``query_max_len`` does, and one long question does not stop an evaluation.
     """
 
     processor: Phi3VProcessor
     max_length: int | None = None
     max_query_length: int | None = None
-    _warned: bool = field(default=False, repr=False)
+    limit_name: str = "the model's context"
+    truncated: int = field(default=0, repr=False)
 
     def queries(self, texts: Sequence[str], ids: Sequence[str] | None = None) -> BatchFeature:
         """Query batch; ``ids`` only name queries in the truncation warning."""
@@ -63,10 +66,11 @@ class RetrieverCollator:
         return BatchFeature(self.processor.pad(tokens))
 
     def _warn_truncated(self, query_id: str, length: int) -> None:
-        if not self._warned:
-            logger.warning("query %s is %d tokens long, over the model's context of %d: truncated (further "
-                           "truncations are not reported)", query_id, length, self.max_query_length)
-            self._warned = True
+        if not self.truncated:
+            logger.warning("query %s is %d tokens long, over %s of %d: truncated (further truncations are "
+                           "counted, not reported one by one)", query_id, length, self.limit_name,
+                           self.max_query_length)
+        self.truncated += 1
 
     def documents(self, images: Sequence[Image.Image]) -> BatchFeature:
         prompt = document_prompt(self.processor.eos_token)
@@ -103,7 +107,8 @@ def generation_mask(prompt_lengths: Sequence[int], length: int) -> torch.Tensor:
 class PretrainingCollator:
     """Batches for VDocRAG pre-training (RCR + RCG) from ``(page text, page image)`` pairs.
 
-    ``query``: the page text as a query (``text + EOS``, cut to ``max_query_length`` keeping the EOS);
+    ``query``: the page text as a query (``text + EOS``, cut to ``max_query_length``, or the model's context when
+    shorter, keeping the EOS);
     ``document``: the page as the retriever encodes it; ``generation``: the document prompt's tokens
     (with their EOS) followed by the target ``text<|end|>\\n<|endoftext|>`` (tokenised without special
     tokens, cut to ``max_target_length``), right-padded, ``labels`` −100 on the prompt and the padding,
@@ -113,17 +118,34 @@ class PretrainingCollator:
     retriever: RetrieverCollator
     max_query_length: int = 512
     max_target_length: int = 512
+    truncated_targets: int = field(default=0, repr=False)
+    """RCG targets cut to ``max_target_length`` so far (the first one is also logged)."""
 
     def __post_init__(self) -> None:
         processor, max_length = self.retriever.processor, self.retriever.max_length
-        self._text_collator = RetrieverCollator(processor, max_length, self.max_query_length)
+        context = self.retriever.max_query_length
+        limit = self.max_query_length if context is None else min(self.max_query_length, context)
+        name = "loss.max_query_length" if limit == self.max_query_length else "the model's context"
+        self._text_collator = RetrieverCollator(processor, max_length, limit, name)
+
+    @property
+    def truncated_queries(self) -> int:
+        """RCR queries cut to ``max_query_length`` (or the model's context, when shorter) so far."""
+        return self._text_collator.truncated
 
     def generation(self, texts: Sequence[str], document: BatchFeature) -> BatchFeature:
         """The RCG batch of ``texts`` on the pages of ``document`` (a :meth:`RetrieverCollator.documents` batch)."""
         tokenizer = self.retriever.processor.tokenizer
         prompts = [row[mask.bool()].tolist() for row, mask in zip(document["input_ids"], document["attention_mask"])]
-        targets = [tokenizer(t + GENERATION_SUFFIX, add_special_tokens=False)["input_ids"][: self.max_target_length]
-                   for t in texts]
+        targets = [tokenizer(t + GENERATION_SUFFIX, add_special_tokens=False)["input_ids"] for t in texts]
+        for target in targets:
+            if len(target) > self.max_target_length:
+                if not self.truncated_targets:
+                    logger.warning("an RCG target (a page's text) is %d tokens long, over loss.max_target_length=%d: "
+                                   "cut (VDocRAG's answer_max_len; further cuts are counted)", len(target),
+                                   self.max_target_length)
+                self.truncated_targets += 1
+        targets = [target[: self.max_target_length] for target in targets]
         length = max(len(p) + len(t) for p, t in zip(prompts, targets))
         pad = tokenizer.pad_token_id or 0
         ids, labels = [], []

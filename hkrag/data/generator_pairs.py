@@ -9,6 +9,7 @@ settings reuses the file and other settings are refused), written atomically.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from hkrag.io import write_text
 
 from .opendocvqa import QAExample
 
+logger = logging.getLogger(__name__)
 PAGE_SOURCES = ("retrieved", "gold")
 
 
@@ -32,8 +34,23 @@ class GeneratorPair:
 
 
 def gold_pairs(qa: Sequence[QAExample], top_k: int, question: Callable[[QAExample], str]) -> list[GeneratorPair]:
-    """Pairs on each query's first ``top_k`` relevant pages (``pages=gold``: ablation and smoke runs)."""
-    return [pair_of(ex, ex.relevant_doc_ids[:top_k], question) for ex in qa]
+    """Pairs on each query's first ``top_k`` relevant pages (``pages=gold``: ablation and smoke runs); queries with
+    fewer relevant pages train on those they have, counted in one warning (:func:`warn_few_pages`)."""
+    pairs = [pair_of(ex, ex.relevant_doc_ids[:top_k], question) for ex in qa]
+    warn_few_pages({pair.query_id: len(pair.doc_ids) for pair in pairs}, top_k, "generator.top_k",
+                   "trained on the relevant pages they have (pages=gold)")
+    return pairs
+
+
+def warn_few_pages(counts: Mapping[str, int], wanted: int, setting: str, consequence: str) -> int:
+    """One warning when some queries have fewer than ``wanted`` pages (``counts``: query id -> pages), naming the
+    ``setting`` that asked for them, how many queries, the fewest and what happens to them; returns that number."""
+    short = {query_id: n for query_id, n in counts.items() if n < wanted}
+    if short:
+        fewest = min(short, key=short.__getitem__)
+        logger.warning("%d of %d queries have fewer than %s=%d pages (query %s has %d): %s", len(short), len(counts),
+                       setting, wanted, fewest, short[fewest], consequence)
+    return len(short)
 
 
 def pair_of(example: QAExample, doc_ids: Sequence[str], question: Callable[[QAExample], str]) -> GeneratorPair:

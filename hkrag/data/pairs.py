@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hkrag.data.opendocvqa import Corpus, QAExample
+from hkrag.data.opendocvqa import TEXT_COLUMN, Corpus, DataError, QAExample
 
 logger = logging.getLogger(__name__)
 
@@ -52,23 +52,51 @@ def training_pairs(qa: Iterable[QAExample], corpus: Corpus) -> list[TrainingPair
     return pairs
 
 
-def pretraining_pairs(corpus: Corpus) -> list[TrainingPair]:
+def pretraining_pairs(corpus: Corpus, column: str = TEXT_COLUMN) -> list[TrainingPair]:
     """VDocRAG pre-training pairs: each page's text as the query, the page itself as its one positive.
 
-    Needs the corpus's ``text`` column (synthetic corpus, PDF ingestion, VDocRetriever-Pretrain-DocStruct);
-    pages with blank text (e.g. scans without a text layer) are skipped, counted in one warning.
+    Needs the corpus's ``text`` column (synthetic corpus, PDF ingestion, VDocRetriever-Pretrain-DocStruct;
+    ``column`` is its name in the data set, for messages). Pages with no text (null, empty or blank, e.g. scans
+    without a text layer) are skipped, counted in one warning. A text that is not a string (bytes, a number, a
+    list) or not encodable as UTF-8 (a lone surrogate) is a :class:`~hkrag.data.opendocvqa.DataError` naming
+    the corpus, the column and the rows, since training on ``str(value)`` would teach the model the wrong text.
     """
     if not corpus.has_text:
         raise ValueError(
             f"{corpus.name} has no 'text' column, which pre-training reads: regenerate the synthetic corpus, "
             "re-ingest the PDFs, or use a data set with page texts (data=pretrain_docstruct)"
         )
-    pairs = [TrainingPair(doc_id, text, (doc_id,)) for doc_id, text in zip(corpus.doc_ids, corpus.texts())
-             if text and text.strip()]
+    pairs, bad = [], []
+    for row, (doc_id, text) in enumerate(zip(corpus.doc_ids, corpus.texts())):
+        if (problem := text_problem(text)) is not None:
+            bad.append(f"row {row} (doc_id {doc_id!r}): {problem}")
+        elif text is not None and text.strip():
+            pairs.append(TrainingPair(doc_id, text, (doc_id,)))
+    if bad:
+        raise DataError(f"{corpus.name}: column {column!r} holds {len(bad)} page text(s) that are not UTF-8 strings, "
+                        f"e.g. {'; '.join(bad[:3])}: store the column as strings (decoded UTF-8)")
     if len(pairs) < len(corpus):
-        logger.warning("%d of %d pages of %s have no text and were skipped", len(corpus) - len(pairs), len(corpus),
-                       corpus.name)
+        logger.warning("%d of %d pages of %s have no text in column %r and were skipped", len(corpus) - len(pairs),
+                       len(corpus), corpus.name, column)
     return pairs
+
+
+def text_problem(text: object) -> str | None:
+    """Why ``text`` cannot be a page text (``None`` when it can: a string encodable as UTF-8, or null)."""
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        return f"{type(text).__name__} {_preview(text)}, not a string"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"not encodable as UTF-8 ({error.reason} at character {error.start})"
+    return None
+
+
+def _preview(value: object, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def read_hard_negatives(path: str | Path) -> dict[str, tuple[str, ...]]:

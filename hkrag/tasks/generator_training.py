@@ -56,13 +56,14 @@ def single_pass_prompt(generator_cfg: DictConfig) -> PromptRenderer:
     return render
 
 
-def generator_base(model_cfg: DictConfig, texts: Sequence[str],
-                   save_to: Path) -> tuple[Phi3VForCausalLM, Phi3VProcessor, str]:
-    """The model to fine-tune, its processor and the base folder/id that serves it (a tiny one is saved)."""
+def generator_base(model_cfg: DictConfig, texts: Sequence[str], save_to: Path,
+                   save: bool = True) -> tuple[Phi3VForCausalLM, Phi3VProcessor, str]:
+    """The model to fine-tune, its processor and the base folder/id that serves it (a tiny one is saved, unless
+    ``save`` is false: a resumed run keeps the folder its checkpoints were trained on)."""
     if model_cfg.kind == "tiny":
         model, processor = tiny_phi3v(texts=texts, num_crops=model_cfg.num_crops, seed=model_cfg.seed,
                                       **model_cfg.get("config", {}))
-        return model, processor, str(save_tiny_base(model, processor, save_to))
+        return model, processor, str(save_tiny_base(model, processor, save_to) if save else save_to)
     if model_cfg.kind == "phi3v":
         model = load_phi3v(model_cfg.base, dtype=getattr(torch, model_cfg.dtype),
                            attn_implementation=model_cfg.get("attn_implementation"))
@@ -70,16 +71,17 @@ def generator_base(model_cfg: DictConfig, texts: Sequence[str],
     raise ValueError(f"model.kind must be 'tiny' or 'phi3v', got {model_cfg.kind!r}")
 
 
-def merged_base(run_dir: str | Path, model_cfg: DictConfig,
-                save_to: Path) -> tuple[Phi3VForCausalLM, Phi3VProcessor, str]:
+def merged_base(run_dir: str | Path, model_cfg: DictConfig, save_to: Path,
+                save: bool = True) -> tuple[Phi3VForCausalLM, Phi3VProcessor, str]:
     """A ``train.py`` run's base with its final adapter merged in (``generator_training.init_from``), saved to
-    ``save_to`` as the generator's base: the generator starts from the weights a retriever learned to read with."""
+    ``save_to`` (when ``save``) as the generator's base: the generator starts from the weights a retriever learned
+    to read with."""
     settings = trained_model_config(model_cfg, run_dir)
     model = load_phi3v(settings.base, dtype=getattr(torch, settings.dtype),
                        attn_implementation=settings.get("attn_implementation"))
     model = load_adapter(model, settings.adapter).merge_and_unload()
     processor = load_processor(settings.base, settings.num_crops)
-    return model, processor, str(save_tiny_base(model, processor, save_to))
+    return model, processor, str(save_tiny_base(model, processor, save_to) if save else save_to)
 
 
 def training_retriever(settings: DictConfig) -> tuple[Phi3VRetriever, dict[str, Any]]:
@@ -108,11 +110,13 @@ def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str,
     identity = training_retriever(retriever_settings)[1] if gen.pages == "retrieved" else None
     pairs = build_generator_pairs(output_dir / PAIRS_FILE, qa, corpus, gen.pages, cfg.generator.top_k, question_text,
                                   retriever=lambda: training_retriever(retriever_settings)[0], identity=identity)
+    resume = resolve_resume(cfg.get("resume"), output_dir)
+    save = resume is None or not (output_dir / BASE_DIR).is_dir()  # a resume refused for another base keeps base/
     if gen.get("init_from"):
-        model, processor, base = merged_base(gen.init_from, cfg.model, output_dir / BASE_DIR)
+        model, processor, base = merged_base(gen.init_from, cfg.model, output_dir / BASE_DIR, save)
     else:
         texts = [text for pair in pairs for text in (pair.question, *pair.answers)]  # a tiny base's vocabulary
-        model, processor, base = generator_base(cfg.model, texts, output_dir / BASE_DIR)
+        model, processor, base = generator_base(cfg.model, texts, output_dir / BASE_DIR, save)
     device = torch.device(gen.device if gen.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     model = causal_lm_lora(model, LoraSettings(**cfg.model.lora)).to(device)
     if cfg.model.get("gradient_checkpointing") and device.type == "cuda":
@@ -127,7 +131,6 @@ def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str,
                   **{f"optim.{k}": v for k, v in OmegaConf.to_container(gen.optim, resolve=True).items()
                      if k not in RESUMABLE_KEYS}}
     trainer = GeneratorTrainer(model, processor, dataset, config, output_dir, run_logger, run_config=run_config)
-    resume = resolve_resume(cfg.get("resume"), output_dir)
     if resume:
         trainer.resume(resume)
     trainer.fit()

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 
 from agents import build_generator
 from agents.pipeline import GeneratorConfig
+from hkrag.data.generator_pairs import warn_few_pages
 from hkrag.data.opendocvqa import QUERY_PREFIX, Corpus, QAExample, load_corpus, load_qa, pools
 from hkrag.environment import environment
 from hkrag.index.shards import config_hash
@@ -189,10 +190,11 @@ def plan_queries(
                       generator.get("max_page_tokens", GeneratorConfig.max_page_tokens))
     if cfg.retrieval == "retriever":
         runs = retrieve(cfg, accelerator, output_dir)
-        return [
-            PlannedQuery(ex, ds, pool, ranked(runs[ds][pool].get(ex.query_id, {}), rag.top_k))
-            for ds in rag.datasets for pool in rag.pools for ex in qa[ds]
-        ], store
+        planned = [PlannedQuery(ex, ds, pool, ranked(runs[ds][pool].get(ex.query_id, {}), rag.top_k))
+                   for ds in rag.datasets for pool in rag.pools for ex in qa[ds]]
+        warn_few_pages({q.key: len(q.page_ids) for q in planned}, rag.top_k, "rag.top_k",
+                       "the retriever ranked fewer pages (a smaller pool); they are answered from those")
+        return planned, store
     if cfg.retrieval == "gold":
         return [PlannedQuery(ex, ds, "gold", list(ex.relevant_doc_ids[: rag.top_k])) for ds in rag.datasets
                 for ex in qa[ds]], store

@@ -76,7 +76,10 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
         check_pools(eval_config(cfg))  # before hours of training, not after
     if cfg.trainer.get("eval_every") and not evaluate:
         raise ValueError("trainer.eval_every needs the evaluation: set eval_before_after=true (and an eval group)")
-    tiny_base = output_dir / BASE_DIR if cfg.model.kind == "tiny" and accelerator.is_main_process else None
+    resume = resolve_resume(cfg.get("resume"), output_dir)
+    keep_base = resume is not None and (output_dir / BASE_DIR).is_dir()  # a refused resume must not replace it
+    tiny_base = output_dir / BASE_DIR if cfg.model.kind == "tiny" and accelerator.is_main_process and not keep_base \
+        else None
     retriever = build_retriever(cfg.model, texts=vocabulary, save_base_to=tiny_base)
     base = output_dir / BASE_DIR if cfg.model.kind == "tiny" else cfg.model.base
     identity = {"model": str(base), "config": OmegaConf.to_container(cfg.model)}
@@ -87,10 +90,9 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     trainer_cfg = trainer_config(cfg)
     collator = None
     if isinstance(loss_fn, PretrainingLoss):
-        collator = PretrainingCollator(retriever.collator, loss_fn.max_target_length, loss_fn.max_target_length)
+        collator = PretrainingCollator(retriever.collator, loss_fn.max_query_length, loss_fn.max_target_length)
     trainer = RetrieverTrainer(retriever, loss_fn, pairs, corpus, trainer_cfg, accelerator, output_dir, run_logger,
                                run_config=run_settings(cfg), collator=collator)
-    resume = resolve_resume(cfg.get("resume"), output_dir)
     if resume:
         trainer.resume(resume)
 
@@ -132,7 +134,7 @@ def training_data(cfg: DictConfig, pretraining: bool) -> tuple[list[TrainingPair
             raise ValueError("loss=pretrain needs data.pretrain (source, config, split, text_column): use "
                              "data=synthetic or data=pretrain_docstruct")
         corpus = load_pretraining_corpus(source.source, source.config, source.split, source.text_column)
-        pairs = pretraining_pairs(corpus)
+        pairs = pretraining_pairs(corpus, source.text_column)
     else:
         corpus = load_corpus(cfg.data.corpus_source, cfg.data.train.corpus_config, cfg.data.train.split)
         pairs = training_pairs(questions, corpus)

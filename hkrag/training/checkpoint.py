@@ -41,6 +41,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as tensors_bytes
 
 from hkrag.io import WriteError, atomic_directory, write_bytes, write_json
+from hkrag.retriever import weights_fingerprint
 
 CHECKPOINTS_DIR = "checkpoints"
 """The run directory's folder of checkpoints (``step-<N>`` and ``final``)."""
@@ -52,6 +53,12 @@ TENSORS_FILE = "trainable.safetensors"
 CHECKPOINT_NAME = re.compile(r"step-(\d+)")
 OPTIONAL_STATE_KEYS = frozenset({"schedule"})
 """``state.json`` keys that checkpoints written before they existed lack."""
+LATER_CONFIG_KEYS = frozenset({"model.weights", "model.num_crops", "model.lora.r", "model.lora.alpha",
+                               "model.lora.dropout", "model.lora.target_modules", "model.lora.modules_to_save",
+                               "loss.max_query_length"})
+"""Run-config keys added after some checkpoints were written (``model.weights``, the generator's LoRA settings,
+pre-training's ``loss.max_query_length``): compared only when the checkpoint holds them, so such a checkpoint
+still resumes on the keys it has."""
 
 
 @dataclass
@@ -71,8 +78,9 @@ class TrainState:
     schedule: dict[str, int] = field(default_factory=dict)
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed from; the message says which file and why."""
+class CheckpointError(RuntimeError, ValueError):
+    """A checkpoint that cannot be resumed from; the message says which file and why (a ``ValueError`` too, as
+    docs/errors.md promises of every error that names bad input)."""
 
 
 def hash_config(config: Mapping[str, Any]) -> str:
@@ -241,7 +249,7 @@ def check_config(
     Keys in ``extendable`` (the run's length) are left to the caller, which checks them its own way.
     """
     current = json.loads(json.dumps(dict(current), default=str))  # tuples -> lists, as saved
-    keys = (saved.keys() | current.keys()) - set(extendable)
+    keys = (saved.keys() | current.keys()) - set(extendable) - (LATER_CONFIG_KEYS - saved.keys())
     differing = sorted(key for key in keys if saved.get(key) != current.get(key))
     if differing:
         details = "; ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {current.get(k)!r} now" for k in differing)
@@ -249,6 +257,22 @@ def check_config(
             f"{path} was written by a run with other settings ({details}); resume with the checkpoint's settings "
             "or start a new run directory"
         )
+
+
+def model_identity(model: torch.nn.Module) -> dict[str, Any]:
+    """The run-config keys of the model being trained (Hydra key names): its LoRA settings, read from the peft
+    model itself, and ``model.weights``, a fingerprint of the frozen base (another ``model.seed``, ``model.config``,
+    ``model.base`` or merged ``init_from`` gives another), so a resumed run on another model is refused."""
+    identity: dict[str, Any] = {}
+    lora = getattr(model, "peft_config", {}).get("default")
+    if lora is not None:
+        targets = lora.target_modules if isinstance(lora.target_modules, str) else sorted(lora.target_modules or [])
+        identity.update({"model.lora.r": lora.r, "model.lora.alpha": lora.lora_alpha,
+                         "model.lora.dropout": lora.lora_dropout, "model.lora.target_modules": targets})
+        if lora.modules_to_save:  # absent otherwise: runs without them keep their earlier identity
+            identity["model.lora.modules_to_save"] = sorted(lora.modules_to_save)
+    identity["model.weights"] = weights_fingerprint(model, frozen_only=True)
+    return identity
 
 
 def check_tensors(path: Path, tensors: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> None:

@@ -50,6 +50,7 @@ from hkrag.training.checkpoint import (
     checkpoint_state,
     hash_config,
     load_checkpoint,
+    model_identity,
     rng_state,
     save_checkpoint,
 )
@@ -268,7 +269,8 @@ class RetrieverTrainer:
         """Flat settings (Hydra key names) that fix the data order and the optimisation; stored in checkpoints.
 
         Derived from the objects actually trained (trainer and optim settings, the loss, the LoRA
-        config of the model, a fingerprint of the training pairs) plus ``extra`` from the caller (e.g.
+        config of the model and a fingerprint of its frozen base (:func:`~hkrag.training.checkpoint.model_identity`),
+        a fingerprint of the training pairs) plus ``extra`` from the caller (e.g.
         ``model.base``, ``data.train``). Resuming under a different value of any key is refused.
         """
         settings = asdict(self.config)
@@ -276,11 +278,7 @@ class RetrieverTrainer:
         if self.config.hard_negatives:  # absent otherwise: runs without them keep their earlier identity
             identity.update({f"trainer.{k}": settings[k] for k in ("hard_negatives", "negatives_file")})
         identity.update({f"loss.{k}": v for k, v in self.loss_fn.settings().items()})
-        lora = getattr(self.retriever.model, "peft_config", {}).get("default")
-        if lora is not None:
-            targets = lora.target_modules if isinstance(lora.target_modules, str) else sorted(lora.target_modules or [])
-            identity.update({"model.lora.r": lora.r, "model.lora.alpha": lora.lora_alpha,
-                             "model.lora.dropout": lora.lora_dropout, "model.lora.target_modules": targets})
+        identity.update(model_identity(self.retriever.model))
         identity.update({"data.pairs": len(self.pairs), "data.fingerprint": data_fingerprint(self.pairs), **extra})
         return json.loads(json.dumps(identity, default=str))
 
@@ -496,7 +494,19 @@ class RetrieverTrainer:
                 self.state.epoch += 1
                 self.state.step_in_epoch = 0
         bar.close()
+        self.report_truncations()
         return self.state
+
+    def report_truncations(self) -> dict[str, int]:
+        """Log (and return) how many training queries and RCG targets this process's collator cut to their limits
+        (counted in the main process: with ``num_workers`` > 0 the workers' copies count, unseen)."""
+        counts = {"queries": getattr(self.collator, "truncated_queries", getattr(self.collator, "truncated", 0)),
+                  "RCG targets": getattr(self.collator, "truncated_targets", 0)}
+        counts = {what: n for what, n in counts.items() if n}
+        if counts:
+            logger.warning("training cut %s to their token limits (the first of each was logged when cut)",
+                           " and ".join(f"{n} {what}" for what, n in counts.items()))
+        return counts
 
     def _record(self, output: LossOutput, norm: float | None, seconds: float) -> dict[str, Any]:
         record = {"loss": output.loss.item(), "lr": self.scheduler.get_last_lr()[0],
