@@ -205,6 +205,30 @@ def test_a_shipped_file_that_changed_is_refused_naming_it_and_both_hashes(copy_o
             load_processor(copy_of_the_reader / "base")
 
 
+def test_a_changed_shipped_folder_is_refused_as_run_dir_and_as_the_generator(copy_of_the_reader):
+    from hkrag.lvlm.phi3v import Phi3VBackend
+    from hkrag.tasks.common import build_retriever, evaluated_model
+
+    adapter = copy_of_the_reader / "checkpoints" / "final" / "adapter"
+    (adapter / "adapter_config.json").write_text("{}")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("eval", [f"run_dir={copy_of_the_reader}"])
+    with pytest.raises(ShippedFileMismatch, match="adapter_config.json has sha256"):
+        build_retriever(evaluated_model(cfg)[0], trainable=False)
+    with pytest.raises(ShippedFileMismatch, match="adapter_config.json has sha256"):
+        Phi3VBackend(base=str(copy_of_the_reader / "base"), adapter=str(adapter), device="cpu")
+
+
+def test_a_refused_shipment_ends_the_command_with_the_reason(tmp_path, run_config, capsys):
+    from hkrag.tasks.ship import main
+
+    run, out = fake_run(tmp_path / "run", run_config), tmp_path / "out"
+    main([str(run), "--out", str(out)])
+    assert f"{out}: 4 files" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=f"--out {run} overlaps the run it ships"):
+        main([str(run), "--out", str(run), "--replace"])
+
+
 def test_a_missing_shipped_file_is_refused(copy_of_the_reader):
     (copy_of_the_reader / "base" / "tokenizer_config.json").unlink()
     with pytest.raises(ShippedFileMismatch, match="tokenizer_config.json is missing, but .* says sha256 8cfcafec"):

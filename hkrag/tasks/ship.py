@@ -168,7 +168,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.answers:
         trace = load_trace(args.answers / MERGED_FILE)
         answers = {"eval_run": str(args.answers), "rows": answer_rows([trace], n_resamples=200)}
-    manifest = ship(args.run, args.out, answers, replace=args.replace)
+    try:
+        manifest = ship(args.run, args.out, answers, replace=args.replace)
+    except (ShipRefused, FileNotFoundError) as error:
+        raise SystemExit(f"error: {error}") from error
     if training_config(manifest["overrides"]) != manifest["config"]:
         logger.warning("conf/ now composes other settings from %r than this run used: tests/test_shipped.py will "
                        "fail until conf/ matches the run again", manifest["command"])
