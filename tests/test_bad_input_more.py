@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
@@ -20,7 +22,7 @@ from starlette.testclient import TestClient
 
 from hkrag.data.collators import PretrainingCollator, RetrieverCollator
 from hkrag.data.generator_pairs import GeneratorPair, gold_pairs, warn_few_pages
-from hkrag.data.opendocvqa import Corpus, DataError, QAExample
+from hkrag.data.opendocvqa import Corpus, DataError, QAExample, load_pretraining_corpus
 from hkrag.data.pairs import pretraining_pairs, text_problem
 from hkrag.lvlm import LVLMContextError, LVLMRequest, LVLMTextError, PageImage
 from hkrag.lvlm.base import GenerationSettings
@@ -77,6 +79,20 @@ def test_page_texts_with_lone_surrogates_are_refused_and_blank_ones_are_counted(
         pairs = pretraining_pairs(corpus_with_texts([None, "", "  \n", "real text"]), column="query")
     assert [pair.query_id for pair in pairs] == ["p3"]
     assert "3 of 4 pages of pre[docstruct/train] have no text in column 'query' and were skipped" in caplog.text
+
+
+def test_stored_page_text_that_is_not_utf8_is_named(tmp_path):
+    """A parquet string column holding bytes that are not UTF-8 (Arrow does not check on write): datasets loads it,
+    and reading the column failed with a bare UnicodeDecodeError naming no row."""
+    offsets = pa.array([0, 2, 4], type=pa.int32()).buffers()[1]
+    text = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(b"ok\xff\xfe")])
+    images = pa.array([page_bytes()] * 2, type=pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.table({"query": text, "image": images}), tmp_path / "data" / "train-00000-of-00001.parquet")
+    corpus = load_pretraining_corpus(tmp_path, None, "train", "query")
+    with pytest.raises(DataError, match=r"column 'query' holds 1 page text\(s\) that are not UTF-8 strings, e.g. row 1 "
+                                        r"\(doc_id '1'\): invalid UTF-8: invalid start byte at byte 0"):
+        pretraining_pairs(corpus, column="query")
 
 
 # --- adapters made for another model ----------------------------------------------------------------------------

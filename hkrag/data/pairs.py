@@ -58,7 +58,8 @@ def pretraining_pairs(corpus: Corpus, column: str = TEXT_COLUMN) -> list[Trainin
     Needs the corpus's ``text`` column (synthetic corpus, PDF ingestion, VDocRetriever-Pretrain-DocStruct;
     ``column`` is its name in the data set, for messages). Pages with no text (null, empty or blank, e.g. scans
     without a text layer) are skipped, counted in one warning. A text that is not a string (bytes, a number, a
-    list) or not encodable as UTF-8 (a lone surrogate) is a :class:`~hkrag.data.opendocvqa.DataError` naming
+    list), stored bytes that are not valid UTF-8, or a string not encodable as UTF-8 (a lone surrogate) is a
+    :class:`~hkrag.data.opendocvqa.DataError` naming
     the corpus, the column and the rows, since training on ``str(value)`` would teach the model the wrong text.
     """
     if not corpus.has_text:
@@ -67,7 +68,7 @@ def pretraining_pairs(corpus: Corpus, column: str = TEXT_COLUMN) -> list[Trainin
             "re-ingest the PDFs, or use a data set with page texts (data=pretrain_docstruct)"
         )
     pairs, bad = [], []
-    for row, (doc_id, text) in enumerate(zip(corpus.doc_ids, corpus.texts())):
+    for row, (doc_id, text) in enumerate(zip(corpus.doc_ids, page_texts(corpus))):
         if (problem := text_problem(text)) is not None:
             bad.append(f"row {row} (doc_id {doc_id!r}): {problem}")
         elif text is not None and text.strip():
@@ -81,10 +82,36 @@ def pretraining_pairs(corpus: Corpus, column: str = TEXT_COLUMN) -> list[Trainin
     return pairs
 
 
+@dataclass(frozen=True)
+class Undecodable:
+    """A stored page text whose bytes are not valid UTF-8 (``reason`` says where), in place of the string."""
+
+    reason: str
+
+
+def page_texts(corpus: Corpus) -> list[object]:
+    """The corpus's page texts in row order; a stored string that is not valid UTF-8 (Arrow does not always check
+    what a parquet file holds) becomes an :class:`Undecodable` instead of failing the whole column unnamed."""
+    try:
+        return corpus.texts()
+    except UnicodeDecodeError:
+        pass
+    column = corpus.dataset.select_columns([TEXT_COLUMN]).with_format("arrow")[:].column(0)
+    texts: list[object] = []
+    for value in column:
+        try:
+            texts.append(value.as_py())
+        except UnicodeDecodeError as error:
+            texts.append(Undecodable(f"invalid UTF-8: {error.reason} at byte {error.start}"))
+    return texts
+
+
 def text_problem(text: object) -> str | None:
     """Why ``text`` cannot be a page text (``None`` when it can: a string encodable as UTF-8, or null)."""
     if text is None:
         return None
+    if isinstance(text, Undecodable):
+        return text.reason
     if not isinstance(text, str):
         return f"{type(text).__name__} {_preview(text)}, not a string"
     try:
