@@ -28,7 +28,10 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, default=Path("data/synthetic/corpus"), help="the built-in corpus")
     parser.add_argument("overrides", nargs="*", help="train.py overrides for every run")
     args = parser.parse_args()
-    check_seeds(args.seeds, args.overrides)
+    try:
+        check_seeds(args.seeds, args.overrides)
+    except ValueError as error:
+        parser.error(str(error))
     runs = [args.out / f"s{seed}" for seed in args.seeds]
     start = time.perf_counter()
     jobs = [(run, ["experiment=reader_tiny", f"trainer.seed={seed}", *args.overrides], "train", REPORT_FILE)

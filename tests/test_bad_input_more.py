@@ -185,6 +185,15 @@ def test_repeated_seeds_and_seed_overrides_are_refused(tmp_path):
     check_seeds([0, 1, 2], ["model.seed=4"])  # the tiny model's initialisation is not the run's seed
 
 
+def test_the_chain_command_refuses_repeated_seeds_as_a_usage_error(tmp_path, capsys):
+    from hkrag.tasks.chain import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--out", str(tmp_path / "chain"), "--seeds", "0", "0", "1"])
+    assert exited.value.code == 2 and "error: seeds [0, 0, 1] repeat [0]" in capsys.readouterr().err
+    assert not (tmp_path / "chain").exists()  # nothing ran
+
+
 def test_the_ablation_refuses_one_run_counted_twice(tmp_path):
     folder = tmp_path / "sweep"
     write_job(folder, 0, "infonce", 0)

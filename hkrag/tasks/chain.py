@@ -372,9 +372,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="train.py overrides for every training run")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    report = run_chain(ChainConfig(args.out, args.seeds, args.pretrain_steps, args.reader, args.generator,
-                                   args.generator_steps, args.curve_every, args.workers, args.overrides,
-                                   args.eval_overrides))
+    try:
+        config = ChainConfig(args.out, args.seeds, args.pretrain_steps, args.reader, args.generator,
+                             args.generator_steps, args.curve_every, args.workers, args.overrides, args.eval_overrides)
+    except ValueError as error:  # bad arguments (e.g. --seeds 0 0 1): a usage error, not a traceback
+        parser.error(str(error))
+    report = run_chain(config)
     for target in report["targets"]:
         print(f"{target['target']}: {_interval(target)} -> {target['verdict']}")
     print(f"report: {args.out / 'chain.md'}")

@@ -196,8 +196,11 @@ def plan_queries(
                        "the retriever ranked fewer pages (a smaller pool); they are answered from those")
         return planned, store
     if cfg.retrieval == "gold":
-        return [PlannedQuery(ex, ds, "gold", list(ex.relevant_doc_ids[: rag.top_k])) for ds in rag.datasets
-                for ex in qa[ds]], store
+        planned = [PlannedQuery(ex, ds, "gold", list(ex.relevant_doc_ids[: rag.top_k])) for ds in rag.datasets
+                   for ex in qa[ds]]
+        warn_few_pages({q.key: len(q.page_ids) for q in planned}, rag.top_k, "rag.top_k",
+                       "they are answered from the gold pages they have")
+        return planned, store
     return [PlannedQuery(ex, ds, "none", []) for ds in rag.datasets for ex in qa[ds]], store
 
 

@@ -427,10 +427,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quick = {"seeds": range(2), "alphas": (DEFAULT_ALPHA,), "betas": (DEFAULT_BETA,), "similarity": False}
     settings = {"seeds": range(args.seeds), **(quick if args.quick else {})}
-    run_replica(ReplicaConfig(args.out, experiment=args.experiment, steps=args.steps, eval_every=args.eval_every,
-                              margin=args.margin, overrides=args.overrides, eval_overrides=args.eval_overrides,
-                              hard_negatives=args.hard_negatives, workers=args.workers,
-                              generator_steps=args.generator_steps or None, **settings))
+    try:
+        config = ReplicaConfig(args.out, experiment=args.experiment, steps=args.steps, eval_every=args.eval_every,
+                               margin=args.margin, overrides=args.overrides, eval_overrides=args.eval_overrides,
+                               hard_negatives=args.hard_negatives, workers=args.workers,
+                               generator_steps=args.generator_steps or None, **settings)
+    except ValueError as error:  # bad arguments (e.g. trainer.seed=3 among the overrides): a usage error
+        parser.error(str(error))
+    run_replica(config)
 
 
 if __name__ == "__main__":
