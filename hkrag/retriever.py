@@ -191,11 +191,18 @@ class Phi3VRetriever(nn.Module):
     def encode_queries(
         self, texts: Sequence[str], batch_size: int = 32, progress: bool = False, ids: Sequence[str] | None = None
     ) -> torch.Tensor:
-        """Query embeddings; ``ids`` (one per text) name a query in warnings."""
+        """Query embeddings; ``ids`` (one per text) name a query in warnings. Queries cut to the model's context are
+        counted in one warning per call (the first one cut is also named, :class:`RetrieverCollator`)."""
+        before = self.collator.truncated
         if ids is None:
-            return self._encode(texts, self.query_inputs, batch_size, progress)
-        pairs = list(zip(texts, ids, strict=True))
-        return self._encode(pairs, lambda chunk: self.query_inputs(*zip(*chunk)), batch_size, progress)
+            embeddings = self._encode(texts, self.query_inputs, batch_size, progress)
+        else:
+            pairs = list(zip(texts, ids, strict=True))
+            embeddings = self._encode(pairs, lambda chunk: self.query_inputs(*zip(*chunk)), batch_size, progress)
+        if cut := self.collator.truncated - before:
+            logger.warning("%d of %d queries were longer than the model's context of %d tokens and were cut to it",
+                           cut, len(texts), self.collator.max_query_length)
+        return embeddings
 
     @torch.no_grad()
     def encode_documents(
@@ -310,7 +317,8 @@ def load_adapter(model: Phi3VForCausalLM, adapter: str | Path, trainable: bool =
             raise
         name, saved, now = mismatched[0]
         raise AdapterMismatchError(
-            f"the adapter {str(adapter)!r} was made for a model of another size: {len(mismatched)} tensor(s) have "
+            f"the adapter {str(adapter)!r} was made for a model of another size (or its adapter_config.json does not "
+            f"describe its weights): {len(mismatched)} tensor(s) have "
             f"other shapes, e.g. {name} {saved} in the adapter vs {now} in this model (hidden_size="
             f"{model.config.hidden_size}); {_ADAPTER_ADVICE}"
         ) from error

@@ -109,7 +109,8 @@ def small_adapter(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize(("config", "named"), [
     ({"hidden_size": 128, "intermediate_size": 256},
-     r"another size: 8 tensor\(s\) have other shapes, e.g. \S+ \[4, 64\] in the adapter vs \[4, 128\] in this model "
+     r"another size \(or its adapter_config.json does not describe its weights\): 8 tensor\(s\) have other "
+     r"shapes, e.g. \S+ \[4, 64\] in the adapter vs \[4, 128\] in this model "
      r"\(hidden_size=128\)"),
     ({"num_hidden_layers": 3},
      r"\(3 layers, .*4 LoRA tensor\(s\) of this model have no weight in it \(e.g. \['\S+layers\.2"),
@@ -297,6 +298,11 @@ def test_over_long_queries_are_cut_counted_and_the_pretraining_query_has_its_own
     assert "RCG target (a page's text) is" in caplog.text and "over loss.max_target_length=3: cut" in caplog.text
     capped = PretrainingCollator(RetrieverCollator(retriever.processor, max_query_length=4), max_query_length=512)
     assert capped._text_collator.max_query_length == 4  # never past the model's context
+    retriever.collator.max_query_length = 4
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        retriever.encode_queries(["one two three four five six", "one", "six five four three"], batch_size=1)
+    assert "2 of 3 queries were longer than the model's context of 4 tokens and were cut to it" in caplog.text
 
 
 # --- text the server's tokenizer cannot encode ----------------------------------------------------------------------
