@@ -12,7 +12,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hkrag.data.generator_pairs import PAGE_SOURCES, GeneratorPair, gold_pairs, pair_of, read_pairs, write_pairs
+from hkrag.data.generator_pairs import (
+    PAGE_SOURCES,
+    GeneratorPair,
+    gold_pairs,
+    pair_of,
+    read_pairs,
+    warn_few_pages,
+    write_pairs,
+)
 from hkrag.data.opendocvqa import Corpus, QAExample
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.retriever import Phi3VRetriever
@@ -45,7 +53,9 @@ def retrieved_pairs(
     retriever.train(was_training)
     run = DocumentIndex.build(ids, vectors, "flat").to_run([ex.query_id for ex in qa], queries.float().numpy(), top_k)
     ranked = {qid: sorted(scores, key=scores.__getitem__, reverse=True) for qid, scores in run.items()}
-    return [pair_of(ex, ranked[ex.query_id], question) for ex in qa]
+    warn_few_pages({ex.query_id: len(ranked.get(ex.query_id, ())) for ex in qa}, top_k, "generator.top_k",
+                   "the index returned fewer pages for them (e.g. a non-finite query embedding); trained on those")
+    return [pair_of(ex, ranked.get(ex.query_id, []), question) for ex in qa]
 
 
 def build_generator_pairs(
