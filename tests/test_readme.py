@@ -3,12 +3,12 @@ can offline, and `python train.py` (the quick start) runs verbatim and lands in 
 
 The commands are read from the documents at collection time (tests/readme_commands.py), so a new one is tested
 without editing this file; one that cannot run here must be listed in OFFLINE (or EXTERNAL) with the reason, one too
-long for the default suite in SLOW (`python -m pytest -m slow tests/test_readme.py` runs those). Runs happen in a
-temporary working directory (symlinks to train.py, eval.py, conf/), never in the repository's data/ or outputs/:
-the demo's run serves `run_dir=latest` and `outputs/train/<stamp>`; commands reading `data/synthetic/corpus`
-directly (OCR, degradation, PDFs) run in a second directory with a small corpus. Shrinking overrides are appended
-unless the command sets the key itself. Slow commands that read an earlier command's output (the sweeps, the mining
-steps) run in document order.
+long for the default suite in SLOW (`python -m pytest -m slow tests/test_readme.py` runs those, and the commands of
+docs/*.md, which the default suite only parses). Runs happen in a temporary working directory (symlinks to
+train.py, eval.py, conf/), never in the repository's data/ or outputs/: the demo's run serves `run_dir=latest` and
+`outputs/train/<stamp>`; commands reading `data/synthetic/corpus` directly (OCR, degradation, PDFs) run in a second
+directory with a small corpus. Shrinking overrides are appended unless the command sets the key itself. Slow
+commands that read an earlier command's output (the sweeps, the mining steps) run in document order.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ SLOW: tuple[tuple[str, str], ...] = (
     (r"text_column=ocr_text", "needs the OCR'd corpus: runs after the OCR command"),
     (r"eval\.split=train|hkrag\.index\.mine|negatives_file=", "hard-negative mining: encodes the training corpus"),
 )
-"""Commands too long for the default suite (they run under ``-m slow``), with the reason."""
+"""Commands too long for the default suite (they run under ``-m slow``), with the reason. Every command of
+docs/*.md also runs under ``-m slow`` only (the default suite parses them and runs the README's)."""
 
 TINY_FLAGS: tuple[tuple[str, str], ...] = (
     (r"hkrag\.tasks\.replica", "--quick --steps 2 --eval-every 2 --generator-steps 2 --eval rag.max_queries=2"),
@@ -95,7 +96,13 @@ RUNS_SHRINK = ("trainer.max_steps=2", "trainer.global_batch_size=8", "eval.doc_b
 EVAL_SHRINK = ("rag.max_queries=2", "rag.pools=[single]", "eval.pools=[single]", "data.eval_datasets=[synfine]",
                "degradation.ocr_workers=1")
 """eval.py overrides that shrink a run (on the demo's corpus: one data set, its own pool, two questions)."""
-SMALL_WORKSPACE = re.compile(r"hkrag\.data\.(ocr|degrade|pdf)|text_column=ocr_text|degrade=|task=degradation")
+SMALL_CORPUS = {"n_train": 10, "n_test": 10, "train_groups_per_style": 1, "test_groups_per_style": 1,
+                "group_size": 2, "train_fine_groups": 1, "test_fine_groups": 1}
+"""The small workspace's corpus (20 pages); its eval.py / train.py runs name it, or they would regenerate the demo's."""
+SMALL_CORPUS_OVERRIDES = tuple(f"++data.synthetic.{key}={value}" for key, value in SMALL_CORPUS.items())
+OCR_CORPUS = "python -m hkrag.data.ocr data/synthetic/corpus --out data/synthetic_ocr --column ocr_text"
+"""Writes the OCR'd copy that commands with ``data.corpus_source=data/synthetic_ocr`` read (the README's OCR line)."""
+SMALL_WORKSPACE = re.compile(r"hkrag\.data\.(ocr|degrade|pdf)|ocr_text|degrade=|task=degradation")
 """Commands that run in the workspace with the small corpus (they read every page of data/synthetic/corpus)."""
 
 
@@ -111,7 +118,7 @@ def parse_param(command: rc.Command):
 
 def run_param(command: rc.Command):
     reason = first_match(EXTERNAL, command.text) or first_match(OFFLINE, command.text)
-    slow = first_match(SLOW, command.text)
+    slow = first_match(SLOW, command.text) or command.source.startswith("docs/")
     marks = [pytest.mark.skip(reason=f"cannot run offline: {reason}")] if reason else []
     marks += [pytest.mark.slow] if slow and not reason else []
     return pytest.param(command, marks=marks, id=command.text)
@@ -170,9 +177,7 @@ def small_workspace(tmp_path_factory) -> Path:
     except OcrUnavailable as reason:
         pytest.skip(f"Tesseract: {reason}")
     root = workspace(tmp_path_factory.mktemp("readme-small") / "work")
-    generate(root / "data" / "synthetic", SyntheticConfig(n_train=10, n_test=10, train_groups_per_style=1,
-                                                          test_groups_per_style=1, group_size=2,
-                                                          train_fine_groups=1, test_fine_groups=1))
+    generate(root / "data" / "synthetic", SyntheticConfig(**SMALL_CORPUS))
     (root / "reports").mkdir()
     for name, colour in (("a.pdf", "white"), ("b.pdf", "lightgrey")):
         pages = [Image.new("RGB", (200, 280), colour) for _ in range(2)]
@@ -237,15 +242,21 @@ def shrink(argv: list[str], slug: str) -> list[str]:
     plain = [arg for arg in args if arg not in rc.HYDRA_FLAGS]
     cfg = rc.compose(script, rc.hydra_jobs(plain, multirun)[0])
     given = override_keys(plain)
-    extra = [o for o in (TRAIN_SHRINK if script == "train.py" else EVAL_SHRINK)
+    candidates = TRAIN_SHRINK if script == "train.py" else EVAL_SHRINK
+    if any("data/" in arg for arg in plain):  # it reads files made from the demo's corpus: keep that corpus
+        candidates = tuple(o for o in candidates if o not in SMALL_DATA)
+    extra = [o for o in candidates
              if o.split("=")[0] not in given and OmegaConf.select(cfg, o.split("=")[0], default="?") != "?"]
+    if {"hydra.run.dir", "hydra.sweep.dir"} & given:
+        return extra
     folder = f"hydra.sweep.dir=multirun/{cfg.run_name}/readme-{slug}" if multirun else \
         f"hydra.run.dir=outputs/readme/{slug}"
     return [*extra, folder]
 
 
-def tiny(text: str, slug: str) -> str:
-    """The command as the test runs it: placeholders filled, tiny flags and shrinking overrides appended."""
+def tiny(text: str, slug: str, small: bool = False) -> str:
+    """The command as the test runs it: placeholders filled, tiny flags and shrinking overrides appended (in the
+    small workspace, the small corpus's settings too)."""
     if text == DEMO:
         return text
     argv = shlex.split(text)
@@ -255,7 +266,7 @@ def tiny(text: str, slug: str) -> str:
     if flags:
         appended += [*shlex.split(flags), *RUNS_SHRINK]
     elif rc.program(command) in rc.PYTHON and command[1:2] and command[1] in rc.HYDRA_SCRIPTS:
-        appended += shrink(command, slug)
+        appended += shrink(command, slug) + list(SMALL_CORPUS_OVERRIDES if small else ())
     return " ".join([text, *map(shlex.quote, appended)])
 
 
@@ -282,9 +293,11 @@ def test_command_runs(command: rc.Command, request):
         if small and not (cwd / "outputs" / "train").exists():  # the small corpus's pages, the demo's model
             (cwd / "outputs").mkdir(exist_ok=True)
             (cwd / "outputs" / "train").symlink_to(runs)
+    if "=data/synthetic_ocr" in command.text and not (cwd / "data" / "synthetic_ocr").is_dir():
+        run_shell(OCR_CORPUS, cwd)
     slug = f"c{COMMANDS.index(command):03d}"
     text = rc.concrete(command.text, placeholder_values(command.text, request, cwd))
-    run_shell(tiny(text, slug), cwd)
+    run_shell(tiny(text, slug, bool(small)), cwd)
 
 
 # --- the demo's figures against the README's table ----------------------------------------------------------------
