@@ -79,9 +79,11 @@ docs/*.md also runs under ``-m slow`` only (the default suite parses them and ru
 
 TINY_FLAGS: tuple[tuple[str, str], ...] = (
     (r"hkrag\.tasks\.replica", "--quick --steps 2 --eval-every 2 --generator-steps 2 --eval rag.max_queries=2"),
-    (r"hkrag\.tasks\.chain", "--generator-steps 2 --curve-every 0 --eval rag.max_queries=2"),
+    (r"hkrag\.tasks\.chain", "--seeds 0 --generator-steps 2 --curve-every 0 --eval rag.max_queries=2"),
+    (r"hkrag\.tasks\.chain.*--pretrain-steps", "--pretrain-steps 2"),
 )
-"""Each runs-of-runs module's own flags that shrink it (the train.py shrink overrides follow them)."""
+"""The runs-of-runs modules' own flags that shrink them (every matching row; they follow the command's own flags,
+so they win, and the train.py shrink overrides follow the command's overrides)."""
 
 SMALL_DATA = ("data.synthetic.n_train=40", "data.synthetic.n_test=12", "data.synthetic.train_groups_per_style=2",
               "data.synthetic.test_groups_per_style=1", "paths.data_dir=small-data")
@@ -261,11 +263,16 @@ def tiny(text: str, slug: str, small: bool = False) -> str:
         return text
     argv = shlex.split(text)
     env, command = rc.split_env(argv)
+    flags = [flag for pattern, flags in TINY_FLAGS if re.search(pattern, text) for flag in shlex.split(flags)]
+    if flags:  # python -m module [options] [overrides]: argparse takes the positional overrides in one run
+        own = command[3:]
+        overrides = [arg for i, arg in enumerate(own) if "=" in arg and not arg.startswith("-")
+                     and not (i and own[i - 1] == "--eval")]
+        options = [arg for arg in own if arg not in overrides]
+        prefix = [f"{name}={value}" for name, value in env.items()]
+        return shlex.join([*prefix, *command[:3], *options, *flags, *overrides, *RUNS_SHRINK])
     appended: list[str] = []
-    flags = first_match(TINY_FLAGS, text)
-    if flags:
-        appended += [*shlex.split(flags), *RUNS_SHRINK]
-    elif rc.program(command) in rc.PYTHON and command[1:2] and command[1] in rc.HYDRA_SCRIPTS:
+    if rc.program(command) in rc.PYTHON and command[1:2] and command[1] in rc.HYDRA_SCRIPTS:
         appended += shrink(command, slug) + list(SMALL_CORPUS_OVERRIDES if small else ())
     return " ".join([text, *map(shlex.quote, appended)])
 
