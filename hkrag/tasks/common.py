@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
 from omegaconf import DictConfig, OmegaConf
 
 from hkrag.data.opendocvqa import ALL_POOL, check_pool_pages, load_corpus, pools
@@ -44,8 +45,15 @@ def make_accelerator(cpu: bool, **kwargs: Any) -> Accelerator:
     """An Accelerator on the CPU when asked or when CUDA is absent.
 
     Under ``accelerate launch`` without GPUs, only a CPU accelerator joins the (gloo) process group;
-    otherwise every process would run alone, each thinking it is rank 0.
+    otherwise every process would run alone, each thinking it is rank 0. Under a DeepSpeed config without
+    CUDA the Accelerator must not be a CPU one (accelerate then ignores DeepSpeed): it gets the backend of
+    DeepSpeed's CPU accelerator (gloo, or oneCCL when installed), without which it would see no process group.
     """
+    if not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        from deepspeed.accelerator import get_accelerator
+
+        backend = InitProcessGroupKwargs(backend=get_accelerator().communication_backend_name())
+        return Accelerator(kwargs_handlers=[backend], **kwargs)
     return Accelerator(cpu=cpu or not torch.cuda.is_available(), **kwargs)
 
 

@@ -76,6 +76,13 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
         check_pools(eval_config(cfg))  # before hours of training, not after
     if cfg.trainer.get("eval_every") and not evaluate:
         raise ValueError("trainer.eval_every needs the evaluation: set eval_before_after=true (and an eval group)")
+    plugin = accelerator.state.deepspeed_plugin
+    if evaluate and plugin is not None and plugin.zero_stage == 3:
+        raise ValueError(
+            "eval_before_after=true does not run under DeepSpeed ZeRO-3: the ranks encode different shards, so "
+            "ZeRO-3's gathers of the partitioned weights would wait forever; set eval_before_after=false and evaluate "
+            f"the final adapter with eval.py run_dir={output_dir}"
+        )
     resume = resolve_resume(cfg.get("resume"), output_dir)
     keep_base = resume is not None and (output_dir / BASE_DIR).is_dir()  # a refused resume must not replace it
     tiny_base = output_dir / BASE_DIR if cfg.model.kind == "tiny" and accelerator.is_main_process and not keep_base \

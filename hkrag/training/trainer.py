@@ -22,6 +22,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from hkrag.models.phi3v.image_processing_phi3v import check_image_size
 from hkrag.retriever import Phi3VRetriever
 from hkrag.run_log import RunLogger
 from hkrag.training.checkpoint import (
+    ADAPTER_DIR,
     CHECKPOINTS_DIR,
     STATE_FILE,
     CheckpointError,
@@ -253,11 +255,18 @@ class RetrieverTrainer:
                 train_micro_batch_size_per_gpu=self.sampler.local_batch_size,
                 train_batch_size=config.global_batch_size,
                 gradient_accumulation_steps=1,
+                gradient_clipping=config.max_grad_norm or 0.0,  # the engine clips in its step
             )
+        identity = self.run_config(run_config or {})  # before ZeRO-3 partitions the frozen base it fingerprints
+        if plugin is not None:  # absent otherwise: a checkpoint resumes under DDP or DeepSpeed only where written
+            identity["trainer.deepspeed_zero_stage"] = plugin.zero_stage
         self.model, self.optimizer = accelerator.prepare(retriever, optimizer)
+        self.engine = self.model if plugin is not None else None  # the DeepSpeed engine, see optimizer_step
+        if self.engine is not None and not hasattr(self.engine, "coalesce_grad_reduction"):  # used by step()
+            raise ImportError("this DeepSpeed has no engine.coalesce_grad_reduction (gradient caching reduces once per "
+                              "step with it): install deepspeed>=0.19.1, e.g. pip install -e '.[deepspeed]'")
         self.scheduler = scheduler  # stepped once per optimizer step by optimizer_step, see the module docstring
         self.run_logger = run_logger or RunLogger(self.output_dir, enabled=accelerator.is_main_process)
-        identity = self.run_config(run_config or {})
         self.state = TrainState(config=identity, config_hash=hash_config(identity), schedule=schedule)
         self._ignore: torch.Tensor | None = None
 
@@ -290,6 +299,12 @@ class RetrieverTrainer:
         checkpoint was written under another :meth:`run_config` (naming the keys), if this run is shorter or
         would change the learning rate of a finished step, or if any file is missing or broken (naming it).
         """
+        if self.engine is not None:
+            raise CheckpointError(
+                f"{checkpoint}: resuming under DeepSpeed is not supported (a checkpoint holds rank 0's ZeRO optimizer "
+                "partition only); start a new run from the checkpoint's adapter: "
+                f"model.adapter={Path(checkpoint) / ADAPTER_DIR}"
+            )
         saved = checkpoint_state(checkpoint, self.state.config, EXTENDABLE_KEYS)
         schedule = self.continued_schedule(Path(checkpoint) / STATE_FILE, saved)
         if schedule != self.state.schedule:
@@ -400,13 +415,16 @@ class RetrieverTrainer:
         self._ignore = self.in_batch_positives()
         if self.config.chunk_size:
             size = self.config.chunk_size
-            output = grad_cache_step(
-                self.embed, self.embed, split_batch(dict(query), size), split_batch(dict(document), size),
-                self.global_loss, no_sync=lambda: self.accelerator.no_sync(self.model),
-            )
+            chunks = split_batch(dict(query), size), split_batch(dict(document), size)
+            if self.engine is None:
+                output = grad_cache_step(self.embed, self.embed, *chunks, self.global_loss,
+                                         no_sync=lambda: self.accelerator.no_sync(self.model))
+            else:  # DeepSpeed reduces once, after the step's last backward (it hooks tensor.backward)
+                with self.engine.coalesce_grad_reduction():
+                    output = grad_cache_step(self.embed, self.embed, *chunks, self.global_loss)
         else:
             output = self.global_loss(self.embed(query), self.embed(document))
-            self.accelerator.backward(output.loss)
+            self.backward(output.loss)
         if "generation" in batch:
             output = self.loss_fn.combine(output, self.generation_step(batch["generation"].to(device)))
         return output
@@ -419,9 +437,18 @@ class RetrieverTrainer:
         total = torch.zeros((), device=self.accelerator.device)
         for chunk in chunks:
             loss = self.model(**chunk).sum() / rows
-            self.accelerator.backward(loss)
+            self.backward(loss)
             total = total + loss.detach()
         return total
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss`` into ``.grad``. Under DeepSpeed through the engine's own backward: accelerate's
+        would also step the engine, and the step belongs to :meth:`optimizer_step` (gradient caching back-propagates
+        several times per step; DeepSpeed hooks those ``tensor.backward`` calls itself)."""
+        if self.engine is not None:
+            self.engine.backward(loss)
+        else:
+            self.accelerator.backward(loss)
 
     def optimizer_step(self, output: LossOutput) -> float | None:
         """Clip, step, schedule; refuses to step on a non-finite loss or gradient.
@@ -435,6 +462,8 @@ class RetrieverTrainer:
                 f"loss is {output.loss.item()} at step {self.state.step}: lower optim.lr, check the data, or resume "
                 "from the last checkpoint; the weights on disk were not touched"
             )
+        if self.engine is not None:
+            return self.engine_step()
         norm = None
         if self.config.max_grad_norm:
             norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
@@ -444,6 +473,19 @@ class RetrieverTrainer:
         if not self.accelerator.optimizer_step_was_skipped:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def engine_step(self) -> float:
+        """DeepSpeed's step: it clips to ``optim.max_grad_norm`` (its ``gradient_clipping``), steps and zeroes the
+        gradients; returns the norm before clipping. Its optimizer steps before the norm is known, so a non-finite
+        norm stops the run after the in-memory update, still before any checkpoint is written."""
+        self.engine.step()
+        norm = float(self.engine.get_global_grad_norm())
+        if not math.isfinite(norm):
+            raise NonFiniteLossError(f"gradient norm is {norm} at step {self.state.step} under DeepSpeed; the weights "
+                                     "on disk were not touched")
+        if not self.accelerator.optimizer_step_was_skipped:
+            self.scheduler.step()
         return norm
 
     def loader(self, epoch: int, start: int) -> DataLoader:
@@ -524,9 +566,21 @@ class RetrieverTrainer:
         Every rank's RNG state is gathered to rank 0, which writes the folder atomically.
         """
         directory = self.output_dir / CHECKPOINTS_DIR / (name or f"step-{self.state.step}")
-        check_finite(self.retriever.model)
-        rngs = gather_object([rng_state()]) if self.accelerator.num_processes > 1 else [rng_state()]
-        if self.accelerator.is_main_process:
-            save_checkpoint(directory, self.retriever.model, self.optimizer, self.scheduler, self.state, rngs)
-        self.accelerator.wait_for_everyone()
+        with self.whole_adapter():
+            check_finite(self.retriever.model)
+            rngs = gather_object([rng_state()]) if self.accelerator.num_processes > 1 else [rng_state()]
+            if self.accelerator.is_main_process:
+                save_checkpoint(directory, self.retriever.model, self.optimizer, self.scheduler, self.state, rngs)
+            self.accelerator.wait_for_everyone()
         return directory
+
+    def whole_adapter(self) -> AbstractContextManager:
+        """Under DeepSpeed ZeRO-3, which partitions parameters over the ranks (a rank's copy is then empty), gathers
+        on every rank, for reading, those a checkpoint saves: the trainable ones and the rest of peft's
+        ``modules_to_save`` copies, which the adapter holds too (call on every rank). Elsewhere they are whole."""
+        if self.engine is None or self.engine.zero_optimization_stage() != 3:
+            return nullcontext()
+        import deepspeed
+
+        saved = [p for n, p in self.retriever.named_parameters() if p.requires_grad or ".modules_to_save." in n]
+        return deepspeed.zero.GatheredParameters(saved, modifier_rank=None)
