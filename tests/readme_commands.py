@@ -90,6 +90,7 @@ def strip_comment(line: str) -> str:
 def extract(path: Path) -> list[Command]:
     """The commands of ``path``'s shell fences, in order, ``&&`` chains split."""
     text, found = path.read_text(), []
+    name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
     for match in FENCE.finditer(text):
         language, body = match.group(1).lower(), match.group(2)
         if language not in SHELL_BLOCKS:
@@ -106,7 +107,7 @@ def extract(path: Path) -> list[Command]:
             if not joined or (language == "" and joined.split()[0] not in PROGRAMS):
                 continue
             for part in joined.split(" && "):
-                found.append(Command(part.strip(), f"{path.relative_to(ROOT)}:{start}"))
+                found.append(Command(part.strip(), f"{name}:{start}"))
     return found
 
 

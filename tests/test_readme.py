@@ -388,11 +388,21 @@ def test_commands_are_found():
     """The extraction sees the README's commands (a broken fence parser would silently test nothing)."""
     texts = [c.text for c in COMMANDS]
     assert DEMO in texts and "python -m pytest -m slow" in texts
-    assert "python -m hkrag.data.synthetic --out data/synthetic" in texts  # trailing comment stripped
-    assert 'pip install -e ".[dev]" -c constraints.txt' in texts  # && chain split
-    assert any(t.startswith("python -m hkrag.data.ocr data/synthetic/corpus --out /tmp/syn_ocr") and
-               t.endswith("--split test") for t in texts)  # continuation lines joined
-    assert not any(t.startswith("corpus/") or t.startswith("invalid config") for t in texts)  # plain fences
+    assert all("\\" not in t and not t.endswith("&&") for t in texts)
+
+
+def test_extraction_rules(tmp_path):
+    """Shell fences only; plain fences' non-command lines skipped; comments, `&&` and continuations handled."""
+    document = tmp_path / "doc.md"
+    document.write_text("\n".join([
+        "```bash", "# a comment line", "pip install -e . && python train.py a=1   # trailing comment",
+        "python -m x --out DIR \\", "    --flag 'a # b'", "```",
+        "```", "corpus/", "  README.md   # tree", "python eval.py task=rag", "```",
+        "```python", "python = 3", "```", "```yaml", "python: 3", "```", ""]))
+    found = rc.extract(document)
+    assert [c.text for c in found] == ["pip install -e .", "python train.py a=1",
+                                       "python -m x --out DIR --flag 'a # b'", "python eval.py task=rag"]
+    assert found[2].source.endswith("doc.md:4") and found[3].source.endswith("doc.md:10")
 
 
 @pytest.mark.parametrize(("text", "message"), [
