@@ -106,6 +106,9 @@ def test_deepspeed_zero2_and_zero3_match_ddp_on_two_cpu_processes(tmp_path):
     stderr = launch("train.py", *settings, "resume=auto", f"hydra.run.dir={tmp_path / 'zero2'}", processes=2,
                     env=env, config="conf/accelerate/deepspeed_zero2_cpu.yaml", fails=True)
     assert "resuming under DeepSpeed is not supported" in stderr and "model.adapter=" in stderr
+    stderr = launch("train.py", *settings, "resume=auto", f"hydra.run.dir={tmp_path / 'zero2'}", processes=2,
+                    env=env, fails=True)  # nor under DDP: optimizer.pt holds rank 0's ZeRO partition
+    assert "trainer.deepspeed_zero_stage: 2 in the checkpoint, None now" in stderr
     evaluating = [o for o in OVERRIDES if o != "eval_before_after=false"]
     stderr = launch("train.py", *evaluating, f"hydra.run.dir={tmp_path / 'zero3-eval'}", processes=2, env=env,
                     config="conf/accelerate/deepspeed_zero3_cpu.yaml", fails=True)
