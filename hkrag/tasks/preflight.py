@@ -1,0 +1,391 @@
+"""Will this experiment fit my GPU? ``python -m hkrag.tasks.preflight experiment=NAME [overrides] [--gpu-memory 80GB]``
+
+Composes the experiment's Hydra config as ``train.py`` does, builds the memory model of one optimizer step from
+the configuration alone (:mod:`hkrag.training.memory`: parameters counted on the ``meta`` device with peft, tokens
+per page from the processor), prints its terms and a verdict for 24, 40, 80 and 141 GB, and exits non-zero when
+``--gpu-memory`` is given and the step is predicted not to fit, naming what to change (``trainer.chunk_size``,
+``model.gradient_checkpointing``, ``model.num_crops``; the generator's ``generator_training.optim.batch_size``).
+
+``--measure`` runs the retriever's training step on CPU at full width and reduced depth (``--layers 1 2``; random
+weights, fp32) and prints measured against predicted bytes at the same depth (bench/RESULTS.md "Memory model").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+from PIL import Image
+
+from hkrag.io import write_json
+from hkrag.models.phi3v import Phi3VConfig, load_processor, tiny_phi3v
+from hkrag.models.phi3v.loading import CheckpointNotFoundError
+from hkrag.retriever import VDOCRAG_LORA_TARGETS, LoraSettings, describe_lora_modules
+from hkrag.training.memory import (
+    GIB,
+    GPU_SIZES_GB,
+    MALLOC_ENV,
+    Architecture,
+    Estimate,
+    Parameters,
+    Workload,
+    count_parameters,
+    describe_bytes,
+    estimate,
+    format_terms,
+    kv_cache_bytes,
+    measure_step,
+)
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+"""train.py's configs (as :data:`hkrag.tasks.common.CONF_DIR`; not imported from there, which loads the retrieval
+evaluation's FAISS and trec_eval: the preflight stays light)."""
+PAGE_SIZE = (1344, 1344)
+"""The page the token count is taken from (VDocRAG's quick-start size); the HD transform pads every page to the
+``num_crops`` grid, so a letter page gives the same count."""
+QUERY = "Instruct: I'm looking for an image that answers the question.\nQuery: what was the total revenue in 2021?"
+"""A training query as OpenDocVQA's look (instruction + question), for the query's token count."""
+CHUNKS = (1, 2, 4, 8, 16, 32, 64)
+ANSWER_TOKENS = 32
+"""Target tokens of a generator example (answers are short) and tokens generated at inference."""
+PROMPT_TEXT_TOKENS = 96
+"""The single-pass prompt's text around its pages (template and question), in tokens."""
+
+
+class PreflightError(SystemExit):
+    """A configuration predicted not to fit: exit status 1 with the message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+def compose_config(overrides: Sequence[str]) -> DictConfig:
+    """``train.py``'s configuration under ``overrides`` (``experiment=...`` among them)."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def is_generator(cfg: DictConfig) -> bool:
+    return "generator_training" in str(cfg.run.get("_target_", ""))
+
+
+def is_pretraining(cfg: DictConfig) -> bool:
+    return "PretrainingLoss" in str(cfg.loss.get("_target_", ""))
+
+
+def model_source(cfg: DictConfig, model_config: str | None) -> tuple[Phi3VConfig, Any]:
+    """The model's config and processor: ``--model-config`` (a folder with config.json and the tokenizer files, e.g.
+    a copy of the checkpoint without weights), else ``model.base``; the tiny model's from its settings."""
+    model = cfg.model
+    if model.kind == "tiny":
+        built, processor = tiny_phi3v(num_crops=model.num_crops, seed=model.seed, **model.get("config", {}))
+        return built.config, processor
+    source = model_config or model.base
+    try:
+        return Phi3VConfig.from_pretrained(source), load_processor(source, model.num_crops)
+    except (OSError, CheckpointNotFoundError) as error:
+        raise SystemExit(
+            f"preflight: cannot read the model's config.json and tokenizer from {source!r} ({error}); pass "
+            "--model-config DIR, a folder holding Phi-3-vision's config.json, preprocessor_config.json and tokenizer "
+            "files (no weights needed)"
+        ) from error
+
+
+def lora_settings(cfg: DictConfig) -> tuple[LoraSettings, str]:
+    """The LoRA the run trains and where it comes from: ``model.adapter``'s own config when readable, VDocRAG's
+    (r 8, their target list) for a hub adapter that cannot be read offline, else ``model.lora``."""
+    adapter = cfg.model.get("adapter")
+    if adapter:
+        path = Path(str(adapter)) / "adapter_config.json"
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            targets = saved.get("target_modules") or VDOCRAG_LORA_TARGETS
+            return LoraSettings(r=saved.get("r", 8), alpha=saved.get("lora_alpha", 64),
+                                dropout=saved.get("lora_dropout", 0.1), target_modules=tuple(targets)), str(path)
+        return LoraSettings(target_modules=VDOCRAG_LORA_TARGETS), f"{adapter} (not read: assumed VDocRAG's LoRA)"
+    return LoraSettings(**OmegaConf.to_container(cfg.model.lora, resolve=True)), "model.lora"
+
+
+def page_shape(processor: Any) -> tuple[int, int]:
+    """LM tokens of one page's document prompt and CLIP crops it runs (used crops + the global view)."""
+    from hkrag.data.collators import RetrieverCollator
+
+    batch = RetrieverCollator(processor).documents([Image.new("RGB", PAGE_SIZE, "white")])
+    crop = processor.image_processor.crop_size
+    height, width = (int(v) for v in batch["image_sizes"][0])
+    return int(batch["attention_mask"][0].sum()), 1 + (height // crop) * (width // crop)
+
+
+@dataclass
+class Plan:
+    """One experiment's memory model: what it runs and the predicted step."""
+
+    name: str
+    arch: Architecture
+    params: Parameters
+    lora_source: str
+    work: Workload
+    extra: Workload | None
+    estimate: Estimate
+    knob: str
+    inference_kv: int = 0
+
+    def with_work(self, **changes: Any) -> Estimate:
+        """The estimate under other settings (chunk, checkpointing, tokens) of the main and extra passes."""
+        main = replace(self.work, **changes)
+        extra = replace(self.extra, **{k: v for k, v in changes.items() if k != "page_tokens"}) if self.extra \
+            else None
+        return combined(self.arch, self.params, main, extra)
+
+
+def combined(arch: Architecture, params: Parameters, work: Workload, extra: Workload | None) -> Estimate:
+    """The step's estimate; a second pass (RCG's LM-head pass) adds its phase."""
+    result = estimate(arch, params, work)
+    if extra is not None:
+        phases = estimate(arch, params, extra).phases
+        mask = extra.rows * extra.page_tokens**2 * (1 + extra.bytes)  # RCG's 4-D bool mask and its additive copy
+        result.phases["RCG pass with the LM head (one chunk)"] = phases["language model backward (one chunk)"] + mask
+    return result
+
+
+def plan(cfg: DictConfig, model_config: str | None = None, processes: int = 1,
+         source: tuple[Phi3VConfig, Any] | None = None) -> Plan:
+    """The memory model of ``cfg``'s experiment (one process of ``processes``); ``source``: the model's config
+    and processor when not read from ``--model-config`` / ``model.base``."""
+    config, processor = source or model_source(cfg, model_config)
+    arch = Architecture.of(config)
+    lora, lora_source = lora_settings(cfg)
+    params = count_parameters(config, lora)
+    page_tokens, crops = page_shape(processor)
+    dtype = cfg.model.get("dtype", "float32") if cfg.model.kind != "tiny" else "float32"
+    attention = cfg.model.get("attn_implementation") or "sdpa"
+    checkpointing = bool(cfg.model.get("gradient_checkpointing", False))
+    name = cfg.get("run_name", "train")
+    if is_generator(cfg):
+        optim = cfg.generator_training.optim
+        pages = int(cfg.generator.get("top_k", 3))
+        tokens = pages * page_tokens + PROMPT_TEXT_TOKENS + ANSWER_TOKENS
+        work = Workload(rows=optim.batch_size, page_tokens=tokens, crops=pages * crops, query_tokens=0, batch=0,
+                        dtype=dtype, checkpointing=checkpointing, attention=attention, lm_head_tokens=tokens,
+                        autocast=optim.get("precision") in ("bf16", "fp16"))
+        kv = kv_cache_bytes(arch, tokens, dtype)  # the prompt and the answer it generates
+        return Plan(name, arch, params, lora_source, work, None, estimate(arch, params, work),
+                    "generator_training.optim.batch_size", kv)
+    batch = int(cfg.trainer.global_batch_size) // processes
+    chunk = int(cfg.trainer.chunk_size or batch)
+    query_tokens = int(cfg.loss.max_query_length) if is_pretraining(cfg) else len(
+        processor.tokenizer(QUERY)["input_ids"]) + 1
+    work = Workload(rows=chunk, page_tokens=page_tokens, crops=crops, query_tokens=query_tokens, batch=batch,
+                    dtype=dtype, checkpointing=checkpointing, attention=attention,
+                    autocast=cfg.trainer.get("precision") in ("bf16", "fp16"))
+    extra = None
+    if is_pretraining(cfg):
+        target = int(cfg.loss.max_target_length)
+        extra = replace(work, page_tokens=page_tokens + target, lm_head_tokens=page_tokens + target, batch=0)
+    return Plan(name, arch, params, lora_source, work, extra, combined(arch, params, work, extra), "trainer.chunk_size")
+
+
+def parse_size(text: str) -> int:
+    """``80GB`` / ``80`` (GB, as GPUs are sold) or ``79.6GiB`` -> bytes."""
+    value = text.strip().upper()
+    scale = GIB if value.endswith("GIB") else 10**9
+    number = value.removesuffix("GIB").removesuffix("GB")
+    try:
+        return int(float(number) * scale)
+    except ValueError as error:
+        raise SystemExit(f"--gpu-memory: {text!r} is not a size (e.g. 80GB, 24, 79.6GiB)") from error
+
+
+def fits(result: Estimate, memory: int) -> bool:
+    return result.required() <= memory
+
+
+def largest_fitting_chunk(p: Plan, memory: int, **changes: Any) -> int | None:
+    """The largest power-of-two chunk (rows per forward) up to the batch that fits ``memory``."""
+    limit = p.work.batch or p.work.rows * 64
+    best = None
+    for chunk in CHUNKS:
+        if chunk <= limit and fits(p.with_work(rows=chunk, **changes), memory):
+            best = chunk
+    return best
+
+
+def advice(p: Plan, memory: int, cfg: DictConfig) -> list[str]:
+    """What to change for the step to fit ``memory``, each option checked against the model."""
+    options = []
+    chunk = largest_fitting_chunk(p, memory)
+    if chunk is not None and chunk < p.work.rows:
+        options.append(f"{p.knob}={chunk}" + (" (with generator_training.optim.grad_accum raised to keep the batch)"
+                                               if p.knob.startswith("generator") else ""))
+    if not p.work.checkpointing:
+        chunk = largest_fitting_chunk(p, memory, checkpointing=True)
+        if chunk is not None:
+            options.append(f"model.gradient_checkpointing=true (then {p.knob} up to {chunk})")
+    crops = cfg.model.get("num_crops")
+    if crops is None or int(crops) > 4:
+        options.append("model.num_crops=4 (fewer page tokens: a speed choice of ours, not VDocRAG's 16; re-run "
+                       "the preflight with it to see the chunk it allows)")
+    if p.work.dtype == "float32":
+        options.append("model.dtype=bfloat16")
+    return options or ["a GPU with more memory (nothing in this configuration brings the step under it)"]
+
+
+def report(p: Plan, memory: int | None) -> str:
+    """The table and the verdicts."""
+    w = p.work
+    lines = [
+        f"preflight: {p.name}",
+        f"parameters: {p.params.total:,} total, {p.params.trainable:,} trainable "
+        f"(LoRA from {p.lora_source}; {len(p.params.modules)} modules: {describe_lora_modules(p.params.modules)})",
+        f"model: {p.arch.layers} LM layers (hidden {p.arch.hidden}), {p.arch.clip_layers} CLIP layers, {w.dtype}, "
+        f"attention {w.attention}, gradient checkpointing {'on' if w.checkpointing else 'off'}",
+        f"tokens: {w.page_tokens} per {'prompt' if p.knob.startswith('generator') else 'page'} "
+        f"({w.crops} CLIP crops), {w.query_tokens} per query; {w.rows} rows per forward"
+        + (f", gradient cache over {w.batch} rows" if w.batch else ""),
+        "predicted (allocated bytes, one process; a step's peak is the persistent terms plus its largest phase):",
+    ]
+    rows = [*p.estimate.terms.items(), *p.estimate.phases.items(), ("peak of a step", p.estimate.peak),
+            ("needed on a GPU (+10% fragmentation, +1.5 GiB CUDA context)", p.estimate.required())]
+    if p.inference_kv:
+        rows.append(("KV cache of one generation at inference (not in the step)", p.inference_kv))
+    lines += format_terms(rows)
+    lines.append("verdicts:")
+    sizes = [(f"{gb} GB", gb * 10**9) for gb in GPU_SIZES_GB] + ([("--gpu-memory", memory)] if memory else [])
+    for label, size in sizes:
+        verdict = "fits" if fits(p.estimate, size) else "does not fit"
+        best = largest_fitting_chunk(p, size)
+        lines.append(f"  {label:>12}: {verdict}; largest {p.knob} that fits: {best if best else 'none'}")
+    return "\n".join(lines)
+
+
+def table_row(p: Plan, num_crops: Any) -> str:
+    """One markdown row: the experiment's settings, the need at its configured chunk and, per GPU size, the largest
+    chunk (or generator batch) that fits (``-``: none)."""
+    cells = [p.name, p.work.dtype, "16 (checkpoint's)" if num_crops is None else str(num_crops),
+             "on" if p.work.checkpointing else "off",
+             f"{p.knob}={p.work.rows}: {describe_bytes(p.estimate.required())}"]
+    cells += [str(largest_fitting_chunk(p, gb * 10**9) or "-") for gb in GPU_SIZES_GB]
+    return "| " + " | ".join(cells) + " |"
+
+
+def check(p: Plan, memory: int, cfg: DictConfig) -> None:
+    """Raise :class:`PreflightError` naming what to change when ``p`` does not fit ``memory``."""
+    if fits(p.estimate, memory):
+        return
+    raise PreflightError(
+        f"preflight: {p.name} is predicted not to fit {memory / 10**9:.0f} GB: it needs "
+        f"{describe_bytes(p.estimate.required())} ({p.knob}={p.work.rows}, gradient checkpointing "
+        f"{'on' if p.work.checkpointing else 'off'}, {p.work.page_tokens} tokens per page). Change: "
+        + "; or ".join(advice(p, memory, cfg))
+    )
+
+
+def measure(overrides: Sequence[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--measure``: each depth in a fresh process (its own peak, glibc pinned); the measured figures."""
+    rows = []
+    for layers in args.layers:
+        command = [sys.executable, "-m", "hkrag.tasks.preflight", *overrides, "--measure-one", str(layers),
+                   "--vision-layers", str(args.vision_layers), "--device", args.device]
+        if args.model_config:
+            command += ["--model-config", args.model_config]
+        done = subprocess.run(command, env={**os.environ, **MALLOC_ENV}, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"preflight --measure at {layers} layers failed:\n{done.stderr[-4000:]}")
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return rows
+
+
+def reduced(cfg: DictConfig, layers: int, vision_layers: int, model_config: str | None,
+            device: str = "cpu") -> tuple[Plan, Any]:
+    """``cfg``'s plan at full width and ``layers`` / ``vision_layers`` deep, as measured (fp32 on CPU, bf16 on
+    CUDA; the gradient cache over the whole global batch), and the processor."""
+    config, processor = model_source(cfg, model_config)
+    config.num_hidden_layers = layers
+    config.vision_config.num_hidden_layers = vision_layers
+    p = plan(cfg, model_config, source=(config, processor))
+    work = replace(p.work, dtype="float32" if device == "cpu" else "bfloat16", device=device,
+                   autocast=device == "cuda", batch=int(cfg.trainer.global_batch_size))
+    return replace(p, work=work, estimate=estimate(p.arch, p.params, work)), processor
+
+
+def measure_one(cfg: DictConfig, layers: int, vision_layers: int, model_config: str | None,
+                device: str = "cpu") -> dict[str, Any]:
+    """One depth measured (the retriever trainer's optimizer step: one on CPU, the second of two on CUDA)."""
+    p, processor = reduced(cfg, layers, vision_layers, model_config, device)
+    config, _ = model_source(cfg, model_config)
+    config.num_hidden_layers = layers
+    config.vision_config.num_hidden_layers = vision_layers
+    lora, _ = lora_settings(cfg)
+    measured = measure_step(config, processor, lora, p.work.batch, p.work.rows, p.work.checkpointing, QUERY,
+                            steps=1 if device == "cpu" else 2, device=device)
+    return {"layers": layers, "vision_layers": vision_layers, "device": device, **measured.as_dict()}
+
+
+def predicted_row(cfg: DictConfig, row: dict[str, Any], model_config: str | None) -> dict[str, Any]:
+    """``row`` (a measurement) with the memory model's figures at its depth."""
+    p, _ = reduced(cfg, row["layers"], row["vision_layers"], model_config, row.get("device", "cpu"))
+    frozen = p.estimate.terms[f"frozen weights ({p.work.dtype})"] + p.estimate.terms["LoRA adapter (fp32)"]
+    return {**row, "predicted_weights": frozen, "predicted_step": p.estimate.peak - frozen,
+            "predicted_phases": p.estimate.phases, "predicted_parameters": p.params.total,
+            "predicted_trainable": p.params.trainable, "predicted_page_tokens": p.work.page_tokens}
+
+
+def measurement_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Measured against predicted, per depth (bytes as GiB; error of the step's peak above the frozen model)."""
+    lines = ["| LM layers | CLIP layers | parameters | tokens/page | frozen model measured / predicted "
+             "| step peak measured / predicted | error | s/step |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        error = row["step_peak"] / row["predicted_step"] - 1
+        lines.append(f"| {row['layers']} | {row['vision_layers']} | {row['parameters']:,} "
+                     f"(predicted {row['predicted_parameters']:,}) | {row['page_tokens']} | "
+                     f"{describe_bytes(row['weights'])} / {describe_bytes(row['predicted_weights'])} | "
+                     f"{describe_bytes(row['step_peak'])} / {describe_bytes(row['predicted_step'])} | "
+                     f"{error:+.1%} | {row['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. experiment=hkrag_retriever")
+    parser.add_argument("--gpu-memory", help="refuse (exit 1) unless the step fits this much, e.g. 80GB")
+    parser.add_argument("--model-config", help="folder with the model's config.json and tokenizer (default: "
+                                               "model.base)")
+    parser.add_argument("--processes", type=int, default=1, help="data-parallel processes sharing the global batch")
+    parser.add_argument("--measure", action="store_true", help="measure the retriever's step on CPU at --layers")
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--vision-layers", type=int, default=24)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="--measure on CPU (fp32, resident "
+                        "set) or CUDA (bf16, max_memory_allocated)")
+    parser.add_argument("--row", action="store_true", help="print one markdown row (docs/training.md's table)")
+    parser.add_argument("--out", help="--measure: also write the measured rows to this JSON file")
+    parser.add_argument("--compare", help="print the table of measured rows (a --out file) against the model")
+    parser.add_argument("--measure-one", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    cfg = compose_config(args.overrides)
+    if args.measure_one:
+        print(json.dumps(measure_one(cfg, args.measure_one, args.vision_layers, args.model_config, args.device)))
+        return
+    if args.measure or args.compare:
+        rows = measure(args.overrides, args) if args.measure else json.loads(Path(args.compare).read_text())
+        if args.out:
+            write_json(Path(args.out), rows)
+        print(measurement_table([predicted_row(cfg, row, args.model_config) for row in rows]))
+        return
+    p = plan(cfg, args.model_config, args.processes)
+    memory = parse_size(args.gpu_memory) if args.gpu_memory else None
+    print(table_row(p, cfg.model.get("num_crops")) if args.row else report(p, memory))
+    if memory:
+        check(p, memory, cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,430 @@
+"""A memory model of one training step, from the configuration alone (issue 29; docs/training.md "Memory").
+
+The peak of a step is the persistent state (frozen weights in ``model.dtype``, the LoRA adapter, its gradients
+and AdamW's two moments, all fp32 as peft keeps adapters) plus the larger of two phases of one chunk of
+``trainer.chunk_size`` rows: the vision tower's forward (CLIP keeps every hidden state, ``output_hidden_states``)
+and the language model's backward (what autograd saved for the chunk, plus the backward's own working set).
+Every activation term is a count of the tensors autograd keeps, layer by layer, for the code as written
+(:mod:`hkrag.models.phi3v`, transformers' Phi-3 and CLIP layers, peft's LoRA with dropout): the terms are named
+in :func:`lm_layer_bytes` and :func:`clip_layer_bytes`. The gradient cache adds the global batch's embeddings and
+their gradients (fp32). The generator adds the LM head's logits (and the loss's fp32 copies); generation at
+inference a KV cache.
+
+The model predicts allocated bytes (``torch.cuda.max_memory_allocated`` on GPU); on CPU :func:`measure_step`
+measures the same thing as the peak resident set with glibc's mmap threshold pinned (``MALLOC_MMAP_THRESHOLD_``),
+so that freed tensors leave the resident set as they do the CUDA allocator's count.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hkrag.models.phi3v import Phi3VConfig, Phi3VForCausalLM
+from hkrag.retriever import LoraSettings, freeze_unreachable, lora_modules
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ADAPTER_BYTES = 4
+"""peft keeps LoRA weights in fp32 over a bf16/fp16 base (``autocast_adapter_dtype``); their gradients and AdamW's
+moments follow them."""
+DROPOUT_MASK_BYTES = {"cuda": 1, "cpu": ADAPTER_BYTES}
+"""What LoRA's dropout keeps per element of its input: CUDA's fused kernel a bool mask, the CPU kernel a noise
+tensor in the input's dtype (fp32 after peft's cast)."""
+GIB = 2**30
+GPU_SIZES_GB = (24, 40, 80, 141)
+"""The GPU memory sizes the preflight gives a verdict for (GB as the vendors count them)."""
+CUDA_OVERHEAD = int(1.5 * GIB)
+"""Not counted by ``max_memory_allocated`` but held on the GPU: the CUDA context and kernels (about 0.5-1 GiB)
+and the caching allocator's slack; the preflight adds it before comparing with a GPU's memory."""
+FRAGMENTATION = 0.10
+"""Headroom on top of the predicted allocated peak for the caching allocator's fragmentation."""
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+"""glibc setting under which the resident set tracks live tensors (see :func:`measure_step`)."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The sizes of a Phi3V model that memory depends on."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    clip_hidden: int
+    clip_intermediate: int
+    clip_heads: int
+    clip_layers: int
+    clip_used_layers: int
+    crop_tokens: int
+    crop_size: int
+    image_feature_dim: int
+
+    @classmethod
+    def of(cls, config: Phi3VConfig) -> Architecture:
+        vision = config.vision_config
+        layer = config.img_processor.get("layer_idx", -2)
+        return cls(
+            hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
+            heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, vocab=config.vocab_size,
+            clip_hidden=vision.hidden_size, clip_intermediate=vision.intermediate_size,
+            clip_heads=vision.num_attention_heads, clip_layers=vision.num_hidden_layers,
+            clip_used_layers=layer % (vision.num_hidden_layers + 1),
+            crop_tokens=config.patches_per_side**2 + 1, crop_size=config.crop_size,
+            image_feature_dim=config.image_feature_dim,
+        )
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.hidden // self.heads
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """Parameter counts of the model as trained, counted by building it on the ``meta`` device with peft."""
+
+    total: int
+    trainable: int
+    adapter: int
+    modules: tuple[str, ...]
+    rank: int = 0
+
+    @property
+    def frozen(self) -> int:
+        return self.total - self.adapter
+
+    def targets(self, where: str) -> frozenset[str]:
+        """Leaf names LoRA wraps inside ``where`` (``language`` layers or the ``vision`` tower's layers)."""
+        marker = ".vision_model.encoder.layers." if where == "vision" else ".model.layers."
+        return frozenset(name.rsplit(".", 1)[-1] for name in self.modules if marker in name)
+
+
+def count_parameters(config: Phi3VConfig, lora: LoraSettings | None) -> Parameters:
+    """Total, trainable and adapter parameters and the wrapped modules' names, without allocating weights."""
+    from peft import get_peft_model
+
+    with torch.device("meta"):
+        model = Phi3VForCausalLM(config)
+        if lora is not None:
+            model = get_peft_model(model, lora.peft_config())
+        else:
+            model.requires_grad_(False)
+        freeze_unreachable(model)
+    adapter = sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
+    return Parameters(
+        total=sum(p.numel() for p in model.parameters()),
+        trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        adapter=adapter, modules=tuple(lora_modules(model)), rank=lora.r if lora is not None else 0,
+    )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one forward of a step processes and how.
+
+    ``rows``: rows per forward (the gradient cache's chunk, or the generator's batch); ``page_tokens``: LM tokens
+    of one row (a page's prompt, or the generator's whole prompt); ``crops``: CLIP crops per row (the used crops
+    plus the global view, over all of a row's pages); ``query_tokens``: a query's (the LM phase takes the longer
+    of a page and a query); ``batch``: rows whose embeddings the gradient cache keeps (0: no gradient cache);
+    ``lm_head_tokens``: tokens per row through the LM head (RCG, the generator); ``autocast``: bf16 autocast
+    (``trainer.precision``), under which LoRA inputs are kept in bf16.
+    """
+
+    rows: int
+    page_tokens: int
+    crops: int
+    query_tokens: int
+    batch: int
+    dtype: str = "bfloat16"
+    checkpointing: bool = True
+    attention: str = "sdpa"
+    lm_head_tokens: int = 0
+    lora_dropout: bool = True
+    lora_rank: int = 8
+    device: str = "cuda"
+    autocast: bool = True
+
+    @property
+    def bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def lora_input(self, tokens: int, width: int, grad_in: bool) -> int:
+        """A LoRA branch keeps its input cast to fp32 and dropped out (``lora_A``'s saved input; under bf16
+        autocast the bf16 copy autocast makes for the matmul), ``lora_A``'s output (``lora_B``'s), and the
+        dropout's mask when a gradient flows back through it."""
+        mask = DROPOUT_MASK_BYTES[self.device] if grad_in and self.lora_dropout else 0
+        saved = 2 if self.autocast else ADAPTER_BYTES
+        return tokens * width * (saved + mask) + tokens * self.lora_rank * saved
+
+
+def lm_layer_bytes(arch: Architecture, work: Workload, targets: Iterable[str], tokens: int, grad_in: bool) -> int:
+    """Bytes autograd keeps for one Phi-3 decoder layer over ``tokens`` tokens (``rows`` rows).
+
+    ``grad_in``: whether the layer's input carries a gradient (not so for the first layer when only the language
+    model's LoRA trains: embeddings and image features are frozen). Terms, in forward order: the input RMSNorm's
+    fp32 input; each wrapped projection's LoRA input; attention's qkv output (kept whole by the value view), the
+    rotated query and key and the output (SDPA), or eager's fp32 probabilities and their cast; the post-attention
+    RMSNorm's fp32 input; the MLP's gate_up output (kept by the gate and up views) and SiLU output.
+    """
+    targets = set(targets)
+    h, i, s, t = arch.hidden, arch.intermediate, work.bytes, tokens
+    length = tokens // work.rows
+    total = 4 * t * h + 4 * t if grad_in else 0  # the fp32 input and its rsqrt
+    if "qkv_proj" in targets:
+        total += work.lora_input(t, h, grad_in)
+    attention_grad = grad_in or "qkv_proj" in targets
+    if attention_grad:
+        total += t * (h + 2 * arch.kv_width) * s + t * (h + arch.kv_width) * s
+        if work.attention == "eager":
+            total += work.rows * arch.heads * length * length * (4 + (s if s != 4 else 0))
+        else:
+            total += t * h * s + work.rows * arch.heads * length * 4  # output and log-sum-exp
+    if "o_proj" in targets:
+        total += work.lora_input(t, h, attention_grad)
+    mlp_grad = attention_grad or "o_proj" in targets
+    if mlp_grad:
+        total += 4 * t * h + 4 * t
+    if "gate_up_proj" in targets:
+        total += work.lora_input(t, h, mlp_grad)
+    if mlp_grad or "gate_up_proj" in targets:
+        total += 3 * t * i * s
+    if "down_proj" in targets:
+        total += work.lora_input(t, i, mlp_grad or "gate_up_proj" in targets)
+    return total
+
+
+def clip_layer_bytes(arch: Architecture, work: Workload, targets: Iterable[str], tokens: int, grad_in: bool) -> int:
+    """Bytes autograd keeps for one CLIP encoder layer over ``tokens`` crop tokens: layer_norm1's input (a hidden
+    state), each wrapped projection's LoRA input, SDPA's query, key, value and output, layer_norm2's input, and
+    quick_gelu's input and sigmoid."""
+    targets = set(targets)
+    d, m, s, t = arch.clip_hidden, arch.clip_intermediate, work.bytes, tokens
+    total = t * d * s + 2 * t * 4 if grad_in else 0  # layer_norm1's input, mean and rstd
+    for name in ("q_proj", "k_proj", "v_proj"):
+        if name in targets:
+            total += work.lora_input(t, d, grad_in)
+    attention_grad = grad_in or bool(targets & {"q_proj", "k_proj", "v_proj"})
+    if "out_proj" in targets:
+        total += work.lora_input(t, d, attention_grad)
+    if attention_grad or "out_proj" in targets:
+        total += 4 * t * d * s + t * arch.clip_heads * 4 + t * d * s + 2 * t * m * s + 2 * t * 4
+    return total
+
+
+@dataclass
+class Estimate:
+    """Predicted bytes by term, and the peak of one optimizer step."""
+
+    terms: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def persistent(self) -> int:
+        return sum(self.terms.values())
+
+    @property
+    def peak(self) -> int:
+        return self.persistent + max(self.phases.values(), default=0)
+
+    def required(self) -> int:
+        """What a GPU must hold: the peak with fragmentation headroom plus the CUDA context."""
+        return int(self.peak * (1 + FRAGMENTATION)) + CUDA_OVERHEAD
+
+
+def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict[str, int]:
+    """Peak bytes above the persistent state while one chunk runs: the vision tower's forward, and the language
+    model's backward (everything the chunk's forward kept, plus the backward's working set).
+
+    The vision tower's forward holds every hidden state (``output_hidden_states``), the pixels (fp32 and cast) and
+    quick_gelu's three intermediates of one layer; a trained tower (LoRA in CLIP) adds what autograd keeps of its
+    layers up to the used one (their inputs are those hidden states). The backward's working set is two gradients
+    of the MLP's width (the base and LoRA paths of ``down_proj`` before they are summed).
+
+    With gradient checkpointing the language model keeps each layer's input plus one layer recomputed, and the
+    vision tower's checkpointed layers keep, until the backward and even where the tower is frozen, one fp32
+    hidden state per CLIP layer (layer_norm's fp32 copy of its input; per-layer slope measured on CPU in fp32 and
+    on an H200 in bf16), and a frozen tower also one layer's quick_gelu intermediates (measured on an H200: the
+    remainder, independent of both depths and proportional to the rows; its cause is not established).
+    """
+    s, rows = work.bytes, work.rows
+    clip_tokens = rows * work.crops * arch.crop_tokens
+    clip_targets, lm_targets = params.targets("vision"), params.targets("language")
+    clip_grad = bool(clip_targets)
+    state = clip_tokens * arch.clip_hidden * s
+    hidden_states = (arch.clip_layers + 1) * state
+    pixels = rows * work.crops * 3 * arch.crop_size**2 * (4 + s)  # the processor's fp32 pixels and their cast
+    gelu = 3 * clip_tokens * arch.clip_intermediate * s
+    clip_graph = sum(clip_layer_bytes(arch, work, clip_targets, clip_tokens, layer > 0)
+                     for layer in range(arch.clip_used_layers)) if clip_grad and not work.checkpointing else 0
+    inputs_in_graph = (arch.clip_used_layers - 1) * state if clip_graph else 0  # layer_norm1's inputs
+    clip_phase = pixels + hidden_states + gelu + clip_graph - inputs_in_graph
+
+    tokens = rows * max(work.page_tokens, work.query_tokens)  # a query chunk has no vision tower, only its tokens
+    layers = [lm_layer_bytes(arch, work, lm_targets, tokens, clip_grad or layer > 0) for layer in range(arch.layers)]
+    recompute_clip = 0
+    if work.checkpointing:
+        kept_clip = arch.clip_layers * clip_tokens * arch.clip_hidden * 4 + (0 if clip_grad else gelu)
+        kept = kept_clip + arch.layers * tokens * arch.hidden * s + max(layers)
+        if clip_grad:
+            recompute_clip = clip_layer_bytes(arch, work, clip_targets, clip_tokens, True)
+    else:
+        kept = clip_graph + sum(layers)
+    projection = tokens * arch.hidden * s if clip_grad else 0  # the image projection's GELU input (an upper bound)
+    final_norm = 4 * tokens * arch.hidden + 4 * tokens
+    head = rows * work.lm_head_tokens * arch.vocab * (s + 4 + 4)  # logits, their fp32 copy, log-softmax
+    backward = 2 * tokens * arch.intermediate * s
+    lm_phase = kept + projection + final_norm + head + max(backward, recompute_clip)
+    return {"vision tower forward (one chunk)": clip_phase, "language model backward (one chunk)": lm_phase}
+
+
+def estimate(arch: Architecture, params: Parameters, work: Workload) -> Estimate:
+    """The memory model of one optimizer step (see the module docstring)."""
+    terms = {
+        f"frozen weights ({work.dtype})": params.frozen * work.bytes,
+        "LoRA adapter (fp32)": params.adapter * ADAPTER_BYTES,
+        "LoRA gradients (fp32)": params.trainable * ADAPTER_BYTES,
+        "AdamW moments (2 x fp32)": 2 * params.trainable * ADAPTER_BYTES,
+    }
+    if work.batch:
+        terms["gradient cache: embeddings + gradients (fp32)"] = 2 * 2 * work.batch * arch.hidden * 4
+    return Estimate(terms, chunk_phases(arch, params, work))
+
+
+def kv_cache_bytes(arch: Architecture, tokens: int, dtype: str = "bfloat16", rows: int = 1) -> int:
+    """A generation's key/value cache: two tensors of ``kv_width`` per layer and token."""
+    return 2 * arch.layers * arch.kv_width * tokens * rows * DTYPE_BYTES[dtype]
+
+
+def _status(key: str) -> int:
+    """A ``/proc/self/status`` figure in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _reset_peak() -> None:
+    """Reset the resident-set high-water mark (Linux: ``echo 5 > /proc/self/clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Figures of one measured training step on CPU (bytes, seconds)."""
+
+    weights: int
+    step_peak: int
+    seconds: float
+    loss: float
+    parameters: int
+    trainable: int
+    page_tokens: int
+    malloc_pinned: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def random_pages(count: int, size: tuple[int, int] = (850, 1100), seed: int = 0) -> Any:
+    """A :class:`~hkrag.data.opendocvqa.Corpus` of ``count`` random-noise pages ``page-<i>``."""
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    from hkrag.data.opendocvqa import CORPUS_FEATURES, Corpus
+
+    rng = np.random.default_rng(seed)
+    rows: dict[str, list] = {"doc_id": [], "image": []}
+    for index in range(count):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buffer, format="PNG")
+        rows["doc_id"].append(f"page-{index}")
+        rows["image"].append({"bytes": buffer.getvalue(), "path": None})
+    return Corpus(datasets.Dataset.from_dict(rows, features=CORPUS_FEATURES), name="preflight")
+
+
+def _allocated(cuda: bool) -> int:
+    """Live bytes: the CUDA allocator's count, or the resident set on CPU."""
+    return torch.cuda.memory_allocated() if cuda else _status("VmRSS")
+
+
+def measure_step(
+    config: Phi3VConfig, processor: Any, lora: LoraSettings, batch: int, chunk: int, checkpointing: bool,
+    query: str, steps: int = 1, device: str = "cpu",
+) -> Measurement:
+    """Run ``steps`` optimizer steps of the retriever's trainer (gradient cache, HKRAG loss, AdamW) on random
+    weights and pages, and measure the frozen model's bytes and the peak above them during the last step.
+
+    On CPU in fp32: the resident set (call it in a fresh process started with :data:`MALLOC_ENV`, as ``python -m
+    hkrag.tasks.preflight --measure`` does: glibc otherwise keeps freed tensors of up to 32 MiB in its heap and the
+    resident set overstates live memory, by 2 GiB at 1 layer and 4 crops, measured). On CUDA in bf16 under
+    accelerate's bf16 autocast: ``max_memory_allocated``.
+    """
+    from accelerate import Accelerator
+
+    from hkrag.data.pairs import TrainingPair
+    from hkrag.losses import HybridMaskLoss
+    from hkrag.retriever import Phi3VRetriever
+    from hkrag.training.gradcache import split_batch
+    from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
+
+    cuda = device == "cuda"
+    config._attn_implementation = config._attn_implementation or "sdpa"
+    start = _allocated(cuda)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Phi3VForCausalLM(config)
+    if cuda:
+        model.to(torch.bfloat16)
+    retriever = Phi3VRetriever.wrap(model, processor, lora=lora, trainable=True,
+                                    gradient_checkpointing=checkpointing)
+    weights = _allocated(cuda) - start
+    pairs = [TrainingPair(f"q{i}", query, (f"page-{i}",)) for i in range(batch)]
+    settings = TrainerConfig(global_batch_size=batch, chunk_size=chunk, epochs=steps + 1, seed=0)
+    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no")
+    trainer = RetrieverTrainer(retriever, HybridMaskLoss(), pairs, random_pages(batch), settings,
+                               accelerator, "/nonexistent-preflight-output")
+    inputs = next(iter(trainer.loader(0, 0)))
+    trainer.model.train()
+    with torch.no_grad(), accelerator.autocast():  # one-time allocations (thread pools, oneDNN) before the baseline
+        trainer.embed(split_batch(dict(inputs["document"].to(accelerator.device)), 1)[0])
+    before = _allocated(cuda)
+    seconds, loss = 0.0, float("nan")
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            _reset_peak()
+        started = time.perf_counter()
+        output = trainer.step(inputs)
+        trainer.optimizer_step(output)
+        loss = float(output.loss)
+        seconds = time.perf_counter() - started
+    peak = (torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")) - before
+    return Measurement(
+        weights=weights, step_peak=peak, seconds=seconds, loss=loss,
+        parameters=sum(p.numel() for p in retriever.parameters()),
+        trainable=sum(p.numel() for p in retriever.parameters() if p.requires_grad),
+        page_tokens=int(inputs["document"]["attention_mask"][0].sum()),
+        malloc_pinned=os.environ.get("MALLOC_MMAP_THRESHOLD_") == MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"],
+    )
+
+
+def describe_bytes(value: int) -> str:
+    """``value`` in GiB with two decimals."""
+    return f"{value / GIB:.2f} GiB"
+
+
+def format_terms(rows: Sequence[tuple[str, int]]) -> list[str]:
+    width = max(len(name) for name, _ in rows)
+    return [f"  {name:<{width}}  {describe_bytes(value):>11}" for name, value in rows]

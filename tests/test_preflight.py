@@ -1,0 +1,177 @@
+"""The memory model and the preflight (issue 29): its terms by hand and against autograd, the refusal of a step that
+would not fit, a step that fits, and (slow) a measured reduced-depth step within 10 % of the prediction."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import get_peft_model
+
+from hkrag.models.phi3v import Phi3VConfig, Phi3VForCausalLM, Phi3VProcessor, build_offline_tokenizer, tiny_phi3v_config
+from hkrag.models.phi3v.loading import image_processor_for
+from hkrag.retriever import PHI3_LORA_TARGETS, VDOCRAG_LORA_TARGETS, LoraSettings, freeze_unreachable, lora_modules
+from hkrag.tasks.preflight import PreflightError, check, compose_config, fits, plan, predicted_row, report
+from hkrag.training.memory import (
+    Architecture,
+    Parameters,
+    Workload,
+    clip_layer_bytes,
+    count_parameters,
+    estimate,
+    lm_layer_bytes,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT.parent / "shared" / "reference" / "phi3v"
+"""Phi-3-vision's config.json and tokenizer files (no weights), where this checkout has them."""
+PHI3V_SIZES = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+                   num_key_value_heads=32, vocab_size=32064, max_position_embeddings=131072,
+                   original_max_position_embeddings=4096, tie_word_embeddings=False)
+"""microsoft/Phi-3-vision-128k-instruct's config.json sizes (its vision tower is the default CLIP ViT-L/14-336)."""
+GB = 10**9
+
+
+def full_size(num_crops: int) -> tuple[Phi3VConfig, Phi3VProcessor]:
+    """The 4.2B model's config with an offline tokenizer (the page's image tokens are the processor's own)."""
+    config = Phi3VConfig(**PHI3V_SIZES)
+    return config, Phi3VProcessor(build_offline_tokenizer(), image_processor_for(config, num_crops=num_crops))
+
+
+def test_parameters_counted_on_meta_equal_peft_on_real_weights():
+    config = tiny_phi3v_config()
+    counted = count_parameters(config, LoraSettings())
+    model = get_peft_model(Phi3VForCausalLM(config), LoraSettings().peft_config())
+    freeze_unreachable(model)
+    assert counted.total == sum(p.numel() for p in model.parameters())
+    assert counted.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert counted.modules == tuple(lora_modules(model))
+    # by hand: 2 layers, r 8 x (in + out) of qkv (64 -> 192), o (64 -> 64), gate_up (64 -> 256), down (128 -> 64)
+    assert counted.adapter == counted.trainable == 2 * 8 * ((64 + 192) + (64 + 64) + (64 + 256) + (128 + 64))
+    assert counted.targets("language") == set(PHI3_LORA_TARGETS) and not counted.targets("vision")
+
+    vdocrag = count_parameters(config, LoraSettings(target_modules=VDOCRAG_LORA_TARGETS))
+    assert vdocrag.targets("vision") == {"q_proj", "k_proj", "v_proj"}
+    assert vdocrag.targets("language") == {"o_proj", "down_proj"}
+    # the CLIP layer after the used (penultimate) one is unreachable: its LoRA is frozen
+    assert vdocrag.trainable == vdocrag.adapter - 3 * 8 * (32 + 32)
+
+
+def test_the_persistent_terms_by_hand():
+    params = Parameters(total=1000, trainable=40, adapter=50, modules=(), rank=8)
+    arch = Architecture.of(tiny_phi3v_config())
+    result = estimate(arch, params, Workload(rows=1, page_tokens=10, crops=2, query_tokens=5, batch=4))
+    assert result.terms == {
+        "frozen weights (bfloat16)": 950 * 2,
+        "LoRA adapter (fp32)": 50 * 4,
+        "LoRA gradients (fp32)": 40 * 4,
+        "AdamW moments (2 x fp32)": 2 * 40 * 4,
+        "gradient cache: embeddings + gradients (fp32)": 2 * 2 * 4 * 64 * 4,
+    }
+    assert result.peak == sum(result.terms.values()) + max(result.phases.values())
+
+
+def saved_bytes(run, exclude: set[int]) -> int:
+    """Bytes of the distinct storages autograd saves while ``run()`` runs, but those in ``exclude``."""
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("targets", [PHI3_LORA_TARGETS, VDOCRAG_LORA_TARGETS], ids=["phi3_fused", "vdocrag"])
+@pytest.mark.parametrize("grad_in", [True, False], ids=["grad-in", "frozen-in"])
+def test_layer_terms_equal_what_autograd_saves(targets, grad_in):
+    """Each layer's activation terms are exactly the bytes autograd keeps for a Phi-3 and a CLIP layer (CPU, fp32,
+    LoRA with dropout in training mode)."""
+    config = tiny_phi3v_config()
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = get_peft_model(Phi3VForCausalLM(config), LoraSettings(target_modules=targets).peft_config())
+    model.train()
+    backbone = model.get_base_model().model
+    tokens = 10
+    x = torch.randn(1, tokens, config.hidden_size, requires_grad=grad_in)
+    cos, sin = backbone.rotary_emb(x, torch.arange(tokens)[None])
+    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    exclude |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
+    arch, params = Architecture.of(config), count_parameters(config, LoraSettings(target_modules=targets))
+    work = Workload(rows=1, page_tokens=tokens, crops=1, query_tokens=1, batch=1, dtype="float32", device="cpu",
+                    autocast=False)
+
+    layer = backbone.layers[1]
+    saved = saved_bytes(lambda: layer(x, attention_mask=None, position_embeddings=(cos, sin)), exclude)
+    assert saved == lm_layer_bytes(arch, work, params.targets("language"), tokens, grad_in)
+
+    clip_layer = backbone.vision_embed_tokens.img_processor.vision_model.encoder.layers[0]
+    crops = torch.randn(2, arch.crop_tokens, arch.clip_hidden, requires_grad=grad_in)
+    saved = saved_bytes(lambda: clip_layer(crops, None), exclude)
+    assert saved == clip_layer_bytes(arch, work, params.targets("vision"), 2 * arch.crop_tokens, grad_in)
+
+
+def test_refuses_a_chunk_of_64_at_16_crops_without_checkpointing_on_24gb():
+    cfg = compose_config(["experiment=hkrag_retriever", "trainer.chunk_size=64", "model.gradient_checkpointing=false"])
+    p = plan(cfg, source=full_size(16))
+    assert 4.1e9 < p.params.total < 4.2e9 and p.work.crops == 17 and 2500 < p.work.page_tokens < 2540
+    with pytest.raises(PreflightError) as refused:
+        check(p, 24 * GB, cfg)
+    message = str(refused.value)
+    assert refused.value.code == message  # SystemExit with a message: exit status 1
+    assert "hkrag_retriever is predicted not to fit 24 GB" in message
+    assert "trainer.chunk_size=64, gradient checkpointing off" in message
+    assert "model.gradient_checkpointing=true (then trainer.chunk_size up to" in message
+    assert "model.num_crops=4" in message
+    advised = int(message.split("up to ")[1].split(")")[0])
+    assert fits(p.with_work(rows=advised, checkpointing=True), 24 * GB)
+    assert not fits(p.with_work(rows=advised * 2, checkpointing=True), 24 * GB)
+
+
+def test_the_paper_setting_fits_80gb_and_says_so():
+    cfg = compose_config(["experiment=hkrag_retriever"])
+    p = plan(cfg, source=full_size(16))
+    assert p.work.rows == 8 and p.work.checkpointing and p.work.dtype == "bfloat16"
+    check(p, 80 * GB, cfg)  # no refusal
+    text = report(p, 80 * GB)
+    assert "80 GB: fits" in text and "--gpu-memory: fits" in text
+    assert "model.layers.*.self_attn.qkv_proj (32)" in text
+
+
+@pytest.mark.skipif(not REFERENCE.is_dir(), reason=f"needs Phi-3-vision's config and tokenizer in {REFERENCE}")
+def test_the_command_exits_1_naming_what_to_change():
+    done = subprocess.run(
+        [sys.executable, "-m", "hkrag.tasks.preflight", "experiment=hkrag_retriever", "trainer.chunk_size=64",
+         "model.gradient_checkpointing=false", "--gpu-memory", "24GB", "--model-config", str(REFERENCE)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "predicted not to fit 24 GB" in done.stderr and "model.gradient_checkpointing=true" in done.stderr
+    assert "24 GB: does not fit" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REFERENCE.is_dir(), reason=f"needs Phi-3-vision's config and tokenizer in {REFERENCE}")
+def test_a_measured_reduced_depth_step_is_within_10_percent_of_the_model(tmp_path):
+    """One optimizer step of the retriever at full width, 1 LM and 2 CLIP layers, 4 crops (CPU, fp32; about 30 s)."""
+    overrides = ["experiment=hkrag_retriever", "model.num_crops=4", "model.gradient_checkpointing=false",
+                 "model.attn_implementation=sdpa", "trainer.global_batch_size=2", "trainer.chunk_size=1"]
+    out = tmp_path / "measured.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "hkrag.tasks.preflight", *overrides, "--model-config", str(REFERENCE), "--measure",
+         "--layers", "1", "--vision-layers", "2", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stderr
+    row = predicted_row(compose_config(overrides), json.loads(out.read_text())[0], str(REFERENCE))
+    assert row["malloc_pinned"] and row["parameters"] == row["predicted_parameters"]
+    assert row["page_tokens"] == row["predicted_page_tokens"]
+    assert abs(row["weights"] / row["predicted_weights"] - 1) < 0.10
+    assert abs(row["step_peak"] / row["predicted_step"] - 1) < 0.10, row
