@@ -231,10 +231,11 @@ def advice(p: Plan, memory: int, cfg: DictConfig) -> list[str]:
         if chunk is not None:
             options.append(f"model.gradient_checkpointing=true (then {p.knob} up to {chunk})")
     crops = cfg.model.get("num_crops")
-    if crops is None or int(crops) > 4:
+    real = cfg.model.kind != "tiny"
+    if real and (crops is None or int(crops) > 4):  # null: the checkpoint's 16
         options.append("model.num_crops=4 (fewer page tokens: a speed choice of ours, not VDocRAG's 16; re-run "
                        "the preflight with it to see the chunk it allows)")
-    if p.work.dtype == "float32":
+    if real and p.work.dtype == "float32":
         options.append("model.dtype=bfloat16")
     return options or ["a GPU with more memory (nothing in this configuration brings the step under it)"]
 
