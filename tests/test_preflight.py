@@ -2,6 +2,7 @@
 would not fit, a step that fits, and (slow) a measured reduced-depth step within 10 % of the prediction."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -157,21 +158,54 @@ def test_the_command_exits_1_naming_what_to_change():
     assert "24 GB: does not fit" in done.stdout
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not REFERENCE.is_dir(), reason=f"needs Phi-3-vision's config and tokenizer in {REFERENCE}")
-def test_a_measured_reduced_depth_step_is_within_10_percent_of_the_model(tmp_path):
-    """One optimizer step of the retriever at full width, 1 LM and 2 CLIP layers, 4 crops (CPU, fp32; about 30 s)."""
-    overrides = ["experiment=hkrag_retriever", "model.num_crops=4", "model.gradient_checkpointing=false",
-                 "model.attn_implementation=sdpa", "trainer.global_batch_size=2", "trainer.chunk_size=1"]
+def measured_row(overrides: list[str], tmp_path: Path, layers: int = 1, vision_layers: int = 2) -> dict:
+    """``--measure`` of one reduced-depth step (its own process, as the command runs it) with the model's figures."""
     out = tmp_path / "measured.json"
     done = subprocess.run(
         [sys.executable, "-m", "hkrag.tasks.preflight", *overrides, "--model-config", str(REFERENCE), "--measure",
-         "--layers", "1", "--vision-layers", "2", "--out", str(out)],
+         "--layers", str(layers), "--vision-layers", str(vision_layers), "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, done.stderr
     row = predicted_row(compose_config(overrides), json.loads(out.read_text())[0], str(REFERENCE))
     assert row["malloc_pinned"] and row["parameters"] == row["predicted_parameters"]
-    assert row["page_tokens"] == row["predicted_page_tokens"]
     assert abs(row["weights"] / row["predicted_weights"] - 1) < 0.10
+    assert math.isfinite(row["loss"])
+    assert row["adapter_round_trip"] and row["adapter_bytes"] > 0
+    return row
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REFERENCE.is_dir(), reason=f"needs Phi-3-vision's config and tokenizer in {REFERENCE}")
+def test_a_measured_reduced_depth_step_is_within_10_percent_of_the_model(tmp_path):
+    """One optimizer step of the retriever at full width, 1 LM and 2 CLIP layers, 4 crops (CPU, fp32; about 30 s)."""
+    row = measured_row(["experiment=hkrag_retriever", "model.num_crops=4", "model.gradient_checkpointing=false",
+                        "model.attn_implementation=sdpa", "trainer.global_batch_size=2", "trainer.chunk_size=1"],
+                       tmp_path)
+    assert row["page_tokens"] == row["predicted_page_tokens"]
     assert abs(row["step_peak"] / row["predicted_step"] - 1) < 0.10, row
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REFERENCE.is_dir(), reason=f"needs Phi-3-vision's config and tokenizer in {REFERENCE}")
+def test_a_measured_pretraining_step_is_within_10_percent_of_the_model(tmp_path):
+    """One step of VDocRAG pre-training (RCR + RCG through the LM head, eager attention and the 4-D mask, gradient
+    checkpointing, CLIP q/k/v trained) at full width, 1 LM and 2 CLIP layers, 1 crop, page text cut at 256 tokens
+    (CPU, fp32; about 40 s). At 4 crops and 512 tokens the model is 10.1 % high (bench/RESULTS.md)."""
+    row = measured_row(["experiment=pretrain_vdocrag", "model.num_crops=1", "loss.max_query_length=256",
+                        "loss.max_target_length=256", "trainer.global_batch_size=2", "trainer.chunk_size=1"], tmp_path)
+    assert row["page_tokens"] == row["predicted_page_tokens"] == 325
+    assert abs(row["step_peak"] / row["predicted_step"] - 1) < 0.10, row
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REFERENCE.is_dir(), reason=f"needs Phi-3-vision's config and tokenizer in {REFERENCE}")
+def test_a_measured_generator_step_finite_round_trips_and_is_over_predicted(tmp_path):
+    """One step of generator fine-tuning (hkrag.training.generator's dataset, collator and trainer; causal-LM LoRA,
+    gradient checkpointing as on CUDA) at full width, 1 LM and 2 CLIP layers, one 4-crop page (CPU, fp32; about
+    25 s). The model is not within 10 % here: it predicts 17-21 % more than measured (bench/RESULTS.md), so this
+    pins that it errs on the safe side and by no more than a quarter."""
+    row = measured_row(["experiment=generator_vdocrag", "model.num_crops=4", "generator.top_k=1",
+                        "generator_training.optim.batch_size=1"], tmp_path)
+    assert abs(row["page_tokens"] / row["predicted_page_tokens"] - 1) < 0.10  # the prompt's text is estimated
+    assert 0.75 < row["step_peak"] / row["predicted_step"] <= 1.0, row

@@ -6,8 +6,10 @@ per page from the processor), prints its terms and a verdict for 24, 40, 80 and 
 ``--gpu-memory`` is given and the step is predicted not to fit, naming what to change (``trainer.chunk_size``,
 ``model.gradient_checkpointing``, ``model.num_crops``; the generator's ``generator_training.optim.batch_size``).
 
-``--measure`` runs the retriever's training step on CPU at full width and reduced depth (``--layers 1 2``; random
-weights, fp32) and prints measured against predicted bytes at the same depth (bench/RESULTS.md "Memory model").
+``--measure`` runs one optimizer step of the experiment's own trainer (the retriever's, VDocRAG pre-training's RCR +
+RCG, or the generator's causal-LM LoRA fine-tuning) on CPU at full width and reduced depth (``--layers 1 2``; random
+weights and pages, fp32) and prints measured against predicted bytes at the same depth, the step's loss and whether
+the saved adapter reloads to equal tensors (bench/RESULTS.md "Memory model").
 """
 
 from __future__ import annotations
@@ -308,27 +310,55 @@ def measure(overrides: Sequence[str], args: argparse.Namespace) -> list[dict[str
 def reduced(cfg: DictConfig, layers: int, vision_layers: int, model_config: str | None,
             device: str = "cpu") -> tuple[Plan, Any]:
     """``cfg``'s plan at full width and ``layers`` / ``vision_layers`` deep, as measured (fp32 on CPU, bf16 on
-    CUDA; the gradient cache over the whole global batch), and the processor."""
+    CUDA; the retriever's gradient cache over the whole global batch), and the reduced model's config and processor
+    (attention as ``model.attn_implementation``)."""
     config, processor = model_source(cfg, model_config)
     config.num_hidden_layers = layers
     config.vision_config.num_hidden_layers = vision_layers
+    config._attn_implementation = cfg.model.get("attn_implementation") or "sdpa"
     p = plan(cfg, model_config, source=(config, processor))
-    work = replace(p.work, dtype="float32" if device == "cpu" else "bfloat16", device=device,
-                   autocast=device == "cuda", batch=int(cfg.trainer.global_batch_size))
-    return replace(p, work=work, estimate=estimate(p.arch, p.params, work)), processor
+    changes: dict[str, Any] = {"dtype": "float32" if device == "cpu" else "bfloat16", "device": device,
+                               "autocast": device == "cuda"}
+    if not is_generator(cfg):
+        changes["batch"] = int(cfg.trainer.global_batch_size)
+    extra = replace(p.extra, **{k: v for k, v in changes.items() if k != "batch"}) if p.extra else None
+    return replace(p, work=replace(p.work, **changes), extra=extra, estimate=p.with_work(**changes)), \
+        (config, processor)
+
+
+GENERATOR_QUESTION = "What was the total revenue reported for the fiscal year 2021, and how did it compare to 2020?"
+GENERATOR_ANSWER = ("The total revenue in fiscal year 2021 was 4.2 billion dollars, an increase of 12 percent over "
+                    "the 3.75 billion dollars reported for 2020.")
+"""The measured generator example's question and target (the target about ``ANSWER_TOKENS`` tokens)."""
+PAGE_TEXT = " ".join(["The committee reviewed the annual report, the audited financial statements and the notes on "
+                      "revenue, operating costs, capital expenditure and cash flow for each business segment."] * 24)
+"""The measured pre-training page's text: longer than ``loss.max_query_length`` / ``max_target_length`` (512
+tokens), so RCR's query and RCG's target are cut to them as the model assumes."""
 
 
 def measure_one(cfg: DictConfig, layers: int, vision_layers: int, model_config: str | None,
                 device: str = "cpu") -> dict[str, Any]:
-    """One depth measured (the retriever trainer's optimizer step: one on CPU, the second of two on CUDA)."""
-    p, processor = reduced(cfg, layers, vision_layers, model_config, device)
-    config, _ = model_source(cfg, model_config)
-    config.num_hidden_layers = layers
-    config.vision_config.num_hidden_layers = vision_layers
+    """One depth measured: one optimizer step (on CUDA the second of two) of the experiment's own trainer — the
+    retriever's, VDocRAG pre-training's (its loss and collator as ``train.py`` builds them) or the generator's."""
+    from hkrag.tasks.training import make_loss
+    from hkrag.training.memory import measure_generator_step
+
+    p, (config, processor) = reduced(cfg, layers, vision_layers, model_config, device)
     lora, _ = lora_settings(cfg)
-    measured = measure_step(config, processor, lora, p.work.batch, p.work.rows, p.work.checkpointing, QUERY,
-                            steps=1 if device == "cpu" else 2, device=device)
-    return {"layers": layers, "vision_layers": vision_layers, "device": device, **measured.as_dict()}
+    steps = 1 if device == "cpu" else 2
+    if is_generator(cfg):
+        from hkrag.tasks.generator_training import single_pass_prompt
+
+        measured = measure_generator_step(
+            config, processor, lora, p.work.rows, int(cfg.generator.get("top_k", 3)), GENERATOR_QUESTION,
+            GENERATOR_ANSWER, single_pass_prompt(cfg.generator), p.work.checkpointing, steps=steps, device=device)
+    else:
+        pretraining = is_pretraining(cfg)
+        measured = measure_step(config, processor, lora, p.work.batch, p.work.rows, p.work.checkpointing,
+                                PAGE_TEXT if pretraining else QUERY, steps=steps, device=device,
+                                loss=make_loss(cfg.loss))
+    return {"experiment": p.name, "layers": layers, "vision_layers": vision_layers, "device": device,
+            **measured.as_dict()}
 
 
 def predicted_row(cfg: DictConfig, row: dict[str, Any], model_config: str | None) -> dict[str, Any]:
@@ -341,16 +371,21 @@ def predicted_row(cfg: DictConfig, row: dict[str, Any], model_config: str | None
 
 
 def measurement_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Measured against predicted, per depth (bytes as GiB; error of the step's peak above the frozen model)."""
-    lines = ["| LM layers | CLIP layers | parameters | tokens/page | frozen model measured / predicted "
-             "| step peak measured / predicted | error | s/step |", "|---|---|---|---|---|---|---|---|"]
+    """Measured against predicted, per depth (bytes as GiB; error of the step's peak above the frozen model; the
+    step's loss and whether the saved adapter reloads to equal tensors)."""
+    lines = ["| experiment | LM layers | CLIP layers | parameters | tokens/row | frozen model measured / predicted "
+             "| step peak measured / predicted | error | s/step | loss | adapter saved, round trip |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         error = row["step_peak"] / row["predicted_step"] - 1
-        lines.append(f"| {row['layers']} | {row['vision_layers']} | {row['parameters']:,} "
-                     f"(predicted {row['predicted_parameters']:,}) | {row['page_tokens']} | "
+        lines.append(f"| {row.get('experiment', '')} | {row['layers']} | {row['vision_layers']} | "
+                     f"{row['parameters']:,} (predicted {row['predicted_parameters']:,}) | {row['page_tokens']} "
+                     f"(predicted {row['predicted_page_tokens']}) | "
                      f"{describe_bytes(row['weights'])} / {describe_bytes(row['predicted_weights'])} | "
                      f"{describe_bytes(row['step_peak'])} / {describe_bytes(row['predicted_step'])} | "
-                     f"{error:+.1%} | {row['seconds']:.0f} |")
+                     f"{error:+.1%} | {row['seconds']:.0f} | {row['loss']:.4g} | "
+                     f"{row.get('adapter_bytes', 0) / 2**20:.1f} MiB, "
+                     f"{'equal' if row.get('adapter_round_trip') else 'NOT equal'} |")
     return "\n".join(lines)
 
 
@@ -361,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model-config", help="folder with the model's config.json and tokenizer (default: "
                                                "model.base)")
     parser.add_argument("--processes", type=int, default=1, help="data-parallel processes sharing the global batch")
-    parser.add_argument("--measure", action="store_true", help="measure the retriever's step on CPU at --layers")
+    parser.add_argument("--measure", action="store_true", help="measure the experiment's training step at --layers")
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--vision-layers", type=int, default=24)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="--measure on CPU (fp32, resident "

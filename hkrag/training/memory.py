@@ -247,7 +247,9 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
     layers up to the used one (their inputs are those hidden states). The backward's working set is two gradients
     of the MLP's width (the base and LoRA paths of ``down_proj`` before they are summed).
 
-    With gradient checkpointing the language model keeps each layer's input plus one layer recomputed, and the
+    With gradient checkpointing the language model keeps each layer's input plus one layer recomputed (never at
+    the same time as the LM head's logits and log-softmax, RCG's and the generator's: the head's backward runs and
+    frees them before the first layer is recomputed), and the
     vision tower's checkpointed layers keep, until the backward and even where the tower is frozen, one fp32
     hidden state per CLIP layer (layer_norm's fp32 copy of its input; per-layer slope measured on CPU in fp32 and
     on an H200 in bf16), and a frozen tower also one layer's quick_gelu intermediates (measured on an H200: the
@@ -280,7 +282,10 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
     final_norm = 4 * tokens * arch.hidden + 4 * tokens
     head = rows * work.lm_head_tokens * arch.vocab * (s + 4 + 4)  # logits, their fp32 copy, log-softmax
     backward = 2 * tokens * arch.intermediate * s
-    lm_phase = kept + projection + final_norm + head + max(backward, recompute_clip)
+    if work.checkpointing:  # the head's backward frees its logits before any checkpointed layer is recomputed
+        lm_phase = kept - max(layers) + projection + final_norm + max(head, max(layers) + max(backward, recompute_clip))
+    else:
+        lm_phase = kept + projection + final_norm + head + max(backward, recompute_clip)
     return {"vision tower forward (one chunk)": clip_phase, "language model backward (one chunk)": lm_phase}
 
 
@@ -319,7 +324,7 @@ def _reset_peak() -> None:
 
 @dataclass(frozen=True)
 class Measurement:
-    """Figures of one measured training step on CPU (bytes, seconds)."""
+    """Figures of one measured training step on CPU (bytes, seconds) and its adapter's save/reload check."""
 
     weights: int
     step_peak: int
@@ -329,6 +334,8 @@ class Measurement:
     trainable: int
     page_tokens: int
     malloc_pinned: bool
+    adapter_bytes: int = 0
+    adapter_round_trip: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -357,46 +364,28 @@ def _allocated(cuda: bool) -> int:
     return torch.cuda.memory_allocated() if cuda else _status("VmRSS")
 
 
-def measure_step(
-    config: Phi3VConfig, processor: Any, lora: LoraSettings, batch: int, chunk: int, checkpointing: bool,
-    query: str, steps: int = 1, device: str = "cpu",
-) -> Measurement:
-    """Run ``steps`` optimizer steps of the retriever's trainer (gradient cache, HKRAG loss, AdamW) on random
-    weights and pages, and measure the frozen model's bytes and the peak above them during the last step.
+def adapter_round_trip(model: Any) -> tuple[int, bool]:
+    """Save ``model``'s (a peft model's) adapter, load it back as a second adapter and compare: the saved bytes,
+    and whether every reloaded tensor equals the trained one (same names, same values)."""
+    import tempfile
+    from pathlib import Path
 
-    On CPU in fp32: the resident set (call it in a fresh process started with :data:`MALLOC_ENV`, as ``python -m
-    hkrag.tasks.preflight --measure`` does: glibc otherwise keeps freed tensors of up to 32 MiB in its heap and the
-    resident set overstates live memory, by 2 GiB at 1 layer and 4 crops, measured). On CUDA in bf16 under
-    accelerate's bf16 autocast: ``max_memory_allocated``.
-    """
-    from accelerate import Accelerator
+    from peft import get_peft_model_state_dict
 
-    from hkrag.data.pairs import TrainingPair
-    from hkrag.losses import HybridMaskLoss
-    from hkrag.retriever import Phi3VRetriever
-    from hkrag.training.gradcache import split_batch
-    from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        size = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
+        model.load_adapter(directory, adapter_name="reloaded")
+    trained = get_peft_model_state_dict(model, adapter_name="default")
+    reloaded = get_peft_model_state_dict(model, adapter_name="reloaded")
+    equal = trained.keys() == reloaded.keys() and all(torch.equal(trained[k], reloaded[k]) for k in trained)
+    model.delete_adapter("reloaded")
+    return size, bool(trained) and equal
 
-    cuda = device == "cuda"
-    config._attn_implementation = config._attn_implementation or "sdpa"
-    start = _allocated(cuda)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Phi3VForCausalLM(config)
-    if cuda:
-        model.to(torch.bfloat16)
-    retriever = Phi3VRetriever.wrap(model, processor, lora=lora, trainable=True,
-                                    gradient_checkpointing=checkpointing)
-    weights = _allocated(cuda) - start
-    pairs = [TrainingPair(f"q{i}", query, (f"page-{i}",)) for i in range(batch)]
-    settings = TrainerConfig(global_batch_size=batch, chunk_size=chunk, epochs=steps + 1, seed=0)
-    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no")
-    trainer = RetrieverTrainer(retriever, HybridMaskLoss(), pairs, random_pages(batch), settings,
-                               accelerator, "/nonexistent-preflight-output")
-    inputs = next(iter(trainer.loader(0, 0)))
-    trainer.model.train()
-    with torch.no_grad(), accelerator.autocast():  # one-time allocations (thread pools, oneDNN) before the baseline
-        trainer.embed(split_batch(dict(inputs["document"].to(accelerator.device)), 1)[0])
+
+def _peak_of_steps(step: Any, steps: int, cuda: bool) -> tuple[int, float, float]:
+    """Run ``step()`` (one optimizer step, returning its loss) ``steps`` times; the peak bytes of the last above
+    the bytes live before the first, its seconds and its loss."""
     before = _allocated(cuda)
     seconds, loss = 0.0, float("nan")
     for _ in range(steps):
@@ -406,17 +395,138 @@ def measure_step(
         else:
             _reset_peak()
         started = time.perf_counter()
-        output = trainer.step(inputs)
-        trainer.optimizer_step(output)
-        loss = float(output.loss)
+        loss = step()
         seconds = time.perf_counter() - started
     peak = (torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")) - before
+    return peak, seconds, loss
+
+
+def _malloc_pinned() -> bool:
+    return os.environ.get("MALLOC_MMAP_THRESHOLD_") == MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]
+
+
+def _random_model(config: Phi3VConfig, device: str) -> Phi3VForCausalLM:
+    """The model of ``config`` with seeded random weights on ``device`` (bf16 on CUDA; SDPA unless set)."""
+    config._attn_implementation = config._attn_implementation or "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Phi3VForCausalLM(config)
+    return model.to(torch.bfloat16) if device == "cuda" else model
+
+
+def measure_step(
+    config: Phi3VConfig, processor: Any, lora: LoraSettings, batch: int, chunk: int, checkpointing: bool,
+    query: str, steps: int = 1, device: str = "cpu", loss: Any = None,
+) -> Measurement:
+    """Run ``steps`` optimizer steps of the retriever's trainer (gradient cache, ``loss`` — the HKRAG loss unless
+    given; VDocRAG's :class:`~hkrag.losses.PretrainingLoss` with its collator as ``train.py`` builds them, ``query``
+    then being the page text — AdamW) on random weights and pages, and measure the frozen model's bytes and the
+    peak above them during the last step.
+
+    On CPU in fp32: the resident set (call it in a fresh process started with :data:`MALLOC_ENV`, as ``python -m
+    hkrag.tasks.preflight --measure`` does: glibc otherwise keeps freed tensors of up to 32 MiB in its heap and the
+    resident set overstates live memory, by 2 GiB at 1 layer and 4 crops, measured). On CUDA in bf16 under
+    accelerate's bf16 autocast: ``max_memory_allocated``.
+    """
+    from accelerate import Accelerator
+
+    from hkrag.data.collators import PretrainingCollator
+    from hkrag.data.pairs import TrainingPair
+    from hkrag.losses import HybridMaskLoss
+    from hkrag.retriever import Phi3VRetriever
+    from hkrag.training.gradcache import split_batch
+    from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
+
+    cuda = device == "cuda"
+    start = _allocated(cuda)
+    model = _random_model(config, device)
+    retriever = Phi3VRetriever.wrap(model, processor, lora=lora, trainable=True,
+                                    gradient_checkpointing=checkpointing)
+    weights = _allocated(cuda) - start
+    loss = loss if loss is not None else HybridMaskLoss()
+    collator = PretrainingCollator(retriever.collator, loss.max_query_length, loss.max_target_length) \
+        if getattr(loss, "generative", False) else None
+    pairs = [TrainingPair(f"q{i}", query, (f"page-{i}",)) for i in range(batch)]
+    settings = TrainerConfig(global_batch_size=batch, chunk_size=chunk, epochs=steps + 1, seed=0)
+    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no")
+    trainer = RetrieverTrainer(retriever, loss, pairs, random_pages(batch), settings,
+                               accelerator, "/nonexistent-preflight-output", collator=collator)
+    inputs = next(iter(trainer.loader(0, 0)))
+    trainer.model.train()
+    with torch.no_grad(), accelerator.autocast():  # one-time allocations (thread pools, oneDNN) before the baseline
+        trainer.embed(split_batch(dict(inputs["document"].to(accelerator.device)), 1)[0])
+
+    def step() -> float:
+        output = trainer.step(inputs)
+        trainer.optimizer_step(output)
+        return float(output.loss)
+
+    peak, seconds, last = _peak_of_steps(step, steps, cuda)
+    adapter_bytes, round_trip = adapter_round_trip(retriever.model)
     return Measurement(
-        weights=weights, step_peak=peak, seconds=seconds, loss=loss,
+        weights=weights, step_peak=peak, seconds=seconds, loss=last,
         parameters=sum(p.numel() for p in retriever.parameters()),
         trainable=sum(p.numel() for p in retriever.parameters() if p.requires_grad),
-        page_tokens=int(inputs["document"]["attention_mask"][0].sum()),
-        malloc_pinned=os.environ.get("MALLOC_MMAP_THRESHOLD_") == MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"],
+        page_tokens=int(inputs["document"]["attention_mask"][0].sum()), malloc_pinned=_malloc_pinned(),
+        adapter_bytes=adapter_bytes, adapter_round_trip=round_trip,
+    )
+
+
+class _Records:
+    """A run logger that keeps the generator trainer's records (its step's loss) in memory."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.records.append(dict(metrics))
+
+
+def measure_generator_step(
+    config: Phi3VConfig, processor: Any, lora: LoraSettings, batch_size: int, pages: int, question: str,
+    answer: str, render: Any, checkpointing: bool, steps: int = 1, device: str = "cpu",
+) -> Measurement:
+    """Run ``steps`` optimizer steps of generator fine-tuning (:mod:`hkrag.training.generator`: causal-LM LoRA,
+    its dataset, collator and trainer; ``batch_size`` examples of ``pages`` random pages each, the prompt from
+    ``render``, grad_accum 1; ``checkpointing`` as generator training enables it on CUDA) on random weights and
+    measure as :func:`measure_step` does. ``page_tokens``: the tokens of one example (prompt, pages and target)."""
+    from tqdm.auto import tqdm
+
+    from hkrag.data.generator_pairs import GeneratorPair
+    from hkrag.training.generator import GeneratorDataset, GeneratorTrainer, GeneratorTrainerConfig, causal_lm_lora
+
+    cuda = device == "cuda"
+    start = _allocated(cuda)
+    model = _random_model(config, device)
+    model = causal_lm_lora(model, lora)
+    if checkpointing:  # as generator training does on CUDA (it trains without on CPU)
+        model.get_base_model().gradient_checkpointing_enable()
+    weights = _allocated(cuda) - start
+    doc_ids = tuple(f"page-{i}" for i in range(pages))
+    pairs = [GeneratorPair(f"q{i}", question, (answer,), doc_ids) for i in range(batch_size * steps)]
+    dataset = GeneratorDataset(pairs, random_pages(pages), render)
+    records = _Records()
+    settings = GeneratorTrainerConfig(batch_size=batch_size, grad_accum=1, max_steps=steps, log_every=1)
+    trainer = GeneratorTrainer(model, processor, dataset, settings, "/nonexistent-preflight-output", records)
+    batch = next(iter(trainer.loader(0)))
+    trainer.model.train()
+    with torch.no_grad():  # one-time allocations (thread pools, oneDNN) before the baseline
+        trainer.loss(batch)
+    batches = iter(trainer.loader(0))
+    bar = tqdm(disable=True)
+
+    def step() -> float:
+        trainer.optimizer_step(batches, bar)
+        return float(records.records[-1]["loss"])
+
+    peak, seconds, last = _peak_of_steps(step, steps, cuda)
+    adapter_bytes, round_trip = adapter_round_trip(model)
+    return Measurement(
+        weights=weights, step_peak=peak, seconds=seconds, loss=last,
+        parameters=sum(p.numel() for p in model.parameters()),
+        trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        page_tokens=int(batch["attention_mask"][0].sum()), malloc_pinned=_malloc_pinned(),
+        adapter_bytes=adapter_bytes, adapter_round_trip=round_trip,
     )
 
 
