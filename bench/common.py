@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import platform
 import time
 from collections.abc import Callable
 
 import torch
 
+from hkrag.environment import cpu_model
 from hkrag.models.phi3v import Phi3VConfig
 
 
 def machine() -> str:
     """One line naming the hardware the figures came from."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return f"{cpu}, {torch.get_num_threads()} threads; {gpu}; torch {torch.__version__}"
+    return f"{cpu_model()}, {torch.get_num_threads()} threads; {gpu}; torch {torch.__version__}"
 
 
 def synchronize(device: torch.device) -> None:

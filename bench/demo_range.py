@@ -26,7 +26,7 @@ from pathlib import Path
 
 from hkrag.environment import describe, environment
 from hkrag.io import write_bytes, write_json, write_text
-from hkrag.tasks.training import DEMO_COLUMNS, DEMO_ROWS, demo_figures_from_per_query
+from hkrag.tasks.training import DEMO_COLUMNS, DEMO_ROWS, demo_cell, demo_figures_from_per_query
 
 ROOT = Path(__file__).resolve().parents[1]
 JUMP_FACTOR = 1.5
@@ -82,12 +82,6 @@ def load_runs(report: Path) -> list[dict]:
     return [json.loads(gzip.decompress(path.read_bytes())) for path in sorted((report / "runs").glob("*.json.gz"))]
 
 
-def cell_range(values: list[float]) -> str:
-    """``lo–hi`` at one decimal (the README's cell format); one value when they agree."""
-    lo, hi = f"{min(values):.1f}", f"{max(values):.1f}"
-    return lo if lo == hi else f"{lo}–{hi}"
-
-
 def summarize(report: Path) -> dict:
     """The README table's ranges and the loss diagnostics from ``report/runs``; writes demo_range.{json,md}."""
     runs = load_runs(report)
@@ -108,8 +102,8 @@ def summarize(report: Path) -> dict:
     summary = {
         "runs": [{"kernel": r["kernel"], "seed": r["seed"], "environment": r["environment"], "figures": r["figures"],
                   "loss_jumps": jumps(r["loss"]), "final_loss": r["loss"][-1]} for r in runs],
-        "range_all": {f"{row} | {col}": cell_range(values(runs, row, col)) for row, col in cells},
-        "range_by_kernel": {k: {f"{row} | {col}": cell_range(values([r for r in runs if r["kernel"] == k], row, col))
+        "range_all": {f"{row} | {col}": demo_cell(values(runs, row, col)) for row, col in cells},
+        "range_by_kernel": {k: {f"{row} | {col}": demo_cell(values([r for r in runs if r["kernel"] == k], row, col))
                                 for row, col in cells} for k in kernels},
         "loss_parts_at_step": parts,
         "jump_rule": f"loss > {JUMP_FACTOR} x median of the previous 10 steps",

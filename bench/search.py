@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import re
 import resource
 import shutil
@@ -37,6 +36,7 @@ import faiss
 import numpy as np
 from tqdm import tqdm
 
+from hkrag.environment import cpu_model
 from hkrag.index.faiss_index import DocumentIndex, gpu_count
 from hkrag.index.synthetic_embeddings import (
     QUERY_STREAM,
@@ -79,14 +79,6 @@ class VectorFile:
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def machine(args: argparse.Namespace) -> str:

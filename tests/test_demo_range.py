@@ -6,15 +6,10 @@ from pathlib import Path
 
 from readme_commands import iter_markdown_table
 
-from hkrag.tasks.training import DEMO_COLUMNS, DEMO_ROWS, demo_figures_from_per_query
+from hkrag.tasks.training import DEMO_COLUMNS, DEMO_ROWS, demo_cell, demo_figures_from_per_query
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "docs" / "demo_range"
-
-
-def _cell(values: list[float]) -> str:
-    lo, hi = f"{min(values):.1f}", f"{max(values):.1f}"
-    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def test_readme_demo_table_is_the_range_of_the_committed_runs():
@@ -22,7 +17,7 @@ def test_readme_demo_table_is_the_range_of_the_committed_runs():
     assert len(runs) == 15 and {(r["kernel"], r["seed"]) for r in runs} == {
         (k, s) for k in ("native", "avx2", "default") for s in (42, 0, 1, 2, 3)}
     figures = [{when: demo_figures_from_per_query(r[when]) for when in ("before", "after")} for r in runs]
-    derived = {row: [_cell([f[when][pool][row] for f in figures]) for when, pool in DEMO_COLUMNS.values()]
+    derived = {row: [demo_cell([f[when][pool][row] for f in figures]) for when, pool in DEMO_COLUMNS.values()]
                for row in DEMO_ROWS}
     table = list(iter_markdown_table((ROOT / "README.md").read_text(), "| queries | before (the shipped reader)"))
     assert table[0][1:] == list(DEMO_COLUMNS)

@@ -210,6 +210,12 @@ def demo_figures(results: dict[str, Any]) -> dict[str, dict[str, float]]:
             for pool in ("single", "all")}
 
 
+def demo_cell(values: list[float]) -> str:
+    """A README demo-table cell: ``lo–hi`` at one decimal over runs, one value when they agree."""
+    lo, hi = f"{min(values):.1f}", f"{max(values):.1f}"
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
 def demo_figures_from_per_query(per_query: dict[str, Any]) -> dict[str, dict[str, float]]:
     """:func:`demo_figures` from an evaluation's ``per_query.json``: each cell the mean of its queries' nDCG@5."""
     def means(rows: dict[str, dict]) -> dict[str, dict[str, float]]:
