@@ -28,10 +28,13 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
+from hkrag.data.collators import RetrieverCollator
 from hkrag.io import write_json
 from hkrag.models.phi3v import Phi3VConfig, load_processor, tiny_phi3v
 from hkrag.models.phi3v.loading import CheckpointNotFoundError
 from hkrag.retriever import VDOCRAG_LORA_TARGETS, LoraSettings, describe_lora_modules
+from hkrag.tasks.generator_training import single_pass_prompt
+from hkrag.tasks.training import make_loss
 from hkrag.training.memory import (
     GIB,
     GPU_SIZES_GB,
@@ -45,6 +48,7 @@ from hkrag.training.memory import (
     estimate,
     format_terms,
     kv_cache_bytes,
+    measure_generator_step,
     measure_step,
 )
 
@@ -119,8 +123,6 @@ def lora_settings(cfg: DictConfig) -> tuple[LoraSettings, str]:
 
 def page_shape(processor: Any) -> tuple[int, int]:
     """LM tokens of one page's document prompt and CLIP crops it runs (used crops + the global view)."""
-    from hkrag.data.collators import RetrieverCollator
-
     batch = RetrieverCollator(processor).documents([Image.new("RGB", PAGE_SIZE, "white")])
     crop = processor.image_processor.crop_size
     height, width = (int(v) for v in batch["image_sizes"][0])
@@ -340,15 +342,10 @@ def measure_one(cfg: DictConfig, layers: int, vision_layers: int, model_config: 
                 device: str = "cpu") -> dict[str, Any]:
     """One depth measured: one optimizer step (on CUDA the second of two) of the experiment's own trainer — the
     retriever's, VDocRAG pre-training's (its loss and collator as ``train.py`` builds them) or the generator's."""
-    from hkrag.tasks.training import make_loss
-    from hkrag.training.memory import measure_generator_step
-
     p, (config, processor) = reduced(cfg, layers, vision_layers, model_config, device)
     lora, _ = lora_settings(cfg)
     steps = 1 if device == "cpu" else 2
     if is_generator(cfg):
-        from hkrag.tasks.generator_training import single_pass_prompt
-
         measured = measure_generator_step(
             config, processor, lora, p.work.rows, int(cfg.generator.get("top_k", 3)), GENERATOR_QUESTION,
             GENERATOR_ANSWER, single_pass_prompt(cfg.generator), p.work.checkpointing, steps=steps, device=device)

@@ -19,15 +19,31 @@ from __future__ import annotations
 
 import io
 import os
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import datasets
+import numpy as np
 import torch
+from accelerate import Accelerator
+from peft import get_peft_model, get_peft_model_state_dict
+from PIL import Image
+from tqdm.auto import tqdm
 
+from hkrag.data.collators import PretrainingCollator
+from hkrag.data.generator_pairs import GeneratorPair
+from hkrag.data.opendocvqa import CORPUS_FEATURES, Corpus
+from hkrag.data.pairs import TrainingPair
+from hkrag.losses import HybridMaskLoss
 from hkrag.models.phi3v import Phi3VConfig, Phi3VForCausalLM
-from hkrag.retriever import LoraSettings, freeze_unreachable, lora_modules
+from hkrag.retriever import LoraSettings, Phi3VRetriever, freeze_unreachable, lora_modules
+from hkrag.training.generator import GeneratorDataset, GeneratorTrainer, GeneratorTrainerConfig, causal_lm_lora
+from hkrag.training.gradcache import split_batch
+from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAPTER_BYTES = 4
@@ -108,7 +124,6 @@ class Parameters:
 
 def count_parameters(config: Phi3VConfig, lora: LoraSettings | None) -> Parameters:
     """Total, trainable and adapter parameters and the wrapped modules' names, without allocating weights."""
-    from peft import get_peft_model
 
     with torch.device("meta"):
         model = Phi3VForCausalLM(config)
@@ -343,11 +358,7 @@ class Measurement:
 
 def random_pages(count: int, size: tuple[int, int] = (850, 1100), seed: int = 0) -> Any:
     """A :class:`~hkrag.data.opendocvqa.Corpus` of ``count`` random-noise pages ``page-<i>``."""
-    import datasets
-    import numpy as np
-    from PIL import Image
 
-    from hkrag.data.opendocvqa import CORPUS_FEATURES, Corpus
 
     rng = np.random.default_rng(seed)
     rows: dict[str, list] = {"doc_id": [], "image": []}
@@ -367,10 +378,7 @@ def _allocated(cuda: bool) -> int:
 def adapter_round_trip(model: Any) -> tuple[int, bool]:
     """Save ``model``'s (a peft model's) adapter, load it back as a second adapter and compare: the saved bytes,
     and whether every reloaded tensor equals the trained one (same names, same values)."""
-    import tempfile
-    from pathlib import Path
 
-    from peft import get_peft_model_state_dict
 
     with tempfile.TemporaryDirectory() as directory:
         model.save_pretrained(directory)
@@ -428,14 +436,7 @@ def measure_step(
     resident set overstates live memory, by 2 GiB at 1 layer and 4 crops, measured). On CUDA in bf16 under
     accelerate's bf16 autocast: ``max_memory_allocated``.
     """
-    from accelerate import Accelerator
 
-    from hkrag.data.collators import PretrainingCollator
-    from hkrag.data.pairs import TrainingPair
-    from hkrag.losses import HybridMaskLoss
-    from hkrag.retriever import Phi3VRetriever
-    from hkrag.training.gradcache import split_batch
-    from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
 
     cuda = device == "cuda"
     start = _allocated(cuda)
@@ -490,10 +491,7 @@ def measure_generator_step(
     its dataset, collator and trainer; ``batch_size`` examples of ``pages`` random pages each, the prompt from
     ``render``, grad_accum 1; ``checkpointing`` as generator training enables it on CUDA) on random weights and
     measure as :func:`measure_step` does. ``page_tokens``: the tokens of one example (prompt, pages and target)."""
-    from tqdm.auto import tqdm
 
-    from hkrag.data.generator_pairs import GeneratorPair
-    from hkrag.training.generator import GeneratorDataset, GeneratorTrainer, GeneratorTrainerConfig, causal_lm_lora
 
     cuda = device == "cuda"
     start = _allocated(cuda)
