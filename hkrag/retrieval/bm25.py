@@ -44,6 +44,7 @@ so a query may return fewer pages; ``bm25_vidore`` does.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -158,6 +159,7 @@ class VidoreBM25Ranker(PageTextRanker):
         return lambda query: model.get_scores(list(query))
 
 
+@functools.cache
 def nltk_english() -> tuple[Callable[[str], list[str]], frozenset[str]]:
     """NLTK's ``word_tokenize`` and English stop words, their data read offline: NLTK's search path first, then the
     copy llama-index-core ships. Raises ImportError naming what to install when neither has it."""
