@@ -155,7 +155,8 @@ def main() -> None:
 
     print(machine())
     cap = "" if args.answer_tokens is None else f", answers capped at {args.answer_tokens} tokens"
-    print(f"{args.queries} queries x 3 pages, tiny Phi3V ({args.device}), {args.repeats} rounds{cap}")
+    size = "full-size Phi3V, random bf16" if args.full else "tiny Phi3V"
+    print(f"{args.queries} queries x 3 pages, {size} ({args.device}), {args.repeats} rounds{cap}")
     print(f"{'configuration':<22} {'reuse':<8} {'routes':<11} {'calls':>5} {'in tok':>7} {'reused':>7} "
           f"{'out tok':>7} {'wall s':>7} {'vs ' + CONFIGURATIONS[args.configs[0]][0]:>15}")
     for config, reuse in rows:

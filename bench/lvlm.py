@@ -25,18 +25,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
 
 from hkrag.lvlm import GenerationSettings, LVLMRequest, PageImage  # noqa: E402
-from hkrag.lvlm.local import LocalBackend  # noqa: E402
+from hkrag.lvlm.local import LocalBackend, context_length  # noqa: E402
 from hkrag.lvlm.phi3v import Phi3VBackend  # noqa: E402
 from hkrag.lvlm.qwen2_5_vl import Qwen2_5_VLBackend  # noqa: E402
 
 BACKENDS = {backend.name: backend for backend in (Phi3VBackend, Qwen2_5_VLBackend)}
 """--backends: the local backend classes by their ``name``."""
 FULL_PHI3V = dict(
+    max_position_embeddings=131072,
     hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
     vision_config=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
                        image_size=336, patch_size=14),
 )
-FULL_QWEN_3B = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+FULL_QWEN_3B = dict(max_position_embeddings=128000,
+                    hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
                     num_key_value_heads=2)
 FULL_QWEN_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
                         window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
@@ -74,6 +76,8 @@ def full_backend(kind: str, device: str) -> LocalBackend:
         config._attn_implementation = "sdpa"
         model = Qwen2_5_VLForConditionalGeneration(config)
     backend.lm = model.to(device=device, dtype=torch.bfloat16).eval()
+    backend.model = f"full-size {kind} (random bf16)"
+    backend.context_length = context_length(model.config)
     return backend
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from common import forward_flops, machine, print_mfu, used_crops
+from datasets.table import InMemoryTable
 from encode import build
 from PIL import Image
 
@@ -32,6 +33,8 @@ from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
 
 
 def corpus(n: int, size: tuple[int, int]) -> Corpus:
+    """``n`` random pages; the fingerprint is named, since hashing the table by pickling failed on the H200's
+    Python 3.12 (dill: "Can't pickle <class 'MonthDayNano'>")."""
     rng = np.random.default_rng(0)
     rows = {"doc_id": [], "image": []}
     for i in range(n):
@@ -39,7 +42,9 @@ def corpus(n: int, size: tuple[int, int]) -> Corpus:
         Image.fromarray(rng.integers(0, 255, (*size[::-1], 3), dtype=np.uint8)).save(buffer, format="PNG")
         rows["doc_id"].append(f"page-{i}")
         rows["image"].append({"bytes": buffer.getvalue(), "path": None})
-    return Corpus(datasets.Dataset.from_dict(rows, features=CORPUS_FEATURES), name="bench")
+    table = InMemoryTable.from_pydict(CORPUS_FEATURES.encode_batch(rows), schema=CORPUS_FEATURES.arrow_schema)
+    info = datasets.DatasetInfo(features=CORPUS_FEATURES)
+    return Corpus(datasets.Dataset(table, info=info, fingerprint=f"bench-{n}-{size[0]}x{size[1]}"), name="bench")
 
 
 def peak_memory_gib(device: torch.device) -> float:

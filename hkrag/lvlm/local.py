@@ -37,7 +37,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    StoppingCriteria,
+)
 
 from .base import (
     GenerationSettings,
@@ -182,6 +189,12 @@ class ModelInputs:
     pages: list[list[tuple[Hashable, int]]] = field(default_factory=list)
 
 
+def context_length(config: PretrainedConfig) -> int | None:
+    """The model's context in tokens: ``max_position_embeddings`` of its config or of its ``text_config``."""
+    return getattr(config, "max_position_embeddings", None) or getattr(
+        getattr(config, "text_config", None), "max_position_embeddings", None)
+
+
 class LocalBackend(LVLMBackend):
     """Base of the in-process backends. Subclasses implement :meth:`prepare` and :meth:`page_features`.
 
@@ -221,9 +234,7 @@ class LocalBackend(LVLMBackend):
         self.end_ids = end_token_ids(tokenizer, end_tokens)
         head = model.get_output_embeddings()
         self.vocab_size = None if head is None else int(head.weight.shape[0])
-        config = model.config
-        self.context_length = getattr(config, "max_position_embeddings", None) or getattr(
-            getattr(config, "text_config", None), "max_position_embeddings", None)
+        self.context_length = context_length(model.config)
 
     def count_prompt_tokens(self, request: LVLMRequest) -> int:
         """The prompt's tokens, page tokens included (:meth:`prepare`: page features, no decoding)."""
