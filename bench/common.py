@@ -42,20 +42,21 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 8192, repeats
     return 2 * n**3 / timed(lambda: a @ b, device, repeats)
 
 
-def forward_flops(config: Phi3VConfig, text_tokens: int, crops: int, backward: bool = False) -> float:
-    """Model FLOPs of one forward (x3 with backward): 2 x params x tokens plus attention scores.
+def forward_flops(config: Phi3VConfig, lengths: torch.Tensor, crops: int, backward: bool = False) -> float:
+    """Model FLOPs of one forward (x3 with backward) of a batch whose sequences hold ``lengths`` tokens:
+    2 x params x tokens plus attention scores, which grow with each sequence's length squared.
 
     LM tokens include the image tokens; the vision tower runs on ``crops`` crops of
     ``patches + 1`` tokens each. Embedding lookups and the unused LM head are not counted.
     """
     lm, vc = config, config.vision_config
+    tokens, squares = int(lengths.sum()), int((lengths.long() ** 2).sum())
     lm_params = lm.num_hidden_layers * (4 * lm.hidden_size**2 + 3 * lm.hidden_size * lm.intermediate_size)
-    lm_flops = 2 * lm_params * text_tokens + 4 * lm.num_hidden_layers * text_tokens**2 * lm.hidden_size / 2
+    lm_flops = 2 * lm_params * tokens + 4 * lm.num_hidden_layers * squares * lm.hidden_size / 2  # causal: half
     seq = config.patches_per_side**2 + 1
     vit_params = vc.num_hidden_layers * (4 * vc.hidden_size**2 + 2 * vc.hidden_size * vc.intermediate_size)
     vit_flops = crops * (2 * vit_params * seq + 4 * vc.num_hidden_layers * seq**2 * vc.hidden_size)
-    proj_tokens = text_tokens  # upper bound: projection runs on image tokens only
-    proj_flops = 2 * proj_tokens * (config.image_feature_dim + lm.hidden_size) * lm.hidden_size
+    proj_flops = 2 * tokens * (config.image_feature_dim + lm.hidden_size) * lm.hidden_size  # upper bound: all tokens
     total = lm_flops + vit_flops + proj_flops
     return 3 * total if backward else total
 

@@ -70,7 +70,7 @@ def main() -> None:
 
     with torch.inference_mode():
         seconds = timed(lambda: retriever(**batch), device, args.batches)
-    flops = forward_flops(retriever.backbone.config, tokens, crops)
+    flops = forward_flops(retriever.backbone.config, batch["attention_mask"].sum(dim=1), crops)
     print(f"machine: {machine()}")
     print(f"model: {args.size} ({sum(p.numel() for p in retriever.parameters()) / 1e6:.1f}M params), {dtype}, "
           f"attention {retriever.backbone.config._attn_implementation}, num_crops {args.num_crops}")

@@ -76,6 +76,7 @@ def main() -> None:
     config = TrainerConfig(global_batch_size=args.batch, chunk_size=args.chunk, epochs=args.steps + 1)
     trainer = RetrieverTrainer(retriever, HybridMaskLoss(), pairs, pages, config, accelerator, "/tmp/hkrag-bench")
     batch = next(iter(trainer.loader(0, 0)))
+    trainer.model.train()  # as RetrieverTrainer.fit: checkpointing acts in train mode only
 
     def step() -> None:
         trainer.optimizer_step(trainer.step(batch))
@@ -94,11 +95,12 @@ def main() -> None:
     doc, qry = batch["document"], batch["query"]
     crops = used_crops(doc["image_sizes"], retriever.processor.image_processor.crop_size)
     config_ = retriever.backbone.config
-    flops = sum(forward_flops(config_, int(b["attention_mask"].sum()), c) * (3 + (args.chunk is not None))
+    flops = sum(forward_flops(config_, b["attention_mask"].sum(dim=1), c) * (3 + (args.chunk is not None))
                 for b, c in ((doc, crops), (qry, 0)))
     print(f"machine: {machine()}")
+    checkpointing = "on" if args.size == "full" else "off"
     print(f"model: {args.size}, {dtype}, attention {config_._attn_implementation}, LoRA r=8, "
-          f"batch {args.batch} (chunk {args.chunk}), num_crops {args.num_crops}")
+          f"batch {args.batch} (chunk {args.chunk}), num_crops {args.num_crops}, checkpointing {checkpointing}")
     print(f"step: {seconds:.3f} s; {args.batch / seconds:.2f} samples/s; peak memory {peak_memory_gib(device):.2f} GiB")
     print_mfu(flops, seconds, device, dtype)
 
