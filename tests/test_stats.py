@@ -7,6 +7,7 @@ from scipy import stats as scipy_stats
 from hkrag.stats import (
     CROSSED,
     ONE_SEED,
+    ONE_VALUE,
     P_FLOOR,
     bootstrap_interval,
     cluster_rows,
@@ -203,8 +204,9 @@ def test_crossed_interval_of_identical_runs_is_a_point_and_never_p_zero():
     assert (result["diff"], result["low"], result["high"], result["p_value"]) == (0.0, 0.0, 0.0, 1.0)
     shifted = crossed_difference(np.ones((3, 4)) + 0.1, np.ones((3, 4)))
     assert shifted["p_value"] == P_FLOOR > 0
-    with pytest.raises(ValueError, match="one value"):
-        crossed_interval([[1.0]])
+    single = crossed_interval([[0.5]])  # one seed, one question: no interval at all
+    assert (single["low"], single["high"], single["p_value"], single["method"]) == (-np.inf, np.inf, 1.0, ONE_VALUE)
+    assert verdict(single["low"], single["high"], 0.01) == "inconclusive"
 
 
 def test_cluster_rows_averages_a_questions_rows_before_the_interval():

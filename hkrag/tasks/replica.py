@@ -20,7 +20,7 @@
    (``task=generation``) and on the warm start's retrieved pages (``task=rag``), into
    ``<out>/table6/<pages>-<generator>``; and the Judger-threshold sweep over h on gold pages.
 4. **Report**: ``<out>/replica.{md,json}`` and one plot per table: for the retriever tables
-   (:func:`hkrag.retrieval.ablation.summarize`) hierarchical seed x query intervals, a verdict on each Table 5 claim,
+   (:func:`hkrag.retrieval.ablation.summarize`) crossed seeds x queries intervals, Holm-corrected Table 5 verdicts,
    learning curves; for Table 6 (:func:`hkrag.rag.ablation.generator_ablation`) paired intervals over queries,
    routes, cost per query and a verdict on each claim; the compute each part took.
 
@@ -323,8 +323,7 @@ def write_report(config: ReplicaConfig, timings: dict[str, float]) -> dict[str, 
         runs = [replace(load_run(job_folder(config.out, c, seed)), condition=c.name)
                 for c in conditions for seed in config.seeds]
         claims = {"table5": TABLE5_CLAIMS, "hard_negatives": HARD_NEGATIVE_CLAIMS}.get(name, ())
-        summary = summarize(runs, conditions[0].name, n_resamples=config.n_resamples, margin=config.margin,
-                            claims=claims, datasets=FINE_PRINT_SPLITS)
+        summary = summarize(runs, conditions[0].name, margin=config.margin, claims=claims, datasets=FINE_PRINT_SPLITS)
         report["tables"][name] = summary
         sections.append(markdown(summary, TITLES[name]).replace("# Ablation: ", "## ", 1)
                         .replace("\n## ", "\n### ") + f"\n![{name}]({name}.png)\n")
