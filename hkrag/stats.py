@@ -307,7 +307,9 @@ def t_p_value(mean: float, se: float, df: float) -> float:
     return float(min(1.0, max(2 * scipy_stats.t.sf(abs(mean) / se, df), P_FLOOR)))
 
 
-def crossed_interval(scores: Sequence[Sequence[float]] | np.ndarray, confidence: float = 0.95) -> dict[str, Any]:
+def crossed_interval(
+    scores: Sequence[Sequence[float]] | np.ndarray, confidence: float = 0.95, bounds: tuple[float, float] | None = None
+) -> dict[str, Any]:
     """Mean of a ``(seeds, questions)`` matrix and its t interval under the crossed seeds × questions model.
 
     ``scores[s, q]`` is training seed ``s``'s score on question ``q`` (or a paired difference of two conditions
@@ -331,6 +333,8 @@ def crossed_interval(scores: Sequence[Sequence[float]] | np.ndarray, confidence:
     ``method`` says so (:data:`ONE_SEED`); with one question, the t interval over seeds; one value has no
     interval: (−inf, inf), se inf, df 0, p 1 (:data:`ONE_VALUE`; its verdict is *inconclusive*). For family-wise
     (Bonferroni-level) intervals over m claims pass ``confidence = 1 − alpha/m`` (:func:`corrected_verdicts`).
+    ``bounds`` (e.g. ``(0, 1)`` for an accuracy or nDCG) intersects the interval with the range the mean can take:
+    the true mean lies in it, so the coverage is unchanged, and no accuracy interval reads −3 %.
 
     Returns ``{"mean", "low", "high", "p_value", "df", "se", "seeds", "questions", "method"}``; ``p_value`` is
     the two-sided t p-value of mean = 0 (:func:`t_p_value`, never exactly 0). A zero standard error (every
@@ -359,6 +363,10 @@ def crossed_interval(scores: Sequence[Sequence[float]] | np.ndarray, confidence:
         df = (sum(terms.values()) ** 2 / denominator) if denominator > 0 else float(n_seeds - 1)
     mean, se = float(array.mean()), math.sqrt(max(variance, 0.0))
     low, high = _t_interval(mean, se, df, confidence)
+    if bounds is not None:
+        if not bounds[0] <= mean <= bounds[1]:
+            raise ValueError(f"the mean {mean} lies outside the bounds {bounds} given for it")
+        low, high = max(low, bounds[0]), min(high, bounds[1])
     return {"mean": mean, "low": low, "high": high, "p_value": t_p_value(mean, se, df), "df": df, "se": se,
             "seeds": n_seeds, "questions": n_questions, "method": method}
 

@@ -271,3 +271,11 @@ def test_corrected_verdicts_apply_holm_and_bonferroni_intervals():
     # reaches below 0: inconclusive once corrected
     assert [o["corrected_verdict"] for o in out] == ["reproduced", "inconclusive", "not testable"]
     assert out[2]["p_holm"] is None and out[2]["corrected_low"] is None
+
+
+def test_bounds_intersect_the_interval_with_the_range_of_the_mean():
+    accuracy = [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]]  # mean 0.25: the t interval reaches below 0
+    free, bounded = crossed_interval(accuracy), crossed_interval(accuracy, bounds=(0.0, 1.0))
+    assert free["low"] < 0 and bounded["low"] == 0.0 and bounded["high"] == free["high"]
+    with pytest.raises(ValueError, match="outside the bounds"):
+        crossed_interval([[2.0, 3.0]], bounds=(0.0, 1.0))
