@@ -7,7 +7,7 @@ import pytest
 import yaml
 from scipy import stats as scipy_stats
 
-from hkrag.retrieval.ablation import AblationError, aggregate, main
+from hkrag.retrieval.ablation import PER_QUERY_LINES, AblationError, aggregate, load_per_query, main, summarize
 from hkrag.retrieval.evaluation import PER_QUERY_FILE
 from hkrag.stats import P_FLOOR, mean_and_std
 
@@ -189,3 +189,16 @@ def test_mean_and_std():
     assert mean_and_std([0.5]) == (0.5, 0.0)
     with pytest.raises(ValueError, match="non-empty"):
         mean_and_std([])
+
+
+def test_the_summary_re_derives_from_its_per_query_file(multirun, tmp_path):
+    summary = aggregate(multirun, tmp_path / "out")
+    lines = [json.loads(line) for line in (tmp_path / "out" / PER_QUERY_LINES).read_text().splitlines()]
+    assert lines[0] == {"pool": "single", "queries": [list(query) for query in QUERIES]}
+    assert lines[1] == {"condition": "infonce", "seed": 0, "pool": "single", "ndcg@5": list(SCORES["infonce", 0])}
+    again = summarize(load_per_query(tmp_path / "out" / PER_QUERY_LINES))
+    assert again["vs_baseline"] == summary["vs_baseline"] and again["ndcg@5"] == summary["ndcg@5"]
+    assert again["verdicts"] == summary["verdicts"]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"condition": "hkrag", "seed": 0, "pool": "all", "ndcg@5": [1]}))
+    with pytest.raises(AblationError, match="bad.jsonl, line 1: scores without a matching header line of pool all"):
+        load_per_query(tmp_path / "bad.jsonl")

@@ -244,7 +244,8 @@ def test_ablation_and_replica_get_runs_of_their_own(tmp_path, multirun, offline)
     assert [(v["better"], v["worse"], v["pool"], v["verdict"]) for v in verdicts] == [
         (v["better"], v["worse"], v["pool"], v["verdict"]) for v in local["verdicts"]]
     assert run.image("ablation/plot") == (out / "ablation.png").read_bytes()
-    assert_artifact(run, "ablation-report", out, ["ablation.json", "ablation.md", "ablation.png"])
+    assert_artifact(run, "ablation-report", out, ["ablation.json", "ablation.md", "ablation.png",
+                                                  "ablation_per_query.jsonl"])
 
     folder = tmp_path / "replica"
     (folder / "table6").mkdir(parents=True)

@@ -222,6 +222,52 @@ def check_settings_distinct(jobs: Sequence[Path]) -> None:
         seen[settings] = job
 
 
+PER_QUERY_LINES = "ablation_per_query.jsonl"
+"""Every run's per-query nDCG@5 behind a summary (:func:`per_query_lines`), written beside ``ablation.json``."""
+
+
+def per_query_lines(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """Every run's nDCG@5 on every test query after training, compactly: per pool a header line ``{"pool",
+    "queries": [[dataset, query id, evidence], ...]}``, then one line per run ``{"condition", "seed", "pool",
+    "ndcg@5": [...]}`` in the header's query order. :func:`load_per_query` reads them back into runs that
+    :func:`summarize` turns into the same means, intervals and verdicts (not the learning curves or masks)."""
+    lines: list[dict[str, Any]] = []
+    for pool in dict.fromkeys(pool for run in runs for pool in run.scores):
+        first = next(run for run in runs if pool in run.scores).scores[pool]
+        keys = sorted(first)
+        lines.append({"pool": pool, "queries": [[*key, first[key][0]] for key in keys]})
+        for run in runs:
+            scores = run.scores.get(pool, {})
+            if scores.keys() != set(keys):
+                raise AblationError(f"{run.path} scored other {pool} queries than the first run of that pool")
+            lines.append({"condition": run.condition, "seed": run.seed, "pool": pool,
+                          METRIC: [scores[key][1] for key in keys]})
+    return lines
+
+
+def write_per_query(path: str | Path, runs: Sequence[Run]) -> Path:
+    """:func:`per_query_lines` of ``runs`` into ``path`` (JSON lines, atomically)."""
+    return write_text(path, "".join(json.dumps(line) + "\n" for line in per_query_lines(runs)))
+
+
+def load_per_query(path: str | Path) -> list[Run]:
+    """The runs of a :func:`per_query_lines` file (``path`` each run's path), for :func:`summarize`."""
+    path = Path(path)
+    runs: dict[tuple[str, int], Run] = {}
+    queries: dict[str, list] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        row = json.loads(line)
+        if "queries" in row:
+            queries[row["pool"]] = row["queries"]
+            continue
+        if row["pool"] not in queries or len(row[METRIC]) != len(queries[row["pool"]]):
+            raise AblationError(f"{path}, line {number}: scores without a matching header line of pool {row['pool']}")
+        run = runs.setdefault((row["condition"], row["seed"]), Run(path, row["condition"], row["seed"], {}))
+        run.scores[row["pool"]] = {(dataset, query): (evidence, score)
+                                   for (dataset, query, evidence), score in zip(queries[row["pool"]], row[METRIC])}
+    return list(runs.values())
+
+
 def evidence_types(runs: Sequence[Run]) -> list[str]:
     """``all`` then the evidence labels the queries carry, sorted."""
     labels = {label for run in runs for by_query in run.scores.values() for label, _ in by_query.values() if label}
@@ -508,12 +554,13 @@ def plot(summary: dict[str, Any], pool: str = "single") -> bytes:
 def aggregate(folder: str | Path, out_dir: str | Path | None = None, by: str | Sequence[str] = "loss",
               seed_key: str = "trainer.seed", baseline: str = "infonce", finished_only: bool = False,
               margin: float = 0.01, datasets: Sequence[str] = ()) -> dict[str, Any]:
-    """Summarise ``folder`` into ``ablation.json``, ``ablation.md`` and ``ablation.png`` (in ``out_dir``, default
-    ``folder``); returns the summary."""
+    """Summarise ``folder`` into ``ablation.json``, ``ablation.md``, ``ablation.png`` and the per-query scores
+    behind them, ``ablation_per_query.jsonl`` (in ``out_dir``, default ``folder``); returns the summary."""
     runs = load_multirun(folder, by, seed_key, finished_only)
     summary = summarize(runs, baseline, margin=margin, datasets=datasets)
     out = Path(out_dir or folder)
     write_json(out / "ablation.json", summary)
+    write_per_query(out / PER_QUERY_LINES, runs)
     text = markdown(summary, str(folder))
     write_text(out / "ablation.md", text)
     write_bytes(out / "ablation.png", plot(summary))
@@ -523,7 +570,8 @@ def aggregate(folder: str | Path, out_dir: str | Path | None = None, by: str | S
         "margin": margin, "datasets": list(datasets)})
     log_summary(run_logger, summary)
     run_logger.image("ablation/plot", out / "ablation.png")
-    run_logger.artifact("ablation-report", "report", out, ["ablation.json", "ablation.md", "ablation.png"])
+    run_logger.artifact("ablation-report", "report", out, ["ablation.json", "ablation.md", "ablation.png",
+                                                           PER_QUERY_LINES])
     run_logger.finish()
     return summary
 

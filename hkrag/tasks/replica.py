@@ -58,7 +58,15 @@ from hkrag.rag import ablation as generator_table
 from hkrag.rag.report import REPORT_FILE as RAG_REPORT
 from hkrag.rag.report import sweep_summary
 from hkrag.rag.trace import MERGED_FILE, load_trace
-from hkrag.retrieval.ablation import TABLE5_CLAIMS, load_run, log_summary, markdown, plot, summarize
+from hkrag.retrieval.ablation import (
+    TABLE5_CLAIMS,
+    load_run,
+    log_summary,
+    markdown,
+    plot,
+    summarize,
+    write_per_query,
+)
 from hkrag.run_log import RunLogger
 from hkrag.stats import Claim
 from hkrag.tasks import run_eval_task
@@ -315,13 +323,21 @@ def record_time(timings: dict[str, float], out: Path, name: str, seconds: float)
         write_json(out / TIMINGS_FILE, timings)
 
 
+RETRIEVER_PER_QUERY = "retriever_per_query.jsonl"
+"""Every retriever job's per-query nDCG@5 (:func:`hkrag.retrieval.ablation.per_query_lines`): the retriever tables'
+intervals re-derive from it with :func:`hkrag.retrieval.ablation.load_per_query` and ``summarize``."""
+
+
 def write_report(config: ReplicaConfig, timings: dict[str, float]) -> dict[str, Any]:
-    """Summaries of every table into ``replica.{md,json}`` and ``<table>.png`` in ``config.out``."""
+    """Summaries of every table into ``replica.{md,json}`` and ``<table>.png`` in ``config.out``, and the retriever
+    jobs' per-query scores behind them into :data:`RETRIEVER_PER_QUERY`."""
     report: dict[str, Any] = {"settings": _settings(config), "timings": timings, "tables": {}}
     sections = [_header(config, timings)]
+    loaded = {(c.name, seed): replace(load_run(job_folder(config.out, c, seed)), condition=c.name)
+              for c in config.conditions() for seed in config.seeds}
+    write_per_query(config.out / RETRIEVER_PER_QUERY, list(loaded.values()))
     for name, conditions in config.tables.items():
-        runs = [replace(load_run(job_folder(config.out, c, seed)), condition=c.name)
-                for c in conditions for seed in config.seeds]
+        runs = [loaded[c.name, seed] for c in conditions for seed in config.seeds]
         claims = {"table5": TABLE5_CLAIMS, "hard_negatives": HARD_NEGATIVE_CLAIMS}.get(name, ())
         summary = summarize(runs, conditions[0].name, margin=config.margin, claims=claims, datasets=FINE_PRINT_SPLITS)
         report["tables"][name] = summary
