@@ -324,7 +324,8 @@ def crossed_interval(
     (rather than the conservative (MS_seed + MS_question)/(SQ)) keeps the interval from widening by up to √2 when
     the residual (the seed × question interaction) is large, as it is for 0/1 scores; keeping a negative
     component's mean squares instead (e.g. always MS_seed) lets the Satterthwaite df collapse toward 0 when that
-    component is near 0 (a simulation gave intervals of width 1e10 with 3 seeds). The interval is
+    component is near 0 (the df then carries the full variance of two mean squares that nearly cancel). The
+    interval is
     ``mean ± t·se`` with the Satterthwaite degrees of freedom of that combination of mean squares
     (Satterthwaite 1946): near S − 1 when seed variance dominates, so with 3–5 seeds the t quantile is wide
     enough: in tests/test_interval_coverage.py (seed variance dominating) it covers 0.937 and 0.944 of a nominal
