@@ -1,0 +1,183 @@
+"""SCAN's region boxes: the box selection and the matching-based IoU (arXiv 2505.14381, Sec. 3.1.2 and 3.2).
+
+A *region* is a box on a page with one of SCAN's classes (:data:`CLASSES`): ``semantic_box`` (content about one
+topic: paragraphs, a table, a chart and what describes it) or a *global* box (``title, header, footer, date,
+author``), which relates to everything on the page. Boxes are ``(x0, y0, x1, y1)`` in page pixels, left/top edge
+inclusive and right/bottom edge exclusive (a box covering pixel columns 0..9 is ``(0, ., 10, .)``), with
+``0 <= x0 < x1 <= width`` and ``0 <= y0 < y1 <= height``.
+
+Selection (:func:`select`, SCAN Sec. 3.2): candidates whose confidence is at least ``threshold`` (SCAN's "minimum
+confidence threshold", 0.4) are visited in descending confidence (ties in input order); a box joins the selection
+only when it strictly raises the score ``S = alpha * R_c + beta * R_o`` (Eq. 3; alpha 0.9, beta 0.1, tuned by SCAN
+on DocSemNet's validation split), where the coverage ratio ``R_c`` is the area of the union of the selected boxes
+over the page area (Eq. 1) and the non-overlap ratio ``R_o`` is one minus the area of the union of their pairwise
+intersections over the page area (Eq. 2). Then every selected box completely covered by another selected box is
+removed (of two equal boxes the less confident goes).
+
+Metric (:func:`matching_iou`, SCAN Sec. 3.1.2): predicted and gold boxes of a page are paired by the Hungarian
+algorithm (``scipy.optimize.linear_sum_assignment``, maximising the summed IoU); the page's score is the average
+IoU over the matched pairs and the unmatched boxes of either side, which count 0, i.e. the summed IoU of the
+pairs over ``max(#predicted, #gold)``. Matching ignores classes (SCAN's description pairs boxes, not labels).
+Over a corpus, :func:`corpus_matching_iou` pools every page's pairs and unmatched boxes into one average (the
+literal reading of "an average IoU over the matched pairs and unmatched boxes"); it also returns the mean of the
+per-page scores.
+
+Areas of unions are exact: the union is measured on the grid of the boxes' own distinct edge coordinates
+(coordinate compression), where every cell lies wholly inside or outside each box; no rasterising at a fixed
+resolution. See docs/data.md, "Region units (SCAN)".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+CLASSES = ("semantic_box", "title", "header", "footer", "date", "author")
+"""SCAN's box types, in this order (a detector's class index is its position here)."""
+GLOBAL_CLASSES = CLASSES[1:]
+"""The global boxes: they relate to every semantic box of their page (SCAN Sec. 3.1.1)."""
+THRESHOLD = 0.4
+ALPHA = 0.9
+BETA = 0.1
+"""SCAN's tuned selection settings (Sec. 3.2): minimum confidence, coverage weight, non-overlap weight."""
+
+Box = tuple[float, float, float, float]
+
+
+@dataclass(frozen=True)
+class Region:
+    """One box on a page: its class (one of :data:`CLASSES`) and confidence (1.0 for gold boxes)."""
+
+    box: Box
+    label: str
+    score: float = 1.0
+
+
+def check_box(box: Sequence[float], size: tuple[int, int], where: str) -> Box:
+    """``box`` as floats when it is a non-empty box inside a page of ``size`` (width, height), else a ValueError
+    naming ``where`` (the page, and the box's place in its list) and the box."""
+    values = tuple(float(v) for v in box)
+    if len(values) != 4 or not all(math.isfinite(v) for v in values):
+        raise ValueError(f"{where}: a box is four finite numbers (x0, y0, x1, y1), got {tuple(box)}")
+    x0, y0, x1, y1 = values
+    width, height = size
+    if not (x0 < x1 and y0 < y1):
+        raise ValueError(f"{where}: box {values} has zero area (needs x0 < x1 and y0 < y1)")
+    if x0 < 0 or y0 < 0 or x1 > width or y1 > height:
+        raise ValueError(f"{where}: box {values} lies outside the {width}x{height} page")
+    return values
+
+
+def union_area(boxes: Iterable[Box]) -> float:
+    """Exact area of the union of ``boxes`` (coordinate compression; see the module docstring)."""
+    rows = np.asarray(list(boxes), dtype=float).reshape(-1, 4)
+    if not len(rows):
+        return 0.0
+    xs, ys = np.unique(rows[:, [0, 2]]), np.unique(rows[:, [1, 3]])
+    covered = np.zeros((len(ys) - 1, len(xs) - 1), dtype=bool)
+    for x0, y0, x1, y1 in rows:
+        covered[np.searchsorted(ys, y0):np.searchsorted(ys, y1), np.searchsorted(xs, x0):np.searchsorted(xs, x1)] = True
+    return float((np.diff(ys)[:, None] * np.diff(xs)[None, :])[covered].sum())
+
+
+def intersection(a: Box, b: Box) -> Box | None:
+    """The overlap of two boxes, or None when it has no area."""
+    x0, y0, x1, y1 = max(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), min(a[3], b[3])
+    return (x0, y0, x1, y1) if x0 < x1 and y0 < y1 else None
+
+
+def coverage_ratio(boxes: Sequence[Box], size: tuple[int, int]) -> float:
+    """SCAN Eq. 1: ``R_c = A(union of boxes) / A(page)``."""
+    return union_area(boxes) / (size[0] * size[1])
+
+
+def non_overlap_ratio(boxes: Sequence[Box], size: tuple[int, int]) -> float:
+    """SCAN Eq. 2: ``R_o = 1 - A(union over i < j of B_i ∩ B_j) / A(page)``."""
+    overlaps = [o for i, a in enumerate(boxes) for b in boxes[i + 1:] if (o := intersection(a, b))]
+    return 1.0 - union_area(overlaps) / (size[0] * size[1])
+
+
+def selection_score(boxes: Sequence[Box], size: tuple[int, int], alpha: float = ALPHA, beta: float = BETA) -> float:
+    """SCAN Eq. 3: ``S = alpha * R_c + beta * R_o`` (``beta`` for no box: nothing covered, nothing overlaps)."""
+    return alpha * coverage_ratio(boxes, size) + beta * non_overlap_ratio(boxes, size)
+
+
+def contains(outer: Box, inner: Box) -> bool:
+    """Whether ``inner`` lies completely inside ``outer`` (edges may touch)."""
+    return outer[0] <= inner[0] and outer[1] <= inner[1] and inner[2] <= outer[2] and inner[3] <= outer[3]
+
+
+def select(
+    candidates: Sequence[Region],
+    size: tuple[int, int],
+    *,
+    threshold: float = THRESHOLD,
+    alpha: float = ALPHA,
+    beta: float = BETA,
+    page: str = "page",
+) -> list[Region]:
+    """SCAN's greedy box selection (Sec. 3.2, module docstring), in selection order (descending confidence).
+
+    An empty candidate list, or one with no box at or above ``threshold``, gives an empty selection. A candidate
+    that is no box inside the page (zero area, outside it) raises a ValueError naming ``page`` and its position.
+    """
+    for i, region in enumerate(candidates):
+        check_box(region.box, size, f"{page}, candidate {i}")
+    pool = sorted((r for r in candidates if r.score >= threshold), key=lambda r: -r.score)
+    chosen: list[Region] = []
+    best = selection_score([], size, alpha, beta)
+    for region in pool:
+        score = selection_score([r.box for r in chosen] + [region.box], size, alpha, beta)
+        if score > best:
+            chosen.append(region)
+            best = score
+    return [r for i, r in enumerate(chosen)
+            if not any(j != i and contains(o.box, r.box) and (o.box != r.box or j < i) for j, o in enumerate(chosen))]
+
+
+def box_iou(a: Box, b: Box) -> float:
+    """Intersection over union of two boxes."""
+    overlap = intersection(a, b)
+    if overlap is None:
+        return 0.0
+    inter = (overlap[2] - overlap[0]) * (overlap[3] - overlap[1])
+    return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)
+
+
+def matching_terms(predicted: Sequence[Box], gold: Sequence[Box]) -> tuple[float, int]:
+    """``(summed IoU of the Hungarian pairs, number of terms)``: the numerator and denominator of SCAN's
+    matching-based IoU, where the terms are the pairs plus the unmatched boxes of either side (``max`` of the
+    two counts)."""
+    if not predicted or not gold:
+        return 0.0, max(len(predicted), len(gold))
+    ious = np.array([[box_iou(p, g) for g in gold] for p in predicted])
+    rows, cols = linear_sum_assignment(ious, maximize=True)
+    return float(ious[rows, cols].sum()), max(len(predicted), len(gold))
+
+
+def matching_iou(predicted: Sequence[Box], gold: Sequence[Box], page: str = "page") -> float:
+    """SCAN's matching-based IoU of one page (module docstring); no predicted box scores 0. A page with neither
+    predicted nor gold boxes has no score: ValueError naming ``page``."""
+    total, terms = matching_terms(predicted, gold)
+    if not terms:
+        raise ValueError(f"{page}: no predicted and no gold boxes, the matching-based IoU is undefined")
+    return total / terms
+
+
+def corpus_matching_iou(pages: Iterable[tuple[str, Sequence[Box], Sequence[Box]]]) -> dict[str, float]:
+    """Matching-based IoU over ``(page, predicted, gold)`` triples: ``pooled`` (every page's terms in one
+    average, module docstring), ``page_mean`` (mean of the per-page scores) and ``pages``."""
+    total, terms, scores = 0.0, 0, []
+    for page, predicted, gold in pages:
+        page_total, page_terms = matching_terms(predicted, gold)
+        if not page_terms:
+            raise ValueError(f"{page}: no predicted and no gold boxes, the matching-based IoU is undefined")
+        total, terms = total + page_total, terms + page_terms
+        scores.append(page_total / page_terms)
+    if not scores:
+        raise ValueError("no pages to score")
+    return {"pooled": total / terms, "page_mean": float(np.mean(scores)), "pages": len(scores)}
