@@ -30,6 +30,7 @@ import logging
 import random
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -204,10 +205,24 @@ def generate(out_dir: str | Path, config: SyntheticConfig = SyntheticConfig()) -
 
 def render_page(spec: PageSpec, config: SyntheticConfig = SyntheticConfig()) -> tuple[Image.Image, list[TextItem]]:
     """Draw one page; returns the image and every string drawn on it (for tests and oracles)."""
+    canvas = _draw_page(spec, config)
+    return canvas.image, canvas.items
+
+
+def page_regions(spec: PageSpec, config: SyntheticConfig = SyntheticConfig()) -> list[tuple[str, tuple[int, ...]]]:
+    """The page's SCAN boxes as drawn, ``(class, (x0, y0, x1, y1))`` in drawing order (docs/data.md, "Region units
+    (SCAN)"): ``title`` (the title, with the slide's title band), one ``semantic_box`` (everything drawn about the
+    page's one topic: its chart, table or figure and the headline value and label describing it) and ``footer`` (the
+    two fine-print lines). Page backgrounds and the slide's separator rule belong to no box. Boxes are the bounding
+    boxes of the pixels drawn (right/bottom edges exclusive), clipped to the page."""
+    return _draw_page(spec, config).regions
+
+
+def _draw_page(spec: PageSpec, config: SyntheticConfig) -> _Canvas:
     canvas = _Canvas(config.width, config.height, config.fine_print_size)
     _RENDERERS[spec.renderer](canvas, spec)
     canvas.fine_print(spec)
-    return canvas.image, canvas.items
+    return canvas
 
 
 def page_text(items: list[TextItem]) -> str:
@@ -375,14 +390,33 @@ _QUESTION_PATTERNS = [(_question_pattern(question), (evidence, re.search(r"\{(\w
 
 
 class _Canvas:
-    """An RGB page that records every string it draws; coordinates are in REFERENCE_SIZE units."""
+    """An RGB page that records every string it draws, and the box of every ``region`` drawn; coordinates are in
+    REFERENCE_SIZE units."""
 
     def __init__(self, width: int, height: int, fine_print_size: int):
         self.image = Image.new("RGB", (width, height), PAPER)
-        self.draw = ImageDraw.Draw(self.image)
+        self.draw = _MarkingDraw(ImageDraw.Draw(self.image), self)
         self.sx, self.sy = width / REFERENCE_SIZE[0], height / REFERENCE_SIZE[1]
         self.fine_print_size = fine_print_size
         self.items: list[TextItem] = []
+        self.regions: list[tuple[str, tuple[int, ...]]] = []
+        self._marks: list[tuple[int, ...]] | None = None
+
+    @contextmanager
+    def region(self, label: str) -> Iterator[None]:
+        """Record the bounding box of everything drawn inside the block as one ``label`` box."""
+        self._marks = []
+        yield
+        marks, self._marks = self._marks, None
+        width, height = self.image.size
+        box = (max(0, min(m[0] for m in marks)), max(0, min(m[1] for m in marks)),
+               min(width, max(m[2] for m in marks)), min(height, max(m[3] for m in marks)))
+        self.regions.append((label, box))
+
+    def mark(self, box: tuple[int, ...]) -> None:
+        """Note a drawn box (right/bottom exclusive) for the open region, if any."""
+        if self._marks is not None:
+            self._marks.append(tuple(box))
 
     def xy(self, x: float, y: float) -> tuple[int, int]:
         return round(x * self.sx), round(y * self.sy)
@@ -396,12 +430,38 @@ class _Canvas:
         box = self.draw.textbbox(self.xy(x, y), text, font=font, anchor=anchor)
         self.draw.text(self.xy(x, y), text, font=font, fill=fill, anchor=anchor)
         self.items.append(TextItem(text, kind, int(font.size), bottom - top, box))
+        self.mark(box)
 
     def fine_print(self, spec: PageSpec) -> None:
-        """Source and reference lines in small type at the foot of every page."""
+        """Source and reference lines in small type at the foot of every page (its ``footer`` region)."""
         lines = (f"SOURCE: {spec.source} / {spec.year}", f"REF {spec.code}  P.{spec.page_no}")
-        for y, line in zip((128, 148), lines, strict=True):
-            self.text(8, y, line, self.fine_print_size, "fine_print", fill=FINE_INK)
+        with self.region("footer"):
+            for y, line in zip((128, 148), lines, strict=True):
+                self.text(8, y, line, self.fine_print_size, "fine_print", fill=FINE_INK)
+
+
+class _MarkingDraw:
+    """Pillow's ImageDraw, marking the pixel box of every rectangle, ellipse and line on its canvas."""
+
+    def __init__(self, draw: ImageDraw.ImageDraw, canvas: _Canvas):
+        self._draw, self._canvas = draw, canvas
+
+    def __getattr__(self, name: str):
+        return getattr(self._draw, name)
+
+    def _shape(self, name: str, xy, **kwargs) -> None:
+        xs, ys = ([p[0] for p in xy], [p[1] for p in xy]) if isinstance(xy[0], tuple) else (xy[0::2], xy[1::2])
+        self._canvas.mark((min(xs), min(ys), max(xs) + 1, max(ys) + 1))  # Pillow fills both corner pixels
+        getattr(self._draw, name)(xy, **kwargs)
+
+    def rectangle(self, xy, **kwargs) -> None:
+        self._shape("rectangle", xy, **kwargs)
+
+    def ellipse(self, xy, **kwargs) -> None:
+        self._shape("ellipse", xy, **kwargs)
+
+    def line(self, xy, **kwargs) -> None:
+        self._shape("line", xy, **kwargs)
 
 
 @cache
@@ -415,48 +475,56 @@ def _tint(colour: tuple[int, int, int], amount: float) -> tuple[int, int, int]:
 
 
 def _chart(c: _Canvas, s: PageSpec) -> None:
-    c.text(8, 4, s.title, 22, "salient")
-    c.draw.line([c.xy(10, 120), c.xy(140, 120)], fill=INK, width=1)
-    for i, height in enumerate(s.bars):
-        fill = LABELS[s.label] if i == s.accent else (190, 190, 190)
-        c.draw.rectangle(c.box(16 + 31 * i, 120 - height * 0.85, 38 + 31 * i, 119), fill=fill)
-    c.text(148, 40, f"{s.value}%", 30, "salient")
-    c.text(148, 80, s.label, 16, "salient", fill=LABELS[s.label])
+    with c.region("title"):
+        c.text(8, 4, s.title, 22, "salient")
+    with c.region("semantic_box"):
+        c.draw.line([c.xy(10, 120), c.xy(140, 120)], fill=INK, width=1)
+        for i, height in enumerate(s.bars):
+            fill = LABELS[s.label] if i == s.accent else (190, 190, 190)
+            c.draw.rectangle(c.box(16 + 31 * i, 120 - height * 0.85, 38 + 31 * i, 119), fill=fill)
+        c.text(148, 40, f"{s.value}%", 30, "salient")
+        c.text(148, 80, s.label, 16, "salient", fill=LABELS[s.label])
 
 
 def _slide(c: _Canvas, s: PageSpec) -> None:
-    c.draw.rectangle(c.box(0, 0, 224, 34), fill=(30, 50, 90))
-    c.text(8, 6, s.title, 22, "salient", fill=PAPER)
-    c.text(10, 44, f"{s.value}%", 40, "salient")
-    c.draw.rectangle(c.box(124, 52, 140, 68), fill=LABELS[s.label])
-    c.text(146, 52, s.label, 16, "salient", fill=LABELS[s.label])
-    for i, width in enumerate(s.bars[:2]):
-        c.draw.rectangle(c.box(124, 84 + 12 * i, 124 + width, 90 + 12 * i), fill=(200, 200, 200))
+    with c.region("title"):
+        c.draw.rectangle(c.box(0, 0, 224, 34), fill=(30, 50, 90))
+        c.text(8, 6, s.title, 22, "salient", fill=PAPER)
+    with c.region("semantic_box"):
+        c.text(10, 44, f"{s.value}%", 40, "salient")
+        c.draw.rectangle(c.box(124, 52, 140, 68), fill=LABELS[s.label])
+        c.text(146, 52, s.label, 16, "salient", fill=LABELS[s.label])
+        for i, width in enumerate(s.bars[:2]):
+            c.draw.rectangle(c.box(124, 84 + 12 * i, 124 + width, 90 + 12 * i), fill=(200, 200, 200))
     c.draw.line([c.xy(0, 124), c.xy(224, 124)], fill=(120, 120, 120), width=1)
 
 
 def _table(c: _Canvas, s: PageSpec) -> None:
-    c.text(8, 4, s.title, 22, "salient")
+    with c.region("title"):
+        c.text(8, 4, s.title, 22, "salient")
     rows = [("Q1", f"{s.bars[0]}%", "filler"), ("Q2", f"{s.bars[1]}%", "filler")]
     rows.insert(s.accent % 3, (s.label, f"{s.value}%", "salient"))
-    for i, (name, value, kind) in enumerate(rows):
-        top = 34 + 28 * i
-        if kind == "salient":
-            c.draw.rectangle(c.box(8, top, 216, top + 28), fill=_tint(LABELS[s.label], 0.6))
-        c.draw.rectangle(c.box(8, top, 216, top + 28), outline=INK, width=1)
-        c.text(14, top + 6, name, 16, kind)
-        c.text(130, top + 6, value, 16, kind)
-    c.draw.line([c.xy(120, 34), c.xy(120, 118)], fill=INK, width=1)
+    with c.region("semantic_box"):
+        for i, (name, value, kind) in enumerate(rows):
+            top = 34 + 28 * i
+            if kind == "salient":
+                c.draw.rectangle(c.box(8, top, 216, top + 28), fill=_tint(LABELS[s.label], 0.6))
+            c.draw.rectangle(c.box(8, top, 216, top + 28), outline=INK, width=1)
+            c.text(14, top + 6, name, 16, kind)
+            c.text(130, top + 6, value, 16, kind)
+        c.draw.line([c.xy(120, 34), c.xy(120, 118)], fill=INK, width=1)
 
 
 def _infographic(c: _Canvas, s: PageSpec) -> None:
     c.draw.rectangle(c.box(0, 0, 224, 168), fill=_tint(LABELS[s.label], 0.85))
-    c.text(8, 4, s.title, 22, "salient")
-    c.draw.ellipse(c.box(20, 38, 96, 114), fill=LABELS[s.label])
-    c.text(58, 76, f"{s.value}%", 24, "salient", fill=PAPER, anchor="mm")
-    c.text(108, 44, s.label, 16, "salient", fill=LABELS[s.label])
-    for i in range(s.bars[2] // 20):
-        c.draw.rectangle(c.box(108 + 18 * i, 80, 120 + 18 * i, 92), fill=LABELS[s.label])
+    with c.region("title"):
+        c.text(8, 4, s.title, 22, "salient")
+    with c.region("semantic_box"):
+        c.draw.ellipse(c.box(20, 38, 96, 114), fill=LABELS[s.label])
+        c.text(58, 76, f"{s.value}%", 24, "salient", fill=PAPER, anchor="mm")
+        c.text(108, 44, s.label, 16, "salient", fill=LABELS[s.label])
+        for i in range(s.bars[2] // 20):
+            c.draw.rectangle(c.box(108 + 18 * i, 80, 120 + 18 * i, 92), fill=LABELS[s.label])
 
 
 _RENDERERS = {"synchart": _chart, "synslide": _slide, "syntable": _table, "syninfo": _infographic}
