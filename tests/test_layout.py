@@ -1,0 +1,142 @@
+"""Layout regions (hkrag.data.layout): the built-in corpus's gold boxes by hand, the RT-DETR detector's folder
+format and refusals, and the resumable ``detect`` command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from hkrag.data.layout import (
+    LayoutError,
+    SelectionSettings,
+    evaluate_detector,
+    gold_pages,
+    load_detector,
+    main,
+    new_detector,
+    train_detector,
+    write_regions,
+)
+from hkrag.data.regions import CLASSES, select
+from hkrag.data.synthetic import PageSpec, SyntheticConfig, generate, page_regions, render_page
+
+TINY = SyntheticConfig(seed=1, n_train=4, n_test=4, train_groups_per_style=1, test_groups_per_style=1, group_size=1)
+CHART = PageSpec(doc_id="synchart-test-d000-p1", style="synchart", title="SALES", label="RED", value=42,
+                 source="ALPHA", code="K7", year="2020", bars=(40, 60, 80, 20), accent=1, page_no=3)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return generate(tmp_path_factory.mktemp("synthetic"), TINY).root
+
+
+def union(*boxes):
+    return (min(b[0] for b in boxes), min(b[1] for b in boxes), max(b[2] for b in boxes), max(b[3] for b in boxes))
+
+
+def test_chart_page_boxes_by_hand():
+    _, items = render_page(CHART)
+    title, value, label, source, ref = items
+    assert (title.text, value.text, label.text) == ("SALES", "42%", "RED")
+    # axis: a 1 px line from (10, 120) to (140, 120); bars i = 0..3 span x 16+31i .. 38+31i, from
+    # round(120 - 0.85 h) to 119 (both corner pixels filled, so right/bottom edges + 1): the 80 bar (i = 2) is the
+    # highest, top 120 - 68 = 52, and the last bar ends at x 38 + 93 = 131 -> 132
+    axis, bars = (10, 120, 141, 121), (16, 52, 132, 120)
+    assert page_regions(CHART) == [("title", title.box), ("semantic_box", union(axis, bars, value.box, label.box)),
+                                   ("footer", union(source.box, ref.box))]
+    # the slide's title band (0, 0)-(224, 34), corner pixels included, clipped to the 224 px wide page
+    slide = PageSpec(**{**CHART.__dict__, "style": "synslide"})
+    assert page_regions(slide)[0] == ("title", (0, 0, 224, 35))
+
+
+def test_gold_boxes_of_every_page_are_scan_boxes(corpus):
+    pages = gold_pages(corpus)
+    assert {p.split for p in pages} == {"train", "test"} and len(gold_pages(corpus, "test")) == 4
+    for page in pages:
+        assert [r.label for r in page.regions] == ["title", "semantic_box", "footer"]
+        assert set(r.label for r in page.regions) <= set(CLASSES)
+        # gold boxes do not overlap, so SCAN's selection keeps every one of them
+        assert select(page.regions, page.size, page=page.doc_id) == list(page.regions)
+    assert evaluate_detector(corpus, None)["selected"] == {"pooled": 1.0, "page_mean": 1.0, "pages": 4}
+
+
+def test_gold_pages_refuse_foreign_folders(corpus, tmp_path):
+    with pytest.raises(LayoutError, match=r"synthetic_config.json is missing"):
+        gold_pages(tmp_path)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "synthetic_config.json").write_text((corpus / "synthetic_config.json").read_text())
+    lines = (corpus / "pages.jsonl").read_text().splitlines()
+    row = json.loads(lines[1])
+    row["items"][0]["text"] = "OTHER"
+    (copy / "pages.jsonl").write_text("\n".join([lines[0], json.dumps(row), *lines[2:]]) + "\n")
+    with pytest.raises(LayoutError, match=rf"pages.jsonl, line 2 \({row['doc_id']}\): drawing the page again"):
+        gold_pages(copy)
+
+
+@pytest.fixture(scope="module")
+def detector(corpus, tmp_path_factory):
+    """Two training steps: a detector folder in the library's format (its boxes are not expected to be good)."""
+    out = tmp_path_factory.mktemp("layout")
+    report = train_detector(corpus, out, max_steps=2, batch_size=2)
+    assert report["steps"] == 2 and report["train_pages"] == 4
+    return out / "model"
+
+
+def test_detector_folder_loads_and_refusals_name_the_file(detector, tmp_path):
+    model, processor = load_detector(detector)
+    assert [model.config.id2label[i] for i in range(len(CLASSES))] == list(CLASSES)
+    with pytest.raises(LayoutError, match=f"{tmp_path} is not a detector folder"):
+        load_detector(tmp_path)
+    for name in ("config.json", "preprocessor_config.json"):
+        (tmp_path / name).write_text((detector / name).read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"not weights")
+    with pytest.raises(LayoutError, match=f"{tmp_path} is not a transformers object detector"):
+        load_detector(tmp_path)
+    model, processor = new_detector((224, 168))
+    model.config.id2label = {**model.config.id2label, 1: "table"}
+    model.save_pretrained(tmp_path / "other")
+    processor.save_pretrained(tmp_path / "other")
+    with pytest.raises(LayoutError, match=r"other: labels \['table'\] are not SCAN's classes"):
+        load_detector(tmp_path / "other")
+    # weights of another shape are refused by the library itself; missing tensors, which it would start from
+    # random values with a warning only, are refused here
+    config = json.loads((detector / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "id2label": {"0": "title"}, "label2id": {"title": 0}}))
+    (tmp_path / "model.safetensors").write_bytes((detector / "model.safetensors").read_bytes())
+    with pytest.raises(LayoutError, match=f"{tmp_path} is not a transformers object detector: RuntimeError"):
+        load_detector(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    weights = load_file(detector / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if "enc_score_head" not in k}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(LayoutError, match=rf"{tmp_path}: its weights do not fit its config.json \(2 tensors"):
+        load_detector(tmp_path)
+
+
+def test_detect_writes_regions_resumes_and_keeps_failures(corpus, detector, tmp_path, capsys):
+    out = tmp_path / "regions"
+    source = corpus / "corpus"
+    args = [str(source), "--model", str(detector), "--out", str(out), "--config", "all", "--threshold", "0"]
+    assert main(["detect", *args]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert (first["pages"], first["detected"], first["cached"], first["failed"]) == (4, 4, 0, 0)
+    rows = [json.loads(line) for line in (out / "all" / "test.jsonl").read_text().splitlines()]
+    assert [r["doc_id"] for r in rows] == [p.doc_id for p in gold_pages(corpus, "test")]
+    assert all(r["size"] == [224, 168] and r["selected"] and len(r["candidates"]) >= len(r["selected"]) for r in rows)
+    # a rerun reads the cache; a confidence no candidate reaches leaves every page failed, named and kept
+    report = write_regions(source, out, detector, SelectionSettings(threshold=1.01), configs=["all"])
+    assert (report["detected"], report["cached"]) == (0, 4)
+    failures = json.loads((out / "layout_failures.json").read_text())
+    assert [f["doc_id"] for f in failures] == [r["doc_id"] for r in rows]
+    assert failures[0]["error"] == "no box at or above confidence 1.01"
+    assert len((out / "all" / "test.jsonl").read_text().splitlines()) == 4
+
+
+def test_cli_errors_name_the_input(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["evaluate", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert f"{tmp_path}/synthetic_config.json is missing" in capsys.readouterr().err
