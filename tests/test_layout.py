@@ -19,7 +19,10 @@ from hkrag.data.layout import (
     train_detector,
     write_regions,
 )
-from hkrag.data.regions import CLASSES, select
+from hkrag.data.opendocvqa import DataError, load_corpus
+from hkrag.data.region_corpus import build_region_corpus, page_units
+from hkrag.data.region_corpus import main as region_corpus_main
+from hkrag.data.regions import CLASSES, Region, select
 from hkrag.data.synthetic import PageSpec, SyntheticConfig, generate, page_regions, render_page
 
 TINY = SyntheticConfig(seed=1, n_train=4, n_test=4, train_groups_per_style=1, test_groups_per_style=1, group_size=1)
@@ -140,3 +143,50 @@ def test_cli_errors_name_the_input(tmp_path, capsys):
         main(["evaluate", str(tmp_path)])
     assert exit_info.value.code == 2
     assert f"{tmp_path}/synthetic_config.json is missing" in capsys.readouterr().err
+
+
+def test_region_corpus_round_trips_through_the_loader(corpus, tmp_path):
+    pages = {p.doc_id: p for p in gold_pages(corpus, "test")}
+    counts = build_region_corpus(corpus / "corpus", tmp_path / "all", "all-box", gold=corpus, configs=["all"])
+    assert counts == {"all/test": 12}
+    units = load_corpus(tmp_path / "all", "all", "test")
+    rows = units.dataset.select_columns(["doc_id", "page_id", "label", "box"]).to_list()
+    first = next(iter(pages.values()))
+    assert [(r["doc_id"], r["page_id"], r["label"]) for r in rows[:3]] == [
+        (f"{first.doc_id}#0", first.doc_id, "title"), (f"{first.doc_id}#1", first.doc_id, "semantic_box"),
+        (f"{first.doc_id}#2", first.doc_id, "footer")]
+    for row, unit in zip(rows, units):
+        box = tuple(int(v) for v in row["box"])
+        assert box in [r.box for r in pages[row["page_id"]].regions]
+        assert unit.image.size == (box[2] - box[0], box[3] - box[1])
+        assert unit.image.tobytes() == pages[row["page_id"]].image.crop(box).tobytes()
+    semantic = build_region_corpus(corpus / "corpus", tmp_path / "sem", "semantic_box-only", gold=corpus,
+                                   configs=["all"])
+    assert semantic == {"all/test": 4}
+    build_region_corpus(corpus / "corpus", tmp_path / "cat", "concatenation", gold=corpus, configs=["all"])
+    for unit in load_corpus(tmp_path / "cat", "all", "test"):
+        title, body, footer = (r.box for r in pages[unit.doc_id.split("#")[0]].regions)
+        heights = sum(b[3] - b[1] for b in (body, title, footer))
+        assert unit.image.size == (max(b[2] - b[0] for b in (body, title, footer)), heights)
+
+
+def test_region_corpus_refuses_pages_without_units(corpus, tmp_path):
+    image = gold_pages(corpus, "test")[0].image
+    title = Region((8, 11, 105, 26), "title")
+    assert len(page_units("p", image, [title], "all-box")) == 1
+    with pytest.raises(DataError, match="page 'p' has no semantic_box: it would have no concatenation unit"):
+        page_units("p", image, [title], "concatenation")
+    with pytest.raises(DataError, match="page 'p' has no selected box"):
+        page_units("p", image, [], "all-box")
+    # detected boxes: a page the detect output lacks is named
+    (tmp_path / "regions" / "all").mkdir(parents=True)
+    (tmp_path / "regions" / "all" / "test.jsonl").write_text(json.dumps(
+        {"doc_id": "x", "size": [224, 168], "candidates": [], "selected": [[8, 11, 105, 26, "title", 0.9]]}) + "\n")
+    first = gold_pages(corpus, "test")[0].doc_id
+    with pytest.raises(DataError, match=f"page '{first}' of .* has no boxes in {tmp_path / 'regions'}"):
+        build_region_corpus(corpus / "corpus", tmp_path / "out", "all-box", regions=tmp_path / "regions",
+                            configs=["all"])
+    with pytest.raises(SystemExit) as exit_info:
+        region_corpus_main([str(corpus / "corpus"), "--out", str(tmp_path / "o"), "--mode", "all-box",
+                            "--gold", str(tmp_path)])
+    assert exit_info.value.code == 2

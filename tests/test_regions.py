@@ -9,6 +9,7 @@ from hkrag.data.regions import (
     corpus_matching_iou,
     matching_iou,
     non_overlap_ratio,
+    page_ranking,
     select,
     selection_score,
     union_area,
@@ -98,3 +99,12 @@ def test_corpus_matching_iou_pools_terms():
     assert corpus_matching_iou(pages) == pytest.approx({"pooled": 1.5 / 4, "page_mean": (0.5 + 1 / 3) / 2, "pages": 2})
     with pytest.raises(ValueError, match="no pages"):
         corpus_matching_iou([])
+
+
+def test_page_ranking_takes_each_pages_best_region():
+    page_of = {"a#0": "a", "a#1": "a", "b#0": "b", "c#0": "c", "c#1": "c"}
+    ranked = [("c#1", 0.9), ("a#0", 0.7), ("b#0", 0.7), ("a#1", 0.2), ("c#0", 0.95)]
+    # c: max(0.9, 0.95); a: max(0.7, 0.2); b: 0.7, after a (a's best unit came first)
+    assert page_ranking(ranked, page_of) == [("c", 0.95), ("a", 0.7), ("b", 0.7)]
+    with pytest.raises(KeyError, match="region unit 'z#0' has no page"):
+        page_ranking([("z#0", 1.0)], page_of)

@@ -19,8 +19,9 @@ any ``transformers`` object-detection model whose labels are SCAN's classes). It
 ``detect`` writes, for every config/split of a corpus, ``<out>/<config>/<split>.jsonl`` (one row per page:
 ``doc_id``, page ``size``, the detector's ``candidates`` and the ``selected`` boxes, each ``[x0, y0, x1, y1, class,
 score]``), ``<out>/layout_report.json`` and ``<out>/layout_failures.json``. Detections are cached one file per
-page under ``<out>/.cache/layout``, keyed by the stored image bytes, the detector's files and the settings, so a
-rerun detects nothing again and an interrupted run resumes. A page that cannot be read, or has no box left after
+page under ``<out>/.cache/layout``, keyed by the stored image bytes and the detector folder's files; they are
+stored before selection, so a rerun (with any selection settings) detects nothing again and an interrupted run
+resumes. A page that cannot be read, or has no box left after
 selection, is kept (empty boxes, its ``error``), listed in the failures file and retried by the next run.
 See docs/data.md, "Region units (SCAN)".
 """

@@ -181,3 +181,18 @@ def corpus_matching_iou(pages: Iterable[tuple[str, Sequence[Box], Sequence[Box]]
     if not scores:
         raise ValueError("no pages to score")
     return {"pooled": total / terms, "page_mean": float(np.mean(scores)), "pages": len(scores)}
+
+
+def page_ranking(ranked_units: Iterable[tuple[str, float]], page_of: dict[str, str]) -> list[tuple[str, float]]:
+    """Pages ranked from scored region units: a page scores the maximum over its units (SCAN's region units
+    answer for the page they were cut from); ties keep the order in which pages first appear in ``ranked_units``.
+    A unit missing from ``page_of`` raises a KeyError naming it."""
+    best: dict[str, float] = {}
+    for unit, score in ranked_units:
+        if unit not in page_of:
+            raise KeyError(f"region unit {unit!r} has no page")
+        page = page_of[unit]
+        if page not in best or score > best[page]:
+            best[page] = score
+    order = {page: i for i, page in enumerate(best)}
+    return sorted(best.items(), key=lambda item: (-item[1], order[item[0]]))
