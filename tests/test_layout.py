@@ -170,7 +170,7 @@ def test_region_corpus_round_trips_through_the_loader(corpus, tmp_path):
         assert unit.image.size == (max(b[2] - b[0] for b in (body, title, footer)), heights)
 
 
-def test_region_corpus_refuses_pages_without_units(corpus, tmp_path):
+def test_region_corpus_refuses_pages_without_units(corpus, tmp_path, capsys):
     image = gold_pages(corpus, "test")[0].image
     title = Region((8, 11, 105, 26), "title")
     assert len(page_units("p", image, [title], "all-box")) == 1
@@ -190,3 +190,4 @@ def test_region_corpus_refuses_pages_without_units(corpus, tmp_path):
         region_corpus_main([str(corpus / "corpus"), "--out", str(tmp_path / "o"), "--mode", "all-box",
                             "--gold", str(tmp_path)])
     assert exit_info.value.code == 2
+    assert f"error: {tmp_path}/synthetic_config.json is missing" in capsys.readouterr().err
