@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 
 import pytest
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from hkrag.data.layout import (
+    CLASS_COLOURS,
     LayoutError,
     SelectionSettings,
+    draw_regions,
     evaluate_detector,
+    figure,
     gold_pages,
     load_detector,
     main,
@@ -191,3 +195,13 @@ def test_region_corpus_refuses_pages_without_units(corpus, tmp_path, capsys):
                             "--gold", str(tmp_path)])
     assert exit_info.value.code == 2
     assert f"error: {tmp_path}/synthetic_config.json is missing" in capsys.readouterr().err
+
+
+def test_figure_puts_gold_beside_selected_boxes(corpus, detector, tmp_path):
+    path = figure(corpus, detector, tmp_path / "pages.png", settings=SelectionSettings(threshold=0))
+    with Image.open(path) as sheet:
+        assert sheet.size == (2 * 448 + 12, 4 * (336 + 12))  # one row per style, each page drawn twice as large
+        first = gold_pages(corpus, "test")[0]
+        assert sheet.crop((0, 0, 448, 336)).tobytes() == draw_regions(first.image, first.regions).tobytes()
+    box = draw_regions(first.image, [Region((0, 0, 10, 10), "title")])
+    assert box.getpixel((0, 0)) == box.getpixel((19, 19)) == CLASS_COLOURS["title"]  # outline at 2x, inside edges

@@ -48,8 +48,8 @@ from hkrag.data.images import open_image
 from hkrag.data.ocr import _image_bytes, corpus_splits
 from hkrag.data.opendocvqa import DataError, load_corpus
 from hkrag.data.regions import ALPHA, BETA, CLASSES, THRESHOLD, Region, corpus_matching_iou, select
-from hkrag.data.synthetic import CONFIG_FILE, PageSpec, SyntheticConfig, page_regions, render_page
-from hkrag.io import atomic_directory, write_json, write_text
+from hkrag.data.synthetic import CONFIG_FILE, PageSpec, SyntheticConfig, _font, _png, page_regions, render_page
+from hkrag.io import atomic_directory, write_bytes, write_json, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +262,47 @@ def evaluate_detector(
                                for name, boxes in (("gold", gold), ("selected", selected), ("above_threshold", above))}}
 
 
+CLASS_COLOURS = {"semantic_box": (214, 39, 40), "title": (31, 119, 180), "header": (148, 103, 189),
+                 "footer": (44, 160, 44), "date": (255, 127, 14), "author": (140, 86, 75)}
+
+
+def draw_regions(image: Image.Image, regions: Sequence[Region], scale: int = 2) -> Image.Image:
+    """The page enlarged ``scale`` times with each box outlined in its class's colour and labelled with its class
+    (and confidence, when below 1)."""
+    from PIL import ImageDraw
+
+    page = image.convert("RGB").resize((image.width * scale, image.height * scale), Image.Resampling.NEAREST)
+    draw = ImageDraw.Draw(page)
+    for region in regions:
+        colour = CLASS_COLOURS[region.label]
+        x0, y0, x1, y1 = (v * scale for v in region.box)
+        draw.rectangle((x0, y0, x1 - 1, y1 - 1), outline=colour, width=2)
+        name = region.label if region.score >= 1 else f"{region.label} {region.score:.2f}"
+        draw.text((x0 + 3, y1 - 3), name, fill=colour, font=_font(11), anchor="ld")
+    return page
+
+
+def figure(
+    root: str | Path, model_path: str | Path, out: str | Path, split: str = "test",
+    settings: SelectionSettings = SelectionSettings(),
+) -> Path:
+    """A PNG of the first page of every style of a built-in split: gold boxes (left) beside the detector's
+    selected boxes (right)."""
+    pages = gold_pages(root, split)
+    firsts = list({p.doc_id.split("-")[0]: p for p in reversed(pages)}.values())[::-1]
+    model, processor = load_detector(model_path)
+    found = detect(model, processor, [p.image for p in firsts])
+    panels = [(draw_regions(p.image, p.regions),
+               draw_regions(p.image, select(c, p.size, **dataclasses.asdict(settings), page=p.doc_id)))
+              for p, c in zip(firsts, found)]
+    width, height = panels[0][0].size
+    sheet = Image.new("RGB", (2 * width + 12, len(panels) * (height + 12)), (255, 255, 255))
+    for row, (gold, chosen) in enumerate(panels):
+        sheet.paste(gold, (0, row * (height + 12)))
+        sheet.paste(chosen, (width + 12, row * (height + 12)))
+    return write_bytes(out, _png(sheet))
+
+
 def _fingerprint(model_path: Path) -> str:
     """A hash of the detector folder's files (names and bytes): a changed detector never reads a stale cache."""
     digest = hashlib.sha256()
@@ -353,13 +394,18 @@ def main(argv: Iterable[str] | None = None) -> int:
     evaluate.add_argument("--model", type=Path, help="detector folder (default: the gold boxes themselves)")
     evaluate.add_argument("--split", default="test")
     evaluate.add_argument("--out", type=Path, help="write the report here as JSON")
+    sheet = commands.add_parser("figure", help="PNG of a page per style: gold and selected boxes side by side")
+    sheet.add_argument("corpus", type=Path, help="built-in corpus folder")
+    sheet.add_argument("--model", required=True, type=Path, help="detector folder")
+    sheet.add_argument("--split", default="test")
+    sheet.add_argument("--out", required=True, type=Path, help="PNG file to write")
     run = commands.add_parser("detect", help="write regions for every page of a corpus")
     run.add_argument("source", help="corpus folder in the hub layout, or a hub id")
     run.add_argument("--model", required=True, type=Path, help="detector folder (transformers save_pretrained)")
     run.add_argument("--out", required=True, type=Path, help="folder for <config>/<split>.jsonl and reports")
     run.add_argument("--config", action="append", dest="configs", help="config to read (repeat; default: all)")
     run.add_argument("--split", action="append", dest="splits", help="split to read (repeat; default: all)")
-    for command in (evaluate, run):
+    for command in (evaluate, sheet, run):
         command.add_argument("--threshold", type=float, default=THRESHOLD, help=f"minimum confidence ({THRESHOLD})")
         command.add_argument("--alpha", type=float, default=ALPHA, help=f"coverage weight ({ALPHA})")
         command.add_argument("--beta", type=float, default=BETA, help=f"non-overlap weight ({BETA})")
@@ -373,6 +419,8 @@ def main(argv: Iterable[str] | None = None) -> int:
             result = evaluate_detector(args.corpus, args.model, args.split, _settings(args))
             if args.out:
                 write_json(args.out, result)
+        elif args.command == "figure":
+            result = {"figure": str(figure(args.corpus, args.model, args.out, args.split, _settings(args)))}
         else:
             result = write_regions(args.source, args.out, args.model, _settings(args), args.configs, args.splits)
             result = {key: value for key, value in result.items() if key != "failed"} | {
