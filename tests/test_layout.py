@@ -66,7 +66,9 @@ def test_gold_boxes_of_every_page_are_scan_boxes(corpus):
         assert set(r.label for r in page.regions) <= set(CLASSES)
         # gold boxes do not overlap, so SCAN's selection keeps every one of them
         assert select(page.regions, page.size, page=page.doc_id) == list(page.regions)
-    assert evaluate_detector(corpus, None)["selected"] == {"pooled": 1.0, "page_mean": 1.0, "pages": 4}
+    ceiling = evaluate_detector(corpus, None)
+    assert ceiling["selected"] == {"pooled": 1.0, "page_mean": 1.0, "pages": 4}
+    assert ceiling["selected_by_style"] == {"synchart": 1.0, "syninfo": 1.0, "synslide": 1.0, "syntable": 1.0}
 
 
 def test_gold_pages_refuse_foreign_folders(corpus, tmp_path):

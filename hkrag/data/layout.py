@@ -240,8 +240,8 @@ def evaluate_detector(
     root: str | Path, model_path: str | Path | None, split: str = "test",
     settings: SelectionSettings = SelectionSettings(), batch_size: int = 16,
 ) -> dict[str, Any]:
-    """SCAN's matching-based IoU on a built-in split, after selection and for every candidate at or above the
-    threshold; ``model_path`` None scores the gold boxes against themselves (the ceiling, 1.0)."""
+    """SCAN's matching-based IoU on a built-in split, after selection (also per style, the doc id's prefix) and for
+    every candidate at or above the threshold; ``model_path`` None scores the gold boxes against themselves (1.0)."""
     pages = gold_pages(root, split)
     if model_path is None:
         candidates = [list(p.regions) for p in pages]
@@ -256,8 +256,12 @@ def evaluate_detector(
         return corpus_matching_iou((p.doc_id, [r.box for r in boxes], g) for p, boxes, g in zip(pages, predicted, gold))
 
     above = [[r for r in c if r.score >= settings.threshold] for c in candidates]
+    styles = sorted({p.doc_id.split("-")[0] for p in pages})
+    by_style = {style: corpus_matching_iou((p.doc_id, [r.box for r in boxes], g)
+                                           for p, boxes, g in zip(pages, selected, gold)
+                                           if p.doc_id.startswith(style + "-"))["pooled"] for style in styles}
     return {"split": split, "model": str(model_path) if model_path else "gold", **dataclasses.asdict(settings),
-            "selected": score(selected), "above_threshold": score(above),
+            "selected": score(selected), "above_threshold": score(above), "selected_by_style": by_style,
             "boxes_per_page": {name: sum(map(len, boxes)) / len(pages)
                                for name, boxes in (("gold", gold), ("selected", selected), ("above_threshold", above))}}
 
