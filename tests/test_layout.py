@@ -23,7 +23,7 @@ from hkrag.data.layout import (
     train_detector,
     write_regions,
 )
-from hkrag.data.opendocvqa import DataError, load_corpus
+from hkrag.data.opendocvqa import DataError, load_corpus, text_kinds
 from hkrag.data.region_corpus import build_region_corpus, page_units
 from hkrag.data.region_corpus import main as region_corpus_main
 from hkrag.data.regions import CLASSES, Region, select
@@ -156,11 +156,13 @@ def test_region_corpus_round_trips_through_the_loader(corpus, tmp_path):
     counts = build_region_corpus(corpus / "corpus", tmp_path / "all", "all-box", gold=corpus, configs=["all"])
     assert counts == {"all/test": 12}
     units = load_corpus(tmp_path / "all", "all", "test")
-    rows = units.dataset.select_columns(["doc_id", "page_id", "label", "box"]).to_list()
+    rows = units.dataset.select_columns(["doc_id", "page_id", "label", "box", "text"]).to_list()
     first = next(iter(pages.values()))
     assert [(r["doc_id"], r["page_id"], r["label"]) for r in rows[:3]] == [
         (f"{first.doc_id}#0", first.doc_id, "title"), (f"{first.doc_id}#1", first.doc_id, "semantic_box"),
         (f"{first.doc_id}#2", first.doc_id, "footer")]
+    title, value, label, source, ref = (i.text for i in first.items)  # a chart page: the strings drawn in order
+    assert [r["text"] for r in rows[:3]] == [title, f"{value}\n{label}", f"{source}\n{ref}"]
     for row, unit in zip(rows, units):
         box = tuple(int(v) for v in row["box"])
         assert box in [r.box for r in pages[row["page_id"]].regions]
@@ -170,7 +172,9 @@ def test_region_corpus_round_trips_through_the_loader(corpus, tmp_path):
                                    configs=["all"])
     assert semantic == {"all/test": 4}
     build_region_corpus(corpus / "corpus", tmp_path / "cat", "concatenation", gold=corpus, configs=["all"])
-    for unit in load_corpus(tmp_path / "cat", "all", "test"):
+    concatenated = load_corpus(tmp_path / "cat", "all", "test")
+    assert concatenated[0].text == f"{value}\n{label}\n{title}\n{source}\n{ref}"  # semantic, then global boxes
+    for unit in concatenated:
         title, body, footer = (r.box for r in pages[unit.doc_id.split("#")[0]].regions)
         heights = sum(b[3] - b[1] for b in (body, title, footer))
         assert unit.image.size == (max(b[2] - b[0] for b in (body, title, footer)), heights)
@@ -193,7 +197,7 @@ def test_region_corpus_refuses_pages_without_units(corpus, tmp_path, capsys):
         build_region_corpus(corpus / "corpus", tmp_path / "out", "all-box", regions=tmp_path / "regions",
                             configs=["all"])
     with pytest.raises(SystemExit) as exit_info:
-        region_corpus_main([str(corpus / "corpus"), "--out", str(tmp_path / "o"), "--mode", "all-box",
+        region_corpus_main(["build", str(corpus / "corpus"), "--out", str(tmp_path / "o"), "--mode", "all-box",
                             "--gold", str(tmp_path)])
     assert exit_info.value.code == 2
     assert f"error: {tmp_path}/synthetic_config.json is missing" in capsys.readouterr().err
@@ -207,3 +211,21 @@ def test_figure_puts_gold_beside_selected_boxes(corpus, detector, tmp_path):
         assert sheet.crop((0, 0, 448, 336)).tobytes() == draw_regions(first.image, first.regions).tobytes()
     box = draw_regions(first.image, [Region((0, 0, 10, 10), "title")])
     assert box.getpixel((0, 0)) == box.getpixel((19, 19)) == CLASS_COLOURS["title"]  # outline at 2x, inside edges
+
+
+def test_stitch_joins_unit_text_in_reading_order(corpus, tmp_path, capsys):
+    build_region_corpus(corpus / "corpus", tmp_path / "units", "all-box", gold=corpus, configs=["all"])
+    args = ["stitch", str(corpus / "corpus"), "--units", str(tmp_path / "units"), "--column", "text",
+            "--out", str(tmp_path / "pages"), "--config", "all"]
+    assert region_corpus_main(args) == 0
+    assert json.loads(capsys.readouterr().out) == {"all/test": 4}
+    stitched = load_corpus(tmp_path / "pages", "all", "test")
+    assert text_kinds(tmp_path / "pages") == {"text": "drawn"}
+    for page in stitched:
+        gold = next(p for p in gold_pages(corpus, "test") if p.doc_id == page.doc_id)
+        # title, then the semantic box's strings, then the footer's: every drawn string once
+        assert sorted(page.text.split("\n")) == sorted(i.text for i in gold.items)
+        assert page.text.split("\n")[0] == gold.items[0].text
+    with pytest.raises(SystemExit):
+        region_corpus_main([*args[:5], "ocr_text", *args[6:]])
+    assert "has no column ['ocr_text']" in capsys.readouterr().err

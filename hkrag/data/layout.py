@@ -48,7 +48,16 @@ from hkrag.data.images import open_image
 from hkrag.data.ocr import _image_bytes, corpus_splits
 from hkrag.data.opendocvqa import DataError, load_corpus
 from hkrag.data.regions import ALPHA, BETA, CLASSES, THRESHOLD, Region, corpus_matching_iou, select
-from hkrag.data.synthetic import CONFIG_FILE, PageSpec, SyntheticConfig, _font, _png, page_regions, render_page
+from hkrag.data.synthetic import (
+    CONFIG_FILE,
+    PageSpec,
+    SyntheticConfig,
+    TextItem,
+    _font,
+    _png,
+    page_regions,
+    render_page,
+)
 from hkrag.io import atomic_directory, write_bytes, write_json, write_text
 
 logger = logging.getLogger(__name__)
@@ -65,12 +74,13 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class GoldPage:
-    """One built-in page: its split, image and drawn SCAN boxes."""
+    """One built-in page: its split, image, drawn SCAN boxes and drawn strings."""
 
     doc_id: str
     split: str
     image: Image.Image
     regions: tuple[Region, ...]
+    items: tuple[TextItem, ...] = ()
 
     @property
     def size(self) -> tuple[int, int]:
@@ -110,7 +120,7 @@ def gold_pages(root: str | Path, split: str | None = None) -> list[GoldPage]:
             raise LayoutError(f"{root / 'pages.jsonl'}, line {line_no} ({spec.doc_id}): drawing the page again "
                               "does not give the recorded strings (written by another version?)")
         regions = tuple(Region(box, label) for label, box in page_regions(spec, config))
-        pages.append(GoldPage(spec.doc_id, row["split"], image, regions))
+        pages.append(GoldPage(spec.doc_id, row["split"], image, regions, tuple(items)))
     if not pages:
         raise LayoutError(f"{root / 'pages.jsonl'} has no {split or ''} pages")
     return pages

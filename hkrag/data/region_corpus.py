@@ -1,14 +1,18 @@
 """Region units (SCAN Sec. 3.3): a corpus of page crops, one row per unit, in the page corpus's layout.
 
-    python -m hkrag.data.region_corpus data/synthetic/corpus --regions data/synthetic_regions \\
-        --mode all-box --out data/synthetic_units_all-box                    # detected boxes (layout detect)
-    python -m hkrag.data.region_corpus data/synthetic/corpus --gold data/synthetic \\
-        --mode concatenation --out data/synthetic_units_gold_concat          # the built-in corpus's own boxes
+    python -m hkrag.data.region_corpus build data/synthetic/corpus --regions data/synthetic_regions \\
+        --mode all-box --out data/units_det_all-box                          # detected boxes (layout detect)
+    python -m hkrag.data.region_corpus build data/synthetic/corpus --gold data/synthetic \\
+        --mode concatenation --out data/units_gold_concatenation             # the built-in corpus's own boxes
+    python -m hkrag.data.ocr data/units_det_all-box --out data/units_det_all-box_ocr --column ocr_text
+    python -m hkrag.data.region_corpus stitch data/synthetic/corpus --units data/units_det_all-box_ocr \\
+        --column ocr_text --out data/synthetic_region_ocr                    # page text from its units' text
 
 Every config/split of the page corpus (or those named) becomes the same config/split of the region corpus, so the
 pools line up. A row is ``doc_id`` (the unit's id, ``<page doc_id>#<k>``), ``image`` (the crop), ``page_id``,
 ``label`` (its SCAN class, ``semantic_box+global`` for a concatenation) and ``box`` (``[x0, y0, x1, y1]`` in page
-pixels); :func:`hkrag.data.opendocvqa.load_corpus` reads it like any corpus. Units of a page are in reading order,
+pixels), and with ``--gold`` ``text``, the drawn strings in the unit (declared ``drawn`` in the card, as the page
+corpus's); :func:`hkrag.data.opendocvqa.load_corpus` reads it like any corpus. Units of a page are in reading order,
 by upper-left corner (top, then left), as SCAN orders regions. The three modes are SCAN's:
 
 - ``all-box``: every selected box is a unit, global boxes (title, footer, ...) included.
@@ -19,6 +23,10 @@ by upper-left corner (top, then left), as SCAN orders regions. The three modes a
 A page with no unit in the chosen mode (no selected box, or no semantic box for the last two) raises a DataError
 naming it: a page without units could never be retrieved. Page-level metrics map a unit's score back to its
 page by the maximum over the page's units (:func:`hkrag.data.regions.page_ranking`).
+
+``stitch`` is SCAN's textual route (Sec. 3.3): the text of a page's units (e.g. ``python -m hkrag.data.ocr`` run
+on the region corpus), joined one unit a line in the units' reading order, written as a copy of the page corpus
+with that column (replacing a column of the name), for BM25 and text RAG beside whole-page OCR.
 """
 
 from __future__ import annotations
@@ -34,10 +42,18 @@ import datasets
 from PIL import Image
 
 from hkrag.data.layout import LayoutError, gold_pages
-from hkrag.data.ocr import corpus_splits
-from hkrag.data.opendocvqa import CORPUS_FEATURES, DataError, load_corpus
+from hkrag.data.ocr import _check_column, _features, corpus_splits
+from hkrag.data.opendocvqa import (
+    CORPUS_FEATURES,
+    PAGE_TEXT_FEATURES,
+    TEXT_COLUMN,
+    DataError,
+    load_corpus,
+    text_kinds,
+)
 from hkrag.data.regions import GLOBAL_CLASSES, Region
-from hkrag.data.writer import save_split
+from hkrag.data.synthetic import TextItem
+from hkrag.data.writer import declare_text_columns, save_split
 
 MODES = ("all-box", "semantic_box-only", "concatenation")
 UNIT_FEATURES = datasets.Features({**CORPUS_FEATURES, "page_id": datasets.Value("string"),
@@ -61,24 +77,38 @@ def stack(images: Sequence[Image.Image]) -> Image.Image:
     return canvas
 
 
-def page_units(doc_id: str, image: Image.Image, regions: Sequence[Region], mode: str) -> list[dict]:
-    """The unit rows of one page (module docstring)."""
+def page_units(
+    doc_id: str, image: Image.Image, regions: Sequence[Region], mode: str, items: Sequence[TextItem] | None = None,
+) -> list[dict]:
+    """The unit rows of one page (module docstring). With the page's drawn ``items`` (built-in pages), each row also
+    gets ``text``: the strings whose centre lies in the unit's box(es), box by box, each top to bottom then left to
+    right."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     ordered = sorted(regions, key=lambda r: (r.box[1], r.box[0]))
     semantic = [r for r in ordered if r.label == "semantic_box"]
     if mode == "all-box":
-        units = [(r.label, r.box, crop(image, r.box)) for r in ordered]
+        units = [(r.label, r, [r]) for r in ordered]
     else:
-        globals_ = [crop(image, r.box) for r in ordered if r.label in GLOBAL_CLASSES]
-        append = mode == "concatenation" and bool(globals_)
-        units = [("semantic_box+global" if append else r.label, r.box,
-                  stack([crop(image, r.box), *globals_]) if append else crop(image, r.box)) for r in semantic]
+        globals_ = [r for r in ordered if r.label in GLOBAL_CLASSES] if mode == "concatenation" else []
+        units = [("semantic_box+global" if globals_ else r.label, r, [r, *globals_]) for r in semantic]
     if not units:
         what = "no selected box" if mode == "all-box" else "no semantic_box"
         raise DataError(f"page {doc_id!r} has {what}: it would have no {mode} unit")
-    return [{"doc_id": f"{doc_id}#{k}", "image": unit, "page_id": doc_id, "label": label, "box": list(box)}
-            for k, (label, box, unit) in enumerate(units)]
+    rows = []
+    for k, (label, region, members) in enumerate(units):
+        row = {"doc_id": f"{doc_id}#{k}", "image": stack([crop(image, m.box) for m in members]), "page_id": doc_id,
+               "label": label, "box": list(region.box)}
+        if items is not None:
+            row[TEXT_COLUMN] = "\n".join(item.text for m in members for item in sorted(
+                (i for i in items if _centre_in(i.box, m.box)), key=lambda i: (i.box[1], i.box[0])))
+        rows.append(row)
+    return rows
+
+
+def _centre_in(inner: Sequence[float], outer: Sequence[float]) -> bool:
+    x, y = (inner[0] + inner[2]) / 2, (inner[1] + inner[3]) / 2
+    return outer[0] <= x < outer[2] and outer[1] <= y < outer[3]
 
 
 def detected_regions(folder: str | Path, config: str, split: str) -> dict[str, list[Region]]:
@@ -98,10 +128,11 @@ def build_region_corpus(
     (``regions``) or a built-in corpus's own boxes (``gold``); returns the unit count per ``config/split``."""
     if (regions is None) == (gold is None):
         raise ValueError("give the boxes: regions (a layout detect folder) or gold (a built-in corpus folder)")
-    gold_boxes = {p.doc_id: list(p.regions) for p in gold_pages(gold)} if gold is not None else None
+    gold_boxes = {p.doc_id: p for p in gold_pages(gold)} if gold is not None else None
     counts = {}
     for config, split in corpus_splits(source, configs, splits):
-        boxes = gold_boxes if gold_boxes is not None else detected_regions(regions, config, split)
+        boxes = ({doc_id: list(p.regions) for doc_id, p in gold_boxes.items()} if gold_boxes is not None
+                 else detected_regions(regions, config, split))
         corpus = load_corpus(source, config, split)
 
         def rows(corpus=corpus, boxes=boxes) -> Iterator[dict]:
@@ -109,7 +140,8 @@ def build_region_corpus(
                 if page.doc_id not in boxes:
                     raise DataError(f"page {page.doc_id!r} of {corpus.name} has no boxes in "
                                     f"{regions if gold is None else gold}")
-                yield from page_units(page.doc_id, page.image, boxes[page.doc_id], mode)
+                items = gold_boxes[page.doc_id].items if gold_boxes is not None else None
+                yield from page_units(page.doc_id, page.image, boxes[page.doc_id], mode, items)
 
         counted = [0]
 
@@ -118,30 +150,78 @@ def build_region_corpus(
                 counted[0] += 1
                 yield unit
 
-        save_split(counting(rows()), out, config, split, UNIT_FEATURES)
+        features = UNIT_FEATURES if gold is None else datasets.Features({**UNIT_FEATURES, **PAGE_TEXT_FEATURES})
+        save_split(counting(rows()), out, config, split, features)
         counts[f"{config}/{split}"] = counted[0]
+    if gold is not None:
+        declare_text_columns(out, {TEXT_COLUMN: "drawn"})
+    return counts
+
+
+def stitch_text(
+    source: str | Path, units: str | Path, out: str | Path, column: str,
+    configs: Sequence[str] | None = None, splits: Sequence[str] | None = None,
+) -> dict[str, int]:
+    """Copy the page corpus ``source`` to ``out`` with ``column`` holding, for each page, the ``column`` text of its
+    units in the region corpus ``units`` (module docstring); returns the page count per ``config/split``.
+
+    Raises DataError naming the units corpus when it lacks ``column`` or ``page_id``, or naming a page without
+    units there."""
+    _check_column(column)
+    counts = {}
+    for config, split in corpus_splits(source, configs, splits):
+        pages, pieces = load_corpus(source, config, split), load_corpus(units, config, split)
+        missing = sorted({column, "page_id"} - set(pieces.dataset.column_names))
+        if missing:
+            raise DataError(f"{pieces.name} has no column {missing} (a region corpus with a text column, e.g. "
+                            "from python -m hkrag.data.ocr)")
+        texts: dict[str, list[str]] = {}
+        for page_id, text in zip(pieces.dataset["page_id"][:], pieces.dataset[column][:]):
+            texts.setdefault(page_id, []).append(text or "")
+
+        def rows(pages=pages, texts=texts, name=pieces.name) -> Iterator[dict]:
+            for start in range(0, len(pages), 64):
+                batch = pages.dataset[start:start + 64]
+                for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
+                    if row["doc_id"] not in texts:
+                        raise DataError(f"page {row['doc_id']!r} of {pages.name} has no units in {name}")
+                    yield {**row, column: "\n".join(texts[row["doc_id"]])}
+
+        save_split(rows(), out, config, split, _features(pages, column))
+        counts[f"{config}/{split}"] = len(pages)
+    kinds = text_kinds(source)
+    declare_text_columns(out, {**{c: k for c, k in kinds.items() if c != column},
+                               **{c: k for c, k in text_kinds(units).items() if c == column}})
     return counts
 
 
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", help="page corpus folder in the hub layout, or a hub id")
-    parser.add_argument("--out", required=True, type=Path, help="region corpus folder to write")
-    parser.add_argument("--mode", required=True, choices=MODES)
-    boxes = parser.add_mutually_exclusive_group(required=True)
+    commands = parser.add_subparsers(dest="command", required=True)
+    build = commands.add_parser("build", help="a corpus of region crops")
+    build.add_argument("--mode", required=True, choices=MODES)
+    boxes = build.add_mutually_exclusive_group(required=True)
     boxes.add_argument("--regions", type=Path, help="folder written by python -m hkrag.data.layout detect")
     boxes.add_argument("--gold", type=Path, help="built-in corpus folder: its own boxes (the ceiling)")
-    parser.add_argument("--config", action="append", dest="configs", help="config to read (repeat; default: all)")
-    parser.add_argument("--split", action="append", dest="splits", help="split to read (repeat; default: all)")
+    stitch = commands.add_parser("stitch", help="page text stitched from a region corpus's text column")
+    stitch.add_argument("--units", required=True, type=Path, help="region corpus with the text column")
+    stitch.add_argument("--column", required=True, help="text column to read from the units and write")
+    for command in (build, stitch):
+        command.add_argument("source", help="page corpus folder in the hub layout, or a hub id")
+        command.add_argument("--out", required=True, type=Path, help="corpus folder to write")
+        command.add_argument("--config", action="append", dest="configs", help="config (repeat; default: all)")
+        command.add_argument("--split", action="append", dest="splits", help="split (repeat; default: all)")
     args = parser.parse_args(argv)
     try:
-        counts = build_region_corpus(args.source, args.out, args.mode, args.regions, args.gold, args.configs,
-                                     args.splits)
-    except (DataError, LayoutError, FileNotFoundError) as error:
+        if args.command == "build":
+            counts = build_region_corpus(args.source, args.out, args.mode, args.regions, args.gold, args.configs,
+                                         args.splits)
+        else:
+            counts = stitch_text(args.source, args.units, args.out, args.column, args.configs, args.splits)
+    except (DataError, LayoutError, FileNotFoundError, ValueError) as error:
         parser.exit(2, f"error: {error}\n")
     print(json.dumps(counts))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
