@@ -168,6 +168,11 @@ def test_region_corpus_round_trips_through_the_loader(corpus, tmp_path):
         assert box in [r.box for r in pages[row["page_id"]].regions]
         assert unit.image.size == (box[2] - box[0], box[3] - box[1])
         assert unit.image.tobytes() == pages[row["page_id"]].image.crop(box).tobytes()
+    # a margin widens the crop by page pixels, never past the page; the stored box stays the region's
+    title_box = first.regions[0].box
+    wide = page_units(first.doc_id, first.image, [first.regions[0]], "all-box", margin=10)[0]
+    assert title_box == (8, 11, 105, 26)  # widened to (0, 1, 115, 36): the left edge stops at the page's
+    assert wide["image"].size == (115, 35) and wide["box"] == list(title_box)
     semantic = build_region_corpus(corpus / "corpus", tmp_path / "sem", "semantic_box-only", gold=corpus,
                                    configs=["all"])
     assert semantic == {"all/test": 4}

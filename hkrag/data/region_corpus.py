@@ -61,10 +61,12 @@ UNIT_FEATURES = datasets.Features({**CORPUS_FEATURES, "page_id": datasets.Value(
                                    "box": datasets.Sequence(datasets.Value("float32"))})
 
 
-def crop(image: Image.Image, box: Sequence[float]) -> Image.Image:
-    """The pixels of ``box`` (edges widened to whole pixels)."""
+def crop(image: Image.Image, box: Sequence[float], margin: int = 0) -> Image.Image:
+    """The pixels of ``box`` (edges widened to whole pixels), with ``margin`` pixels of the page around it where the
+    page has them."""
     x0, y0, x1, y1 = box
-    return image.crop((math.floor(x0), math.floor(y0), math.ceil(x1), math.ceil(y1)))
+    return image.crop((max(0, math.floor(x0) - margin), max(0, math.floor(y0) - margin),
+                       min(image.width, math.ceil(x1) + margin), min(image.height, math.ceil(y1) + margin)))
 
 
 def stack(images: Sequence[Image.Image]) -> Image.Image:
@@ -79,10 +81,11 @@ def stack(images: Sequence[Image.Image]) -> Image.Image:
 
 def page_units(
     doc_id: str, image: Image.Image, regions: Sequence[Region], mode: str, items: Sequence[TextItem] | None = None,
+    margin: int = 0,
 ) -> list[dict]:
-    """The unit rows of one page (module docstring). With the page's drawn ``items`` (built-in pages), each row also
-    gets ``text``: the strings whose centre lies in the unit's box(es), box by box, each top to bottom then left to
-    right."""
+    """The unit rows of one page (module docstring), each crop with ``margin`` pixels of page around its box. With
+    the page's drawn ``items`` (built-in pages), each row also gets ``text``: the strings whose centre lies in the
+    unit's box(es), box by box, each top to bottom then left to right."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     ordered = sorted(regions, key=lambda r: (r.box[1], r.box[0]))
@@ -97,8 +100,8 @@ def page_units(
         raise DataError(f"page {doc_id!r} has {what}: it would have no {mode} unit")
     rows = []
     for k, (label, region, members) in enumerate(units):
-        row = {"doc_id": f"{doc_id}#{k}", "image": stack([crop(image, m.box) for m in members]), "page_id": doc_id,
-               "label": label, "box": list(region.box)}
+        row = {"doc_id": f"{doc_id}#{k}", "image": stack([crop(image, m.box, margin) for m in members]),
+               "page_id": doc_id, "label": label, "box": list(region.box)}
         if items is not None:
             row[TEXT_COLUMN] = "\n".join(item.text for m in members for item in sorted(
                 (i for i in items if _centre_in(i.box, m.box)), key=lambda i: (i.box[1], i.box[0])))
@@ -122,10 +125,11 @@ def detected_regions(folder: str | Path, config: str, split: str) -> dict[str, l
 
 def build_region_corpus(
     source: str | Path, out: str | Path, mode: str, regions: str | Path | None = None, gold: str | Path | None = None,
-    configs: Sequence[str] | None = None, splits: Sequence[str] | None = None,
+    configs: Sequence[str] | None = None, splits: Sequence[str] | None = None, margin: int = 0,
 ) -> dict[str, int]:
     """Write the region corpus of ``source`` to ``out`` (module docstring) from a ``detect`` output folder
-    (``regions``) or a built-in corpus's own boxes (``gold``); returns the unit count per ``config/split``."""
+    (``regions``) or a built-in corpus's own boxes (``gold``), crops with ``margin`` pixels of page around their
+    boxes; returns the unit count per ``config/split``."""
     if (regions is None) == (gold is None):
         raise ValueError("give the boxes: regions (a layout detect folder) or gold (a built-in corpus folder)")
     gold_boxes = {p.doc_id: p for p in gold_pages(gold)} if gold is not None else None
@@ -141,7 +145,7 @@ def build_region_corpus(
                     raise DataError(f"page {page.doc_id!r} of {corpus.name} has no boxes in "
                                     f"{regions if gold is None else gold}")
                 items = gold_boxes[page.doc_id].items if gold_boxes is not None else None
-                yield from page_units(page.doc_id, page.image, boxes[page.doc_id], mode, items)
+                yield from page_units(page.doc_id, page.image, boxes[page.doc_id], mode, items, margin)
 
         counted = [0]
 
@@ -203,6 +207,9 @@ def main(argv: Iterable[str] | None = None) -> int:
     boxes = build.add_mutually_exclusive_group(required=True)
     boxes.add_argument("--regions", type=Path, help="folder written by python -m hkrag.data.layout detect")
     boxes.add_argument("--gold", type=Path, help="built-in corpus folder: its own boxes (the ceiling)")
+    build.add_argument("--margin", type=int, default=0,
+                       help="pixels of page kept around each box (default 0, SCAN's crops; Tesseract reads tight "
+                            "crops poorly, docs/data.md)")
     stitch = commands.add_parser("stitch", help="page text stitched from a region corpus's text column")
     stitch.add_argument("--units", required=True, type=Path, help="region corpus with the text column")
     stitch.add_argument("--column", required=True, help="text column to read from the units and write")
@@ -215,7 +222,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     try:
         if args.command == "build":
             counts = build_region_corpus(args.source, args.out, args.mode, args.regions, args.gold, args.configs,
-                                         args.splits)
+                                         args.splits, args.margin)
         else:
             counts = stitch_text(args.source, args.units, args.out, args.column, args.configs, args.splits)
     except (DataError, LayoutError, FileNotFoundError, ValueError) as error:
