@@ -1,9 +1,14 @@
-"""SCAN's box selection and matching-based IoU (hkrag.data.regions) against hand-computed cases."""
+"""SCAN's box selection, matching-based IoU and region->page ranking (hkrag.data.regions, hkrag.retrieval.regions)
+against hand-computed cases."""
 
 from __future__ import annotations
 
+import datasets
 import pytest
+from PIL import Image
 
+from hkrag.data.opendocvqa import Corpus, DataError
+from hkrag.data.region_corpus import corpus_pages
 from hkrag.data.regions import (
     Region,
     corpus_matching_iou,
@@ -14,6 +19,7 @@ from hkrag.data.regions import (
     selection_score,
     union_area,
 )
+from hkrag.retrieval.regions import RegionRanker
 
 PAGE = (10, 10)  # area 100
 
@@ -108,3 +114,39 @@ def test_page_ranking_takes_each_pages_best_region():
     assert page_ranking(ranked, page_of) == [("c", 0.95), ("a", 0.7), ("b", 0.7)]
     with pytest.raises(KeyError, match="region unit 'z#0' has no page"):
         page_ranking([("z#0", 1.0)], page_of)
+
+
+class FakeRanker:
+    """Returns a fixed unit run and records the depth it was asked for."""
+
+    name = "fake"
+
+    def __init__(self, run):
+        self.run, self.depths = run, []
+
+    def rank(self, qa, corpus, depth, corpus_key):
+        self.depths.append(depth)
+        return self.run
+
+
+def unit_corpus(page_of: dict[str, str], with_pages: bool = True) -> Corpus:
+    columns = {"doc_id": list(page_of), "image": [Image.new("RGB", (4, 4))] * len(page_of)}
+    if with_pages:
+        columns["page_id"] = list(page_of.values())
+    return Corpus(datasets.Dataset.from_dict(columns), name="units")
+
+
+def test_region_ranker_scores_pages_by_their_best_unit():
+    page_of = {"a#0": "a", "a#1": "a", "b#0": "b", "c#0": "c", "d#0": "d"}
+    inner = FakeRanker({"q": {"a#1": 0.2, "b#0": 0.7, "a#0": 0.9, "c#0": 0.5, "d#0": 0.5}})
+    ranker = RegionRanker(inner=inner, unit_depth=50)
+    # pages: a 0.9 (max of 0.9 and 0.2), b 0.7, c and d tied at 0.5: a cut at 3 keeps both tied pages
+    assert ranker.rank([], unit_corpus(page_of), 3, "all") == {"q": {"a": 0.9, "b": 0.7, "c": 0.5, "d": 0.5}}
+    assert ranker.rank([], unit_corpus(page_of), 2, "all") == {"q": {"a": 0.9, "b": 0.7}}
+    assert inner.depths == [50, 50]
+    assert corpus_pages(unit_corpus(page_of)) == ["a", "b", "c", "d"]
+    assert corpus_pages(unit_corpus(page_of, with_pages=False)) == list(page_of)  # a page corpus: its doc ids
+    with pytest.raises(DataError, match="units has no 'page_id' column"):
+        ranker.rank([], unit_corpus(page_of, with_pages=False), 3, "all")
+    with pytest.raises(ValueError, match="give inner"):
+        RegionRanker()

@@ -47,6 +47,7 @@ from hkrag.data.opendocvqa import (
     CORPUS_FEATURES,
     PAGE_TEXT_FEATURES,
     TEXT_COLUMN,
+    Corpus,
     DataError,
     load_corpus,
     text_kinds,
@@ -56,7 +57,9 @@ from hkrag.data.synthetic import TextItem
 from hkrag.data.writer import declare_text_columns, save_split
 
 MODES = ("all-box", "semantic_box-only", "concatenation")
-UNIT_FEATURES = datasets.Features({**CORPUS_FEATURES, "page_id": datasets.Value("string"),
+PAGE_COLUMN = "page_id"
+"""A unit's page: the column that maps region units back to the page they were cut from."""
+UNIT_FEATURES = datasets.Features({**CORPUS_FEATURES, PAGE_COLUMN: datasets.Value("string"),
                                    "label": datasets.Value("string"),
                                    "box": datasets.Sequence(datasets.Value("float32"))})
 
@@ -101,7 +104,7 @@ def page_units(
     rows = []
     for k, (label, region, members) in enumerate(units):
         row = {"doc_id": f"{doc_id}#{k}", "image": stack([crop(image, m.box, margin) for m in members]),
-               "page_id": doc_id, "label": label, "box": list(region.box)}
+               PAGE_COLUMN: doc_id, "label": label, "box": list(region.box)}
         if items is not None:
             row[TEXT_COLUMN] = "\n".join(item.text for m in members for item in sorted(
                 (i for i in items if _centre_in(i.box, m.box)), key=lambda i: (i.box[1], i.box[0])))
@@ -112,6 +115,19 @@ def page_units(
 def _centre_in(inner: Sequence[float], outer: Sequence[float]) -> bool:
     x, y = (inner[0] + inner[2]) / 2, (inner[1] + inner[3]) / 2
     return outer[0] <= x < outer[2] and outer[1] <= y < outer[3]
+
+
+def unit_pages(corpus: Corpus) -> dict[str, str]:
+    """``{unit doc_id: page doc_id}`` of a region corpus; DataError naming the corpus when it has no ``page_id``."""
+    if PAGE_COLUMN not in corpus.dataset.column_names:
+        raise DataError(f"{corpus.name} has no {PAGE_COLUMN!r} column: region units come from "
+                        "python -m hkrag.data.region_corpus build")
+    return dict(zip(corpus.doc_ids, corpus.dataset[PAGE_COLUMN][:]))
+
+
+def corpus_pages(corpus: Corpus) -> list[str]:
+    """The pages a corpus can retrieve: its ``page_id`` values for a region corpus, else its doc ids."""
+    return sorted(set(unit_pages(corpus).values())) if PAGE_COLUMN in corpus.dataset.column_names else corpus.doc_ids
 
 
 def detected_regions(folder: str | Path, config: str, split: str) -> dict[str, list[Region]]:
@@ -175,12 +191,12 @@ def stitch_text(
     counts = {}
     for config, split in corpus_splits(source, configs, splits):
         pages, pieces = load_corpus(source, config, split), load_corpus(units, config, split)
-        missing = sorted({column, "page_id"} - set(pieces.dataset.column_names))
+        missing = sorted({column, PAGE_COLUMN} - set(pieces.dataset.column_names))
         if missing:
             raise DataError(f"{pieces.name} has no column {missing} (a region corpus with a text column, e.g. "
                             "from python -m hkrag.data.ocr)")
         texts: dict[str, list[str]] = {}
-        for page_id, text in zip(pieces.dataset["page_id"][:], pieces.dataset[column][:]):
+        for page_id, text in zip(pieces.dataset[PAGE_COLUMN][:], pieces.dataset[column][:]):
             texts.setdefault(page_id, []).append(text or "")
 
         def rows(pages=pages, texts=texts, name=pieces.name) -> Iterator[dict]:

@@ -29,6 +29,7 @@ import torch
 
 from hkrag.data.images import ImageError
 from hkrag.data.opendocvqa import Corpus, QAExample, load_corpus, load_qa, pools, qrels
+from hkrag.data.region_corpus import corpus_pages
 from hkrag.distributed import is_main, rank, world_size
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import config_hash, encode_corpus, load_shards
@@ -323,7 +324,7 @@ def evaluate_ranker(
             run = ranker.rank(qa, corpus, cfg.top_k, config)
             if not is_main():
                 continue
-            check_qrels(qrels(qa), corpus.doc_ids)  # counted warning: such documents score as misses
+            check_qrels(qrels(qa), corpus_pages(corpus))  # counted warning: such documents score as misses
             runs.setdefault(dataset, {})[pool] = run
             results.setdefault(dataset, {})[pool] = score(run, qa)
             per_query.setdefault(dataset, {})[pool] = per_query_scores(run, qa)
