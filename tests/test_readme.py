@@ -81,7 +81,6 @@ TINY_FLAGS: tuple[tuple[str, str], ...] = (
     (r"hkrag\.tasks\.replica", "--quick --steps 2 --eval-every 2 --generator-steps 2 --eval rag.max_queries=2"),
     (r"hkrag\.tasks\.chain", "--seeds 0 --generator-steps 2 --curve-every 0 --eval rag.max_queries=2"),
     (r"hkrag\.tasks\.chain.*--pretrain-steps", "--pretrain-steps 2"),
-    (r"hkrag\.data\.layout train", "--max-steps 2"),
 )
 """The runs-of-runs modules' own flags that shrink them (every matching row; they follow the command's own flags,
 so they win, and the train.py shrink overrides follow the command's overrides)."""
