@@ -59,6 +59,8 @@ OFFLINE: tuple[tuple[str, str], ...] = (
      "the one-off comparison with the original remote code: a second venv (transformers 4.45.2) and a mirror"),
     (r" \.\.\. resume=latest", "`...` stands for the interrupted run's own overrides (tests/test_training.py "
      "resumes exactly)"),
+    (r"data/synthetic_regions|units_det_", "crops of a trained detector's boxes: the test's 2-step detector selects "
+     "none, which build refuses by design (tests/test_regions.py builds from detected and gold boxes)"),
     (r"runs/(index|corpus)", "a user's own index and embeddings under runs/ (tests/test_index_tuning.py, "
      "tests/test_retrieval_budget.py run the same code)"),
 )
@@ -81,9 +83,12 @@ TINY_FLAGS: tuple[tuple[str, str], ...] = (
     (r"hkrag\.tasks\.replica", "--quick --steps 2 --eval-every 2 --generator-steps 2 --eval rag.max_queries=2"),
     (r"hkrag\.tasks\.chain", "--seeds 0 --generator-steps 2 --curve-every 0 --eval rag.max_queries=2"),
     (r"hkrag\.tasks\.chain.*--pretrain-steps", "--pretrain-steps 2"),
+    (r"hkrag\.data\.layout train", "--max-steps 2"),
 )
-"""The runs-of-runs modules' own flags that shrink them (every matching row; they follow the command's own flags,
-so they win, and the train.py shrink overrides follow the command's overrides)."""
+"""Modules' own flags that shrink them (every matching row; they follow the command's own flags, so they win; for
+the runs-of-runs modules (:data:`RUNS_OF_RUNS`) the train.py shrink overrides follow the command's overrides)."""
+RUNS_OF_RUNS = r"hkrag\.tasks\.(replica|chain)"
+"""The modules that start train.py runs and take its overrides (:data:`RUNS_SHRINK`)."""
 
 SMALL_DATA = ("data.synthetic.n_train=40", "data.synthetic.n_test=12", "data.synthetic.train_groups_per_style=2",
               "data.synthetic.test_groups_per_style=1", "paths.data_dir=small-data")
@@ -104,7 +109,7 @@ SMALL_CORPUS = {"n_train": 10, "n_test": 10, "train_groups_per_style": 1, "test_
 SMALL_CORPUS_OVERRIDES = tuple(f"++data.synthetic.{key}={value}" for key, value in SMALL_CORPUS.items())
 OCR_CORPUS = "python -m hkrag.data.ocr data/synthetic/corpus --out data/synthetic_ocr --column ocr_text"
 """Writes the OCR'd copy that commands with ``data.corpus_source=data/synthetic_ocr`` read (the README's OCR line)."""
-SMALL_WORKSPACE = re.compile(r"hkrag\.data\.(ocr|degrade|pdf)|ocr_text|degrade=|task=degradation")
+SMALL_WORKSPACE = re.compile(r"hkrag\.data\.(ocr|degrade|pdf|layout|region_corpus)|ocr_text|degrade=|task=degradation")
 """Commands that run in the workspace with the small corpus (they read every page of data/synthetic/corpus)."""
 
 
@@ -270,7 +275,8 @@ def tiny(text: str, slug: str, small: bool = False) -> str:
                      and not (i and own[i - 1] == "--eval")]
         options = [arg for arg in own if arg not in overrides]
         prefix = [f"{name}={value}" for name, value in env.items()]
-        return shlex.join([*prefix, *command[:3], *options, *flags, *overrides, *RUNS_SHRINK])
+        shrink_runs = RUNS_SHRINK if re.search(RUNS_OF_RUNS, text) else ()
+        return shlex.join([*prefix, *command[:3], *options, *flags, *overrides, *shrink_runs])
     appended: list[str] = []
     if rc.program(command) in rc.PYTHON and command[1:2] and command[1] in rc.HYDRA_SCRIPTS:
         appended += shrink(command, slug) + list(SMALL_CORPUS_OVERRIDES if small else ())
