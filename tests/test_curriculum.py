@@ -93,6 +93,11 @@ def test_the_pruner_learns_the_qrels_on_a_ranked_set():
     assert labels((PAGES[1].key,)) == [(1, "no"), (2, "yes")]
     assert labels((PAGES[0].key,)) == [(1, "yes")]  # the Pruner stops at its first yes
     assert labels(("elsewhere",)) == [(1, "no"), (2, "no")]  # no relevant page: keep the buffer
+    strict = AgentCurriculum(generator_config(), ALL_STEPS, answer_unanswerable=False)
+    unanswerable = dataclasses.replace(CODE_Q, relevant=("elsewhere",))
+    assert {ex.step for ex in strict.examples(unanswerable, "Q?", [PAGES], TRUTH)} == {
+        "pruner", "salient", "fine_print", "decouple"}  # no answer learnt from pages that cannot hold it
+    assert {ex.step for ex in strict.examples(CODE_Q, "Q?", [PAGES], TRUTH)} == set(STEPS)
     both = AgentCurriculum(generator_config(), ["pruner", "answer"], orders=["ranked", "relevant_last"])
     shown = [(ex.step, ex.target, [p.key for p in ex.request.images]) for ex in both.examples(CODE_Q, "Q?", [PAGES])]
     a, b, c = (page.key for page in PAGES)
