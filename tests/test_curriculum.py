@@ -250,3 +250,19 @@ def test_a_curriculum_run_records_its_trained_steps(tmp_path):
     assert saved["trained_steps"] == ALL_STEPS
     checkpoint = json.loads((run / "checkpoints" / "final" / "state.json").read_text())
     assert checkpoint["config"]["trained_steps"] == ALL_STEPS
+
+
+def test_the_example_mean_weighs_each_example_once():
+    import math
+
+    import torch
+
+    from hkrag.training.generator import IGNORE_INDEX, example_mean_nll
+
+    logits = torch.zeros(2, 4, 3)
+    logits[0, 0, 1] = math.log(2)  # p(1) = 2/4 at row 0's first position: its one target costs log 2
+    labels = torch.tensor([[IGNORE_INDEX, 1, IGNORE_INDEX, IGNORE_INDEX], [IGNORE_INDEX, 0, 0, 0]])  # 1 and 3 targets
+    per_row = [math.log(2), math.log(3)]  # uniform over 3 classes for row 1
+    assert example_mean_nll(logits, labels).item() == pytest.approx(sum(per_row) / 2)
+    token_mean = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 3), labels[:, 1:].reshape(-1))
+    assert token_mean.item() == pytest.approx((math.log(2) + 3 * math.log(3)) / 4)  # what loss_mean=token gives
