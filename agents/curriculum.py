@@ -38,9 +38,9 @@ from .pipeline import GeneratorConfig
 from .pruner import read_yes_no
 from .steps import STEPS
 
-ORDERS = ("ranked", "relevant_last")
-"""How a page set is shown: as ranked, and/or (a recipe for reading among pages) with its relevant pages moved
-behind the others, so the Pruner meets "no" before its "yes" and the answer steps find the page last."""
+ORDERS = ("ranked", "relevant_first", "relevant_last")
+"""How a page set is shown: as ranked, and/or (recipes for reading among pages) with its relevant pages moved
+before the others (the Pruner's yes at n = 1) or behind them (its no before its yes; the answer found last)."""
 KEPT = ("pruned", "all")
 """Which pages the steps after the Pruner learn on: those a correct Pruner keeps, and/or the whole buffer."""
 NOTES_STEPS = frozenset({"salient", "fine_print", "decouple", "integrate"})
@@ -140,8 +140,9 @@ class AgentCurriculum:
         """The buffer (the first ``top_k`` of ``pages``) in each of :attr:`orders`."""
         buffer = list(pages[: self.config.top_k])
         relevant = [page for page in buffer if page.key in query.relevant]
-        last = [page for page in buffer if page.key not in query.relevant] + relevant
-        return [buffer if order == "ranked" else last for order in self.orders]
+        others = [page for page in buffer if page.key not in query.relevant]
+        orders = {"ranked": buffer, "relevant_first": relevant + others, "relevant_last": others + relevant}
+        return [orders[order] for order in self.orders]
 
     def _all(self, query: QueryTruth, question: str, buffer: list[Page],
              truth: Mapping[str, PageTruth]) -> Iterator[Example]:

@@ -104,6 +104,9 @@ def test_the_pruner_learns_the_qrels_on_a_ranked_set():
     assert shown == [("pruner", "no", [a]), ("pruner", "yes", [a, b]), ("answer", "K1", [a, b]),
                      ("answer", "K1", [a, b, c]), ("pruner", "no", [a, c]),  # [a] again: given once
                      ("answer", "K1", [a, c, b])]  # the relevant page last
+    first = AgentCurriculum(generator_config(), ["pruner"], orders=["relevant_first"])
+    assert [(ex.target, [p.key for p in ex.request.images]) for ex in first.examples(CODE_Q, "Q?", [PAGES])] == [
+        ("yes", [b])]
 
 
 def test_note_targets_are_the_drawn_items_by_hand(tmp_path):
