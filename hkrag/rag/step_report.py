@@ -22,17 +22,17 @@ from ``truths`` is an error naming it. ``python -m hkrag.rag steps RUN_DIR`` rep
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-from omegaconf import OmegaConf
 
 from hkrag.data.opendocvqa import QUERY_PREFIX, QAExample, load_qa
 from hkrag.data.synthetic import PAGES_FILE, load_page_items, question_field
 from hkrag.io import write_json, write_text
 from hkrag.rag.metrics import relaxed_accuracy
 from hkrag.rag.records import CallRecord, PageTruth, QueryOutcome, QueryTruth, words
+from hkrag.rag.report import RUN_CONFIG_FILE
 from hkrag.rag.trace import MERGED_FILE, load_trace
 from hkrag.stats import wilson_interval
 
@@ -198,16 +198,17 @@ def step_markdown(report: Mapping[str, Any], title: str = "Per-step report") -> 
 
 
 def report_run(run_dir: str | Path) -> dict[str, Any]:
-    """The per-step report of a finished ``eval.py task=rag|generation`` run on the built-in corpus, written to
-    ``<run_dir>/steps.{json,md}``: its trace, its questions' qrels and answers (``data.qa_source``, ``rag.split``)
-    and, when the corpus records them, its pages' items."""
+    """The per-step report of a finished ``eval.py task=rag|generation`` run, written to ``<run_dir>/steps.{json,md}``:
+    its trace, its questions' qrels and answers (the run's ``data.qa_source`` and ``rag.split``, from its
+    ``rag_config.json``) and, when the corpus records them (the built-in one), its pages' items."""
     run_dir = Path(run_dir)
-    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    settings = json.loads((run_dir / RUN_CONFIG_FILE).read_text())["identity"]
+    data, split = settings["data"], settings["rag"]["split"]
     outcomes = load_trace(run_dir / MERGED_FILE)
-    split = cfg.rag.split
     truths = {ex.query_id: query_truth(ex) for dataset in sorted({o.dataset for o in outcomes})
-              for ex in load_qa(cfg.data.qa_source, dataset, split)}
-    items = page_truth(cfg.data.root, split) if (Path(cfg.data.root) / PAGES_FILE).is_file() else None
+              for ex in load_qa(data["qa_source"], dataset, split)}
+    items = page_truth(data["root"], split) if data.get("root") and (Path(data["root"]) / PAGES_FILE).is_file() \
+        else None
     report = step_report(outcomes, truths, items)
     write_json(run_dir / "steps.json", report)
     write_text(run_dir / "steps.md", step_markdown(report, f"Per-step report: {run_dir}"))
