@@ -124,6 +124,18 @@ def test_generation_on_gold_pages_scores_answers_and_counts_failures_as_wrong(tm
     assert "<html" in (tmp_path / "run" / "rag.html").read_text().lower()
 
 
+def test_the_step_report_of_a_finished_run(tmp_path, data, backends, capsys):
+    cfg = config(data)
+    answers = gold_answers(cfg)
+    run(cfg, tmp_path / "run", lambda: GoldBackend(answers, fail=next(iter(answers))), backends)
+    main(["steps", str(tmp_path / "run")])
+    report = json.loads((tmp_path / "run" / "steps.json").read_text())
+    assert (report["answers"]["final"]["hits"], report["answers"]["final"]["n"]) == (5, 6)  # one timed out
+    assert report["answers"]["answer"]["n"] == 5 and report["pruner"]["accuracy"]["n"] == 0  # one page: no Pruner
+    assert report["calibration"]["bins"][0]["n"] == 5  # certain answers: H' = 0
+    assert "| final: relaxed accuracy | 83.3 [" in capsys.readouterr().out
+
+
 def test_a_killed_run_continues_without_answering_any_query_twice(tmp_path, data, backends):
     cfg = config(data)
     answers = gold_answers(cfg)

@@ -8,6 +8,7 @@ nothing else, so a trace alone reproduces every number of a run.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -57,6 +58,45 @@ def page_content(page: Page, position: int) -> Content:
 def page_marker(page: Page) -> str:
     """How the trace shows ``page`` in a recorded prompt: ``<page:id>`` for an image, ``<text:id>`` for text."""
     return f"<{'text' if isinstance(page, PageText) else 'page'}:{page.key}>\n"
+
+@dataclass(frozen=True)
+class PageTruth:
+    """What is drawn on a page, the ground truth the agents' training targets and the per-step report read.
+
+    ``salient`` and ``fine_print`` hold the page's drawn strings of each kind in reading order (top to bottom, then
+    left to right; ``hkrag.data.synthetic.load_page_truth``); ``fields`` its named values (the built-in corpus's
+    ``label``, ``value``, ``code``, ``year``, ``page_no`` …, as drawn), e.g. ``fields["code"]``, the reference code.
+    """
+
+    doc_id: str
+    salient: tuple[str, ...]
+    fine_print: tuple[str, ...]
+    fields: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class QueryTruth:
+    """A question's ground truth: its gold ``answers`` (the first is the target), its relevant pages (qrels) and,
+    for a built-in question, the page ``field`` it asks for (``hkrag.data.synthetic.question_field``)."""
+
+    query_id: str
+    question: str
+    answers: tuple[str, ...]
+    relevant: tuple[str, ...]
+    field: str | None = None
+
+    def answered_by(self, pages: Sequence[PageTruth]) -> bool:
+        """Whether the fine print of ``pages`` holds the asked value: a relevant page among them has an answer as a
+        whole word of its fine-print strings (:func:`words`: ``"P.3"`` in ``"REF K7  P.3"``, not ``"3"`` in
+        ``"2023"``). The target of the Decoupler's "answers the question" marker (agents/curriculum.py)."""
+        answers = set(self.answers)
+        return any(page.doc_id in self.relevant and answers & words(" ".join(page.fine_print)) for page in pages)
+
+
+def words(text: str) -> set[str]:
+    """The whole words of ``text``, split at white space, ``/``, ``;`` and ``,`` (the notes' separators)."""
+    return set(re.split(r"[\s/;,]+", text)) - {""}
+
 
 ROUTES = ("LQP", "HQP", "single_pass", "verify_only", "failed")
 """Low-uncertainty pair (Judger → Summarizer verifies), high-uncertainty pair (→ Decoupler), the single-pass
