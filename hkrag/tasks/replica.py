@@ -33,24 +33,11 @@ run's compute.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import multiprocessing
-import os
-import shutil
-import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-
-import torch
-import yaml
-from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
-from tqdm.auto import tqdm
 
 from hkrag.index import mine
 from hkrag.io import write_bytes, write_json, write_text
@@ -61,13 +48,20 @@ from hkrag.rag.trace import MERGED_FILE, load_trace
 from hkrag.retrieval.ablation import TABLE5_CLAIMS, load_run, log_summary, markdown, plot, summarize
 from hkrag.run_log import RunLogger
 from hkrag.stats import Claim
-from hkrag.tasks import run_eval_task
-from hkrag.tasks.common import BASE_DIR, CONF_DIR, FINAL_ADAPTER
+from hkrag.tasks.common import (
+    BASE_DIR,
+    FINAL_ADAPTER,
+    REPORT_FILE,
+    TIMINGS_FILE,
+    check_seeds,
+    read_timings,
+    record_time,
+    run_job,
+    run_jobs,
+)
 
 logger = logging.getLogger(__name__)
 
-REPORT_FILE = "report.json"
-"""What a finished ``train.py`` run writes last: a job holding it is done."""
 RETRIEVAL_REPORT = "retrieval.json"
 """What a finished ``eval.py task=retrieval`` writes last."""
 
@@ -108,23 +102,6 @@ PAGES = {"gold": ("task=generation",), "retrieved": ("task=rag",)}
 PAPER_THRESHOLD = 0.8
 FINE_PRINT_SPLITS = ("synfine",)
 """Data sets reported as their own column besides the evidence types: the built-in fine-print split (docs/data.md)."""
-
-
-SEED_KEYS = ("trainer.seed", "generator_training.optim.seed")
-"""The overrides each run's seed is given by (the retriever's, the generator's)."""
-
-
-def check_seeds(seeds: Sequence[int], overrides: Sequence[str] = ()) -> None:
-    """Refuse seeds that would count one run as several independent ones in the intervals: a seed given twice
-    (``--seeds 0 0 1``), or an override fixing every run's seed (``trainer.seed=3``), naming them."""
-    repeated = sorted({seed for seed in seeds if list(seeds).count(seed) > 1})
-    if repeated:
-        raise ValueError(f"seeds {list(seeds)} repeat {repeated}: each seed is one independent run in the intervals "
-                         "(seeds x queries), so a repeated seed would be counted twice; give distinct seeds")
-    fixed = [item for item in overrides if item.lstrip("+~").split("=", 1)[0] in SEED_KEYS]
-    if fixed:
-        raise ValueError(f"the override(s) {fixed} give every run the same seed, which the seeds {list(seeds)} must "
-                         "vary: drop them (the seeds set them per run)")
 
 
 @dataclass
@@ -180,58 +157,6 @@ class ReplicaConfig:
 
 def job_folder(out: Path, condition: Condition, seed: int) -> Path:
     return out / "jobs" / f"{condition.name.replace(' ', '_').replace('=', '')}-s{seed}"
-
-
-def run_job(folder: Path, overrides: Sequence[str], config: str = "train", done: str = REPORT_FILE) -> float:
-    """``train.py`` (``eval.py`` with ``config="eval"``) with ``overrides`` into ``folder`` unless it finished there
-    (``done`` exists); returns the seconds it took (0: skipped)."""
-    if (folder / done).is_file():
-        return 0.0
-    shutil.rmtree(folder, ignore_errors=True)
-    start = time.perf_counter()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config, [*overrides, f"paths.output_dir={folder}"])
-    (folder / ".hydra").mkdir(parents=True)
-    write_text(folder / ".hydra" / "overrides.yaml", yaml.safe_dump(list(overrides)))
-    write_text(folder / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg))  # as Hydra saves it (what ship records)
-    if config == "train":
-        instantiate(cfg.run)(cfg, folder)  # what train.py does: the retriever's or the generator's training
-    else:
-        run_eval_task(cfg, folder)
-    return time.perf_counter() - start
-
-
-Job = tuple[Path, list[str], str, str]
-"""``run_job``'s arguments: folder, overrides, config name and the file a finished run holds."""
-
-
-def run_jobs(jobs: Sequence[Job], workers: int = 1, desc: str = "replica jobs") -> Iterator[tuple[str, float]]:
-    """Run the unfinished ``jobs`` (one after the other, or ``workers`` processes side by side) and yield each one's
-    ``(folder name, seconds)`` as it finishes. A failing job stops the rest: running ones finish, queued ones are
-    dropped, and the error is raised (a rerun resumes)."""
-    todo = [job for job in jobs if not (job[0] / job[3]).is_file()]
-    with tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, unit="job") as progress:
-        for name, seconds in _side_by_side(todo, workers) if workers > 1 and len(todo) > 1 else _in_turn(todo):
-            progress.update()
-            yield name, seconds
-
-
-def _in_turn(jobs: Sequence[Job]) -> Iterator[tuple[str, float]]:
-    for job in jobs:
-        yield job[0].name, run_job(*job)
-
-
-def _side_by_side(jobs: Sequence[Job], workers: int) -> Iterator[tuple[str, float]]:
-    threads = max(1, (os.cpu_count() or 1) // workers)  # more would spin-wait on shared cores (docs/training.md)
-    with ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), torch.set_num_threads, (threads,)) as pool:
-        running = {pool.submit(run_job, *job): job[0].name for job in jobs}
-        try:
-            while running:
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    yield running.pop(future), future.result()
-        finally:
-            pool.shutdown(cancel_futures=True)
 
 
 def run_replica(config: ReplicaConfig) -> dict[str, Any]:
@@ -297,22 +222,6 @@ def table6_runs(config: ReplicaConfig) -> list[tuple[str, Path, list[str]]]:
               [*PAGES["gold"], "generator=hkrag", f"generator.threshold={h:g}"])
              for h in config.thresholds if h != PAPER_THRESHOLD]
     return runs
-
-
-TIMINGS_FILE = "timings.json"
-
-
-def read_timings(out: Path) -> dict[str, float]:
-    """The compute recorded in ``out`` so far (``{}`` before the first run)."""
-    path = out / TIMINGS_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def record_time(timings: dict[str, float], out: Path, name: str, seconds: float) -> None:
-    """Record a part's compute in ``out``'s timings (a skipped part keeps the time it took when it ran)."""
-    if seconds:
-        timings[name] = seconds
-        write_json(out / TIMINGS_FILE, timings)
 
 
 def write_report(config: ReplicaConfig, timings: dict[str, float]) -> dict[str, Any]:
