@@ -1,8 +1,18 @@
-"""Confidence intervals for the RAG reports: Wilson for accuracies, percentile bootstrap for means and differences.
+"""Confidence intervals, multiple-comparison corrections and verdicts for the reports (docs/statistics.md).
 
 The paper reports accuracies on a few hundred queries (ChartQA test: 150) without intervals; at n = 150 a
 95 % interval is about ±8 points wide, larger than most gaps of Tables 3, 4 and 6. Every interval here is
-two-sided at ``confidence`` (default 95 %); the bootstraps are seeded, so a report is reproducible.
+two-sided at ``confidence`` (default 95 %); the bootstraps are seeded, so a report is reproducible, and their
+p-values are floored at 1/B (B resamples): a bootstrap never shows p = 0.
+
+- One run's queries: Wilson (:func:`wilson_interval`) for an accuracy, percentile bootstraps for a mean or a
+  paired difference (:func:`bootstrap_interval`, :func:`paired_bootstrap`, :func:`cluster_bootstrap_interval`).
+- Several training seeds on the same questions (a crossed seeds × questions design): :func:`crossed_interval`,
+  a t interval from the two-way random-effects ANOVA, which holds its coverage with 3–5 seeds where the crossed
+  percentile bootstrap (:func:`hierarchical_bootstrap`) does not (tests/test_interval_coverage.py). Rows that
+  share a question are first averaged into one column (:func:`cluster_rows`).
+- A family of claims: :func:`holm` adjusts their p-values, :func:`corrected_verdicts` gives Bonferroni-level
+  intervals and the :func:`verdict` of each.
 """
 
 from __future__ import annotations
@@ -11,8 +21,10 @@ import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
+from typing import Any
 
 import numpy as np
+from scipy import stats as scipy_stats
 
 CHUNK = 256
 """Bootstrap resamples drawn at once (bounds memory to CHUNK × n indices)."""
@@ -108,7 +120,8 @@ def paired_bootstrap(
     Both are resampled with the same query indices, so the interval reflects the per-query differences
     (narrower than two independent intervals when the configurations agree on most queries). Returns
     ``{"diff", "low", "high", "p_value"}``; ``p_value`` is the two-sided bootstrap p-value of "no
-    difference": twice the smaller share of resampled differences on either side of 0 (capped at 1).
+    difference": twice the smaller share of resampled differences on either side of 0 (capped at 1), floored at
+    1/B (:func:`bootstrap_p_value`).
     """
     _z(confidence)
     a_array, b_array = _as_array(a, "a"), _as_array(b, "b")
@@ -117,9 +130,16 @@ def paired_bootstrap(
     diffs = _resampled_means(a_array - b_array, n_resamples, seed)
     alpha = (1 - confidence) / 2
     low, high = np.quantile(diffs, [alpha, 1 - alpha])
-    p_value = min(1.0, 2 * min(np.mean(diffs <= 0), np.mean(diffs >= 0)))
     return {"diff": float(a_array.mean() - b_array.mean()), "low": float(low), "high": float(high),
-            "p_value": float(p_value)}
+            "p_value": bootstrap_p_value(diffs)}
+
+
+def bootstrap_p_value(resampled: np.ndarray) -> float:
+    """Two-sided bootstrap p-value of "the statistic is 0" from its ``B`` resampled values: twice the smaller
+    share on either side of 0, capped at 1 and floored at ``1/B``. No resample on the far side of 0 says
+    p < 1/B, not p = 0: B resamples cannot resolve a smaller p."""
+    p_value = 2 * min(np.mean(resampled <= 0), np.mean(resampled >= 0))
+    return float(min(1.0, max(p_value, 1 / len(resampled))))
 
 
 def mean_and_std(values: Sequence[float]) -> tuple[float, float]:
@@ -198,9 +218,174 @@ def hierarchical_paired_bootstrap(
                          f"b {b_array.shape}")
     diffs = hierarchical_means(a_array - b_array, n_resamples, seed)
     low, high = np.quantile(diffs, [(1 - confidence) / 2, (1 + confidence) / 2])
-    p_value = min(1.0, 2 * min(np.mean(diffs <= 0), np.mean(diffs >= 0)))
     return {"diff": float((a_array - b_array).mean()), "low": float(low), "high": float(high),
-            "p_value": float(p_value)}
+            "p_value": bootstrap_p_value(diffs)}
+
+
+def cluster_rows(values: Sequence[float] | Sequence[Sequence[float]] | np.ndarray,
+                 clusters: Sequence[Hashable]) -> np.ndarray:
+    """Average the rows that share a cluster (e.g. a question asked in two pools) into one column per cluster.
+
+    ``values`` is a ``(seeds, rows)`` matrix (or one seed's ``(rows,)`` vector) of per-row scores or paired
+    differences, ``clusters[i]`` row ``i``'s cluster (e.g. its ``(data set, question id)``). Rows of one
+    question are not independent samples: counting them as such would narrow every interval. Returns the
+    ``(seeds, clusters)`` matrix of cluster means, the clusters in the order of their first row, ready for
+    :func:`crossed_interval`. Every cluster weighs alike, whatever its number of rows.
+    """
+    array = np.asarray(values, dtype=float)
+    matrix = array[None, :] if array.ndim == 1 else array
+    if matrix.ndim != 2 or matrix.shape[1] != len(clusters) or 0 in matrix.shape:
+        raise ValueError(f"cluster_rows needs one cluster per row: values of shape {array.shape} (seeds, rows) "
+                         f"for {len(clusters)} clusters")
+    index = {key: i for i, key in enumerate(dict.fromkeys(clusters))}
+    members = np.array([index[key] for key in clusters])
+    counts = np.bincount(members, minlength=len(index))
+    sums = np.stack([np.bincount(members, weights=row, minlength=len(index)) for row in matrix])
+    return sums / counts
+
+
+def _mean_squares(array: np.ndarray) -> dict[str, tuple[float, int]]:
+    """``{"seed", "question", "residual"}`` → (mean square, degrees of freedom) of the two-way ANOVA without
+    replication of a ``(S, Q)`` matrix, S, Q ≥ 2 (seed and question main effects, their interaction as residual)."""
+    n_seeds, n_questions = array.shape
+    grand = array.mean()
+    seed_means, question_means = array.mean(axis=1), array.mean(axis=0)
+    residual = array - seed_means[:, None] - question_means[None, :] + grand
+    df_residual = (n_seeds - 1) * (n_questions - 1)
+    return {"seed": (n_questions * float(((seed_means - grand) ** 2).sum()) / (n_seeds - 1), n_seeds - 1),
+            "question": (n_seeds * float(((question_means - grand) ** 2).sum()) / (n_questions - 1), n_questions - 1),
+            "residual": (float((residual ** 2).sum()) / df_residual, df_residual)}
+
+
+def variance_components(scores: Sequence[Sequence[float]] | np.ndarray) -> dict[str, float]:
+    """Seed, question and residual variance of a ``(seeds, questions)`` matrix (S, Q ≥ 2) by the expected mean
+    squares of the crossed random-effects model ``x[s, q] = μ + a_s + b_q + e_sq``:
+    E[MS_seed] = σ²_e + Q·σ²_s, E[MS_question] = σ²_e + S·σ²_q, E[MS_residual] = σ²_e, so
+    σ²_s = (MS_seed − MS_residual)/Q and σ²_q = (MS_question − MS_residual)/S, each clipped at 0 (a variance is
+    not negative; a negative estimate is a component too small to see). Also returns the mean squares."""
+    array = _seed_query_matrix(scores, "scores")
+    if min(array.shape) < 2:
+        raise ValueError(f"variance components need at least 2 seeds and 2 questions, got shape {array.shape}")
+    squares = _mean_squares(array)
+    ms_seed, ms_question, ms_residual = (squares[k][0] for k in ("seed", "question", "residual"))
+    n_seeds, n_questions = array.shape
+    return {"seed": max(0.0, (ms_seed - ms_residual) / n_questions),
+            "question": max(0.0, (ms_question - ms_residual) / n_seeds), "residual": ms_residual,
+            "ms_seed": ms_seed, "ms_question": ms_question, "ms_residual": ms_residual}
+
+
+CROSSED = "crossed seeds x questions: two-way random-effects ANOVA, t with Satterthwaite df"
+ONE_SEED = "one seed: t over questions (question variance only; seed variance not estimable)"
+ONE_QUESTION = "one question: t over seeds (seed variance only)"
+
+
+def _t_interval(mean: float, se: float, df: float, confidence: float) -> tuple[float, float]:
+    half = float(scipy_stats.t.ppf(0.5 + confidence / 2, df)) * se
+    return mean - half, mean + half
+
+
+P_FLOOR = float(np.finfo(float).tiny)
+"""The floor of a t p-value (the smallest positive normal double): a p-value is never exactly 0."""
+
+
+def t_p_value(mean: float, se: float, df: float) -> float:
+    """Two-sided p-value of "the mean is 0" from ``t = mean/se`` on ``df`` degrees of freedom; never exactly 0:
+    a zero standard error (every score equal) gives 1 at mean 0 and the smallest positive double
+    (:data:`P_FLOOR`) otherwise, and a tail beyond double precision is floored there too."""
+    if se == 0:
+        return 1.0 if mean == 0 else P_FLOOR
+    return float(min(1.0, max(2 * scipy_stats.t.sf(abs(mean) / se, df), P_FLOOR)))
+
+
+def crossed_interval(scores: Sequence[Sequence[float]] | np.ndarray, confidence: float = 0.95) -> dict[str, Any]:
+    """Mean of a ``(seeds, questions)`` matrix and its t interval under the crossed seeds × questions model.
+
+    ``scores[s, q]`` is training seed ``s``'s score on question ``q`` (or a paired difference of two conditions
+    run with seed ``s`` on question ``q``; rows that share a question are first merged by :func:`cluster_rows`).
+    Every seed answers the same questions, so seeds and questions are *crossed* random factors:
+    ``x[s, q] = μ + a_s + b_q + e_sq`` with variances σ²_s, σ²_q, σ²_e, and the grand mean has variance
+    σ²_s/S + σ²_q/Q + σ²_e/(SQ). Its estimate plugs in the components of :func:`variance_components` (clipped at
+    0): (MS_seed + MS_question − MS_residual)/(SQ) when both are positive, MS_seed/(SQ) when only the seed
+    component is, MS_question/(SQ) when only the question one is, MS_residual/(SQ) when neither is. Clipping
+    (rather than the conservative (MS_seed + MS_question)/(SQ)) keeps the interval from widening by up to √2 when
+    the residual (the seed × question interaction) is large, as it is for 0/1 scores. The interval is
+    ``mean ± t·se`` with the Satterthwaite degrees of freedom of that combination of mean squares
+    (Satterthwaite 1946): near S − 1 when seed variance dominates, so with 3–5 seeds the t quantile is wide
+    enough: in tests/test_interval_coverage.py (seed variance dominating) it covers 0.937 and 0.944 of a nominal
+    0.95 with 3 and 5 seeds, where the crossed percentile bootstrap (:func:`hierarchical_bootstrap`) covers 0.768
+    and 0.836.
+
+    With one seed the seed variance cannot be estimated: the interval is the t interval over questions, and
+    ``method`` says so (:data:`ONE_SEED`); with one question, the t interval over seeds. For family-wise
+    (Bonferroni-level) intervals over m claims pass ``confidence = 1 − alpha/m`` (:func:`corrected_verdicts`).
+
+    Returns ``{"mean", "low", "high", "p_value", "df", "se", "seeds", "questions", "method"}``; ``p_value`` is
+    the two-sided t p-value of mean = 0 (:func:`t_p_value`, never exactly 0). A zero standard error (every
+    score alike, e.g. two identical runs) gives the point interval [mean, mean] and df of the design's seed term.
+    """
+    _z(confidence)
+    array = _seed_query_matrix(scores, "scores")
+    n_seeds, n_questions = array.shape
+    if n_seeds == 1 and n_questions == 1:
+        raise ValueError("crossed_interval needs at least 2 seeds or 2 questions: scores holds one value")
+    if n_seeds == 1 or n_questions == 1:
+        values = array.ravel()
+        method = ONE_SEED if n_seeds == 1 else ONE_QUESTION
+        variance, df = float(values.var(ddof=1)) / len(values), float(len(values) - 1)
+    else:
+        method = CROSSED
+        squares = _mean_squares(array)
+        ms_seed, ms_question, ms_residual = (squares[k][0] for k in ("seed", "question", "residual"))
+        coefficients = {"seed": float(ms_seed > ms_residual), "question": float(ms_question > ms_residual)}
+        coefficients["residual"] = 1.0 - coefficients["seed"] - coefficients["question"]
+        terms = {k: coefficients[k] * squares[k][0] for k in squares if coefficients[k]}
+        variance = sum(terms.values()) / (n_seeds * n_questions)
+        denominator = sum(term ** 2 / squares[k][1] for k, term in terms.items())
+        df = (sum(terms.values()) ** 2 / denominator) if denominator > 0 else float(n_seeds - 1)
+    mean, se = float(array.mean()), math.sqrt(max(variance, 0.0))
+    low, high = _t_interval(mean, se, df, confidence)
+    return {"mean": mean, "low": low, "high": high, "p_value": t_p_value(mean, se, df), "df": df, "se": se,
+            "seeds": n_seeds, "questions": n_questions, "method": method}
+
+
+def crossed_difference(
+    a: Sequence[Sequence[float]] | np.ndarray, b: Sequence[Sequence[float]] | np.ndarray,
+    clusters: Sequence[Hashable] | None = None, confidence: float = 0.95,
+) -> dict[str, Any]:
+    """:func:`crossed_interval` of the paired difference ``a − b`` of two conditions run with the same seeds
+    (rows) on the same question rows (columns); ``clusters`` names each column's question, and columns of one
+    question are averaged first (:func:`cluster_rows`). Adds ``"diff"`` (the mean difference)."""
+    a_array, b_array = _seed_query_matrix(a, "a"), _seed_query_matrix(b, "b")
+    if a_array.shape != b_array.shape:
+        raise ValueError(f"paired runs need the same seeds and questions: a has shape {a_array.shape}, "
+                         f"b {b_array.shape}")
+    diffs = a_array - b_array if clusters is None else cluster_rows(a_array - b_array, clusters)
+    result = crossed_interval(diffs, confidence)
+    return {"diff": result["mean"], **result}
+
+
+def interval_at(result: dict[str, Any], confidence: float) -> tuple[float, float]:
+    """The interval of a :func:`crossed_interval` result at another ``confidence`` (same mean, se and df)."""
+    _z(confidence)
+    return _t_interval(result["mean"], result["se"], result["df"], confidence)
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm–Bonferroni adjusted p-values (Holm 1979), in the order given.
+
+    Sorted ascending, the i-th smallest (i = 1..m) is multiplied by m − i + 1, made non-decreasing by a running
+    maximum and capped at 1; rejecting where the adjusted p is below alpha controls the family-wise error rate
+    at alpha, and never rejects less than Bonferroni (m·p).
+    """
+    array = np.asarray(p_values, dtype=float)
+    if array.ndim != 1 or ((array < 0) | (array > 1) | ~np.isfinite(array)).any():
+        raise ValueError(f"holm needs a 1-D sequence of p-values in [0, 1], got {list(p_values)}")
+    order = np.argsort(array, kind="stable")
+    m = len(array)
+    stepped = np.minimum(1.0, np.maximum.accumulate(array[order] * (m - np.arange(m))))
+    adjusted = np.empty(m)
+    adjusted[order] = stepped
+    return adjusted.tolist()
 
 
 @dataclass(frozen=True)
@@ -214,10 +399,77 @@ class Claim:
     evidence: str = "all"
 
 
-def verdict(low: float, high: float, margin: float) -> str:
-    """A claim "better beats worse" judged by the interval ``[low, high]`` of better − worse: ``reproduced`` when
-    it lies above 0, ``not reproduced`` when it lies below ``margin`` (no gain as large as the smallest effect of
-    interest), else ``inconclusive``."""
-    if low > 0:
-        return "reproduced"
-    return "not reproduced" if high < margin else "inconclusive"
+VERDICTS = ("reproduced", "not reproduced", "inconclusive", "not testable")
+VERDICT_RULE = ("the smallest effect of interest is tested first: *not reproduced* when the interval of better − "
+                "worse lies wholly below the margin (even if above 0); *reproduced* when it lies above 0 and reaches "
+                "the margin; else *inconclusive*; *not testable* when the two configurations cannot be told apart "
+                "by construction (the reason is given)")
+""":func:`verdict`'s rule in words, for reports to quote (with the margin)."""
+
+
+def verdict(low: float, high: float, margin: float, testable: bool = True, reason: str | None = None) -> str:
+    """The verdict on a claim "better beats worse" from the interval ``[low, high]`` of better − worse.
+
+    The rule (:data:`VERDICT_RULE`) tests the smallest effect of interest ``margin`` (≥ 0) first:
+
+    - ``not testable`` when ``testable`` is False (e.g. the two configurations coincide on the set, or a component
+      never runs); ``reason`` must then say why (reports show it beside the label);
+    - ``not reproduced`` when ``high < margin``: no gain as large as the margin is compatible with the data,
+      even when the interval lies above 0 (a real but negligible gain does not reproduce a claimed one);
+    - ``reproduced`` when ``low > 0`` (and, by the first test, ``high ≥ margin``);
+    - ``inconclusive`` otherwise (the interval holds 0 and reaches the margin).
+    """
+    if margin < 0:
+        raise ValueError(f"the margin (smallest effect of interest) must be >= 0, got {margin}")
+    if low > high:
+        raise ValueError(f"an interval needs low <= high, got [{low}, {high}]")
+    if not testable:
+        if not reason:
+            raise ValueError("a claim that is not testable needs a reason (e.g. 'identical calls on every query')")
+        return "not testable"
+    if high < margin:
+        return "not reproduced"
+    return "reproduced" if low > 0 else "inconclusive"
+
+
+def corrected_verdicts(
+    results: Sequence[dict[str, Any]], margin: float, alpha: float = 0.05
+) -> list[dict[str, Any]]:
+    """Raw and family-corrected p-values, intervals and verdicts of a family of claims (e.g. a table's verdicts).
+
+    ``results[i]`` is claim i's :func:`crossed_interval` (or :func:`crossed_difference`) result: ``mean``, ``se``,
+    ``df``, ``p_value``, ``low``, ``high``; a ``"testable": False`` entry (with ``"reason"``) is a claim that
+    cannot be tested and is left out of the family. With m testable claims:
+
+    - ``p_holm``: Holm's adjusted p-value of mean = 0 (:func:`holm`);
+    - ``corrected_low``/``corrected_high``: the Bonferroni-level interval at ``corrected_confidence`` = 1 − alpha/m
+      (:func:`interval_at`); the m intervals hold their parameters together with probability ≥ 1 − alpha, so every
+      corrected verdict (in either direction) holds at family-wise level alpha. An interval that excludes 0 has
+      ``p_holm < alpha`` too (Holm rejects at least what Bonferroni does);
+    - ``verdict`` from the raw interval, ``corrected_verdict`` from the corrected one (:func:`verdict`, the same
+      ``margin``).
+
+    Returns one dict per claim: its entries and these keys (None for the corrected ones of an untestable claim).
+    """
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    tested = [i for i, result in enumerate(results) if result.get("testable", True)]
+    adjusted = dict(zip(tested, holm([results[i]["p_value"] for i in tested])))
+    confidence = 1 - alpha / max(1, len(tested))
+    out = []
+    for i, result in enumerate(results):
+        testable, reason = result.get("testable", True), result.get("reason")
+        entry = {**result, "verdict": verdict(result["low"], result["high"], margin, testable, reason),
+                 "p_holm": None, "corrected_low": None, "corrected_high": None,
+                 "corrected_confidence": confidence, "corrected_verdict": "not testable", "family_size": len(tested)}
+        if testable:
+            low, high = interval_at(result, confidence)
+            entry.update(p_holm=adjusted[i], corrected_low=low, corrected_high=high,
+                         corrected_verdict=verdict(low, high, margin))
+        out.append(entry)
+    return out
+
+
+CORRECTION = ("Holm–Bonferroni over the table's m testable claims (adjusted p), Bonferroni-level intervals at "
+              "confidence 1 − alpha/m for the corrected verdicts")
+""":func:`corrected_verdicts`' correction in words, for reports to quote."""

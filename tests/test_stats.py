@@ -2,13 +2,25 @@
 
 import numpy as np
 import pytest
+from scipy import stats as scipy_stats
 
 from hkrag.stats import (
+    CROSSED,
+    ONE_SEED,
+    P_FLOOR,
     bootstrap_interval,
+    cluster_rows,
+    corrected_verdicts,
+    crossed_difference,
+    crossed_interval,
     hierarchical_bootstrap,
     hierarchical_means,
     hierarchical_paired_bootstrap,
+    holm,
+    interval_at,
     paired_bootstrap,
+    variance_components,
+    verdict,
     wilson_interval,
 )
 
@@ -58,7 +70,7 @@ def test_paired_bootstrap_constant_shift():
     result = paired_bootstrap([x + 0.1 for x in a], a)
     assert result["diff"] == pytest.approx(0.1)
     assert (result["low"], result["high"]) == pytest.approx((0.1, 0.1))
-    assert result["p_value"] == 0.0
+    assert result["p_value"] == 1 / 2000  # no resample at or below 0: p < 1/B, reported as the floor 1/B
 
 
 def test_paired_bootstrap_identical_runs():
@@ -118,7 +130,8 @@ def test_hierarchical_paired_difference_of_a_constant_shift_is_that_shift():
     scores = np.random.default_rng(2).uniform(size=(3, 20))
     result = hierarchical_paired_bootstrap(scores + 0.1, scores)
     assert (result["diff"], result["low"], result["high"]) == pytest.approx((0.1, 0.1, 0.1))
-    assert result["p_value"] == 0.0
+    assert result["p_value"] == 1 / 2000
+    assert hierarchical_paired_bootstrap(scores + 0.1, scores, n_resamples=500)["p_value"] == 1 / 500
 
 
 def test_hierarchical_bootstrap_rejects_bad_shapes():
@@ -126,3 +139,133 @@ def test_hierarchical_bootstrap_rejects_bad_shapes():
         hierarchical_bootstrap([1.0, 2.0])
     with pytest.raises(ValueError, match=r"a has shape \(2, 3\), b \(3, 3\)"):
         hierarchical_paired_bootstrap(np.zeros((2, 3)), np.zeros((3, 3)))
+
+
+# The crossed seeds x questions interval. Seeds score the 4 questions:
+#   seed 0: 1 3 2  6   (mean 3)      question means 2, 4, 4, 22/3; grand mean 52/12 = 13/3
+#   seed 1: 2 5 3  6   (mean 4)
+#   seed 2: 3 4 7 10   (mean 6)
+# SS_seed = Q * sum((3, 4, 6) - 13/3)^2 = 4 * (16 + 1 + 25)/9 = 56/3,   df 2, MS_seed = 28/3
+# SS_question = S * (49 + 1 + 1 + 81)/9 = 44,                          df 3, MS_question = 44/3
+# SS_total = sum(x^2) - 52^2/12 = 298 - 676/3 = 218/3, SS_residual = 218/3 - 56/3 - 44 = 10, df 6, MS_residual = 5/3
+MATRIX = [[1.0, 3, 2, 6], [2, 5, 3, 6], [3, 4, 7, 10]]
+MS_SEED, MS_QUESTION, MS_RESIDUAL = 28 / 3, 44 / 3, 5 / 3
+
+
+def test_variance_components_by_hand():
+    components = variance_components(MATRIX)
+    assert (components["ms_seed"], components["ms_question"], components["ms_residual"]) == pytest.approx(
+        (MS_SEED, MS_QUESTION, MS_RESIDUAL))
+    # sigma2_seed = (MS_seed - MS_res)/Q = (23/3)/4 = 23/12; sigma2_question = (MS_q - MS_res)/S = 13/3
+    assert (components["seed"], components["question"], components["residual"]) == pytest.approx(
+        (23 / 12, 13 / 3, 5 / 3))
+
+
+def test_crossed_interval_by_hand():
+    result = crossed_interval(MATRIX)
+    # Var(mean) = s2_seed/S + s2_question/Q + s2_res/(SQ) = (MS_seed + MS_question - MS_res)/(SQ) = (67/3)/12
+    variance = (MS_SEED + MS_QUESTION - MS_RESIDUAL) / 12
+    assert variance == pytest.approx(67 / 36)
+    # Satterthwaite: (67/3)^2 / ((28/3)^2/2 + (44/3)^2/3 + (5/3)^2/6) = 498.78 / 115.72 = 4.3101
+    df = (67 / 3) ** 2 / (MS_SEED ** 2 / 2 + MS_QUESTION ** 2 / 3 + MS_RESIDUAL ** 2 / 6)
+    assert df == pytest.approx(4.3101, abs=1e-4)
+    half = scipy_stats.t.ppf(0.975, df) * variance ** 0.5  # t(0.975; 4.31) = 2.6994
+    assert result["mean"] == pytest.approx(13 / 3)
+    assert (result["se"], result["df"]) == pytest.approx((variance ** 0.5, df))
+    assert (result["low"], result["high"]) == pytest.approx((13 / 3 - half, 13 / 3 + half))
+    assert result["p_value"] == pytest.approx(2 * scipy_stats.t.sf(13 / 3 / variance ** 0.5, df))
+    assert (result["seeds"], result["questions"], result["method"]) == (3, 4, CROSSED)
+    assert interval_at(result, 0.95) == pytest.approx((result["low"], result["high"]))
+
+
+def test_crossed_interval_clips_a_negative_seed_component():
+    # Seed means 7/3, 8/3, 7/3 barely differ: MS_seed = 3 * (1/81 + 4/81 + 1/81) / 2 = 1/9 < MS_residual, so the
+    # seed component is 0 and Var(mean) = MS_question/(SQ) with the question term's df, Q - 1 = 2.
+    matrix = np.array([[1.0, 2, 4], [2, 3, 3], [0, 2, 5]])
+    components = variance_components(matrix)
+    assert components["ms_seed"] == pytest.approx(1 / 9) and components["seed"] == 0.0
+    result = crossed_interval(matrix)
+    # question means 1, 7/3, 4 around 22/9: MS_question = 3 * ((13/9)^2 + (1/9)^2 + (14/9)^2) / 2 = 3 * 366/81 / 2
+    assert components["ms_question"] == pytest.approx(61 / 9)
+    assert result["se"] == pytest.approx((61 / 9 / 9) ** 0.5)
+    assert result["df"] == pytest.approx(2.0)
+
+
+def test_crossed_interval_with_one_seed_is_the_t_interval_over_questions():
+    result = crossed_interval([[1.0, 2.0, 3.0]])
+    half = scipy_stats.t.ppf(0.975, 2) * (1 / 3) ** 0.5  # sample variance 1, se sqrt(1/3), df 2
+    assert (result["low"], result["high"]) == pytest.approx((2 - half, 2 + half))
+    assert result["method"] == ONE_SEED and "seed variance not estimable" in result["method"]
+
+
+def test_crossed_interval_of_identical_runs_is_a_point_and_never_p_zero():
+    result = crossed_difference(np.ones((3, 4)), np.ones((3, 4)))
+    assert (result["diff"], result["low"], result["high"], result["p_value"]) == (0.0, 0.0, 0.0, 1.0)
+    shifted = crossed_difference(np.ones((3, 4)) + 0.1, np.ones((3, 4)))
+    assert shifted["p_value"] == P_FLOOR > 0
+    with pytest.raises(ValueError, match="one value"):
+        crossed_interval([[1.0]])
+
+
+def test_cluster_rows_averages_a_questions_rows_before_the_interval():
+    # question a asked in two pools (rows 0 and 2): one column of their mean, in order of first appearance
+    assert cluster_rows([[1.0, 2.0, 3.0, 4.0], [0, 0, 2, 2]], ["a", "b", "a", "c"]).tolist() == [[2, 2, 4], [1, 0, 2]]
+    assert cluster_rows([1.0, 3.0], ["q", "q"]).tolist() == [[2.0]]
+    with pytest.raises(ValueError, match="3 clusters"):
+        cluster_rows([[1.0, 2.0]], ["a", "b", "c"])
+    a, b = np.array([[1.0, 1.0, 0.0, 1.0], [1, 0, 1, 1]]), np.zeros((2, 4))
+    clustered = crossed_difference(a, b, clusters=["a", "b", "a", "b"])
+    assert clustered["questions"] == 2 and clustered["diff"] == pytest.approx(0.75)
+    assert clustered == crossed_interval(cluster_rows(a - b, ["a", "b", "a", "b"])) | {"diff": clustered["mean"]}
+
+
+def test_holm_by_hand():
+    # sorted: 0.005 x4 = 0.02, 0.01 x3 = 0.03, 0.03 x2 = 0.06, 0.04 x1 = 0.04 -> running max 0.06
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.6]) == [1.0, 1.0]  # 0.5 x 2 capped at 1, then monotone
+    assert holm([]) == []
+    with pytest.raises(ValueError, match="p-values in \\[0, 1\\]"):
+        holm([0.2, 1.5])
+
+
+@pytest.mark.parametrize("low, high, expected", [
+    (0.001, 0.05, "reproduced"),
+    (0.002, 0.008, "not reproduced"),  # above 0 but wholly below the margin: the margin is tested first
+    (-0.02, 0.005, "not reproduced"),
+    (-0.05, -0.01, "not reproduced"),
+    (-0.02, 0.03, "inconclusive"),
+    (0.0, 0.0, "not reproduced"),
+])
+def test_verdict_rule_tests_the_margin_first(low, high, expected):
+    assert verdict(low, high, margin=0.01) == expected
+
+
+def test_not_testable_needs_a_reason():
+    assert verdict(0.0, 0.0, 0.01, testable=False, reason="identical calls on every query") == "not testable"
+    with pytest.raises(ValueError, match="needs a reason"):
+        verdict(0.0, 0.0, 0.01, testable=False)
+    with pytest.raises(ValueError, match="margin"):
+        verdict(0.0, 0.1, -0.01)
+
+
+def test_corrected_verdicts_apply_holm_and_bonferroni_intervals():
+    # two testable claims (m = 2): Bonferroni intervals at 97.5 %; t = 3.33 and 2.5 on 10 df: p = 0.0076, 0.031,
+    # Holm p = (2 x 0.0076, max(2 x 0.0076, 0.031))
+    results = [{"mean": 0.05, "se": 0.015, "df": 10.0}, {"mean": 0.03, "se": 0.012, "df": 10.0},
+               {"mean": 0.0, "se": 0.0, "df": 4.0, "low": 0.0, "high": 0.0, "p_value": 1.0, "testable": False,
+                "reason": "identical configurations"}]
+    for result in results[:2]:
+        result["p_value"] = 2 * scipy_stats.t.sf(result["mean"] / result["se"], result["df"])
+        result["low"], result["high"] = interval_at(result, 0.95)
+    out = corrected_verdicts(results, margin=0.01)
+    p0, p1 = results[0]["p_value"], results[1]["p_value"]
+    assert p0 < p1 < 0.05
+    assert [o["p_holm"] for o in out[:2]] == pytest.approx([2 * p0, max(2 * p0, p1)])
+    t = scipy_stats.t.ppf(1 - 0.05 / 4, 10)  # two-sided 97.5 %: the 98.75 % quantile
+    assert (out[0]["corrected_low"], out[0]["corrected_high"]) == pytest.approx((0.05 - t * 0.015, 0.05 + t * 0.015))
+    assert out[0]["corrected_confidence"] == 0.975 and out[0]["family_size"] == 2
+    assert [o["verdict"] for o in out] == ["reproduced", "reproduced", "not testable"]
+    # claim 1's raw interval 0.03 ± 2.228 x 0.012 = [0.0033, 0.057] lies above 0; at 97.5 % (± 2.634 x 0.012) it
+    # reaches below 0: inconclusive once corrected
+    assert [o["corrected_verdict"] for o in out] == ["reproduced", "inconclusive", "not testable"]
+    assert out[2]["p_holm"] is None and out[2]["corrected_low"] is None
