@@ -93,6 +93,8 @@ on the single-pass prompt only before the field existed."""
 COSTS = ("lvlm_calls", "input_tokens", "output_tokens", "seconds")
 """Fig. 4's cost per query: LVLM calls, input and output tokens, the query's wall seconds."""
 QUERIES_FILE = "table6_queries.jsonl.gz"
+EXPERIMENT = "generator_reader_tiny"
+"""The default generator experiment (``--experiment``)."""
 WEIGHTS_DIR = CONF_DIR.parent / "weights"
 
 
@@ -103,7 +105,7 @@ class Table6Config:
 
     out: Path
     seeds: Sequence[int] = (0, 1, 2, 3, 4)
-    experiment: str = "generator_reader_tiny"
+    experiment: str = EXPERIMENT
     generator_steps: int | None = None
     """``generator_training.optim.max_steps`` (None: the experiment's own)."""
     reader: Path = WEIGHTS_DIR / "reader_tiny"
@@ -141,6 +143,12 @@ def run_folder(config: Table6Config, pages: str, generator: str, seed: int) -> P
     return config.folders["runs"] / f"{pages}-{generator}-s{seed}"
 
 
+def serve_overrides(config: Table6Config, seed: int) -> list[str]:
+    """The ``eval.py`` overrides that serve seed ``seed``'s generator."""
+    generator = generator_folder(config, seed)
+    return ["lvlm=phi3v", f"lvlm.base={generator / BASE_DIR}", f"lvlm.adapter={generator / FINAL_ADAPTER}"]
+
+
 def split_overrides(split: str) -> list[str]:
     """The split a run answers (``rag.split``) and, for retrieved pages, ranks (``eval.split``)."""
     return [f"rag.split={split}", f"eval.split={split}"]
@@ -158,11 +166,10 @@ def run_table6(config: Table6Config) -> dict[str, Any]:
         record_time(timings, out, name, seconds)
     runs = []
     for seed in config.seeds:
-        generator = generator_folder(config, seed)
-        serve = ["lvlm=phi3v", f"lvlm.base={generator / BASE_DIR}", f"lvlm.adapter={generator / FINAL_ADAPTER}"]
         for pages, task in PAGES.items():
             retriever = [f"run_dir={config.reader}"] if pages == "retrieved" else []
-            runs += [(run_folder(config, pages, g, seed), [*task, f"generator={g}", *retriever, *serve,
+            runs += [(run_folder(config, pages, g, seed), [*task, f"generator={g}", *retriever,
+                                                            *serve_overrides(config, seed),
                                                             *split_overrides(config.split), *config.eval_overrides],
                       "eval", RAG_REPORT) for g in config.generators]
     for name, seconds in run_jobs(runs, config.workers, "table 6 runs"):
@@ -350,6 +357,21 @@ def _pct(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:+.1f}"
 
 
+def score_rows(table: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """A set's configurations, unrounded (×100 for scores): score and interval, cost per query (what W&B logs)."""
+    return ["generator", "score", "low", "high", *COSTS], [
+        [name, *(100 * row["score"][k] for k in ("mean", "low", "high")), *(row["cost"][k] for k in COSTS)]
+        for name, row in table["generators"].items()]
+
+
+def verdict_rows(table: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """A set's claims: text, configurations, difference and interval (×100), p-values, verdicts, reason."""
+    return ["claim", "better", "worse", "diff", "low", "high", "p_value", "p_holm", "verdict", "corrected_verdict",
+            "reason"], [[c["text"], c["better"], c["worse"], 100 * c["diff"], 100 * c["low"], 100 * c["high"],
+                         c["p_value"], c["p_holm"], c["verdict"], c["corrected_verdict"], c["reason"]]
+                        for c in table["claims"]]
+
+
 def markdown(summary: Mapping[str, Any], header: str = "") -> str:
     """Table 6 as Markdown: the rule, then per set the configurations' scores and costs and the verdicts."""
     lines = [header] if header else []
@@ -426,8 +448,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, required=True, help="folder of the runs and reports (resumed if present)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4],
                         help="generator training seeds (generator_training.optim.seed; default: 0 1 2 3 4)")
-    parser.add_argument("--experiment", default="generator_reader_tiny",
-                        help="train.py experiment of the generator (default: generator_reader_tiny)")
+    parser.add_argument("--experiment", default=EXPERIMENT,
+                        help=f"train.py experiment of the generator (default: {EXPERIMENT})")
     parser.add_argument("--generator-steps", type=int, default=None,
                         help="generator_training.optim.max_steps (default: the experiment's)")
     parser.add_argument("--reader", type=Path, default=WEIGHTS_DIR / "reader_tiny",
