@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hkrag.lvlm import GenerationSettings, LVLMBackend, LVLMError, LVLMResult
+from hkrag.lvlm import GenerationSettings, LVLMBackend, LVLMError, LVLMRequest, LVLMResult
 from hkrag.lvlm.base import ImageError
 from hkrag.rag.records import CallRecord, Page
 
@@ -71,6 +71,18 @@ def keys_problem(key: str, config: Mapping[str, Any], names: Sequence[str]) -> s
     return f"{key} {' and '.join(parts)}; expected {list(names)} (see conf/generator/hkrag.yaml)"
 
 
+def step_request(prompts: Prompts, caps: Caps, question: str, step: str, pages: Sequence[Page],
+                 top_logprobs: int = 0, **values: str) -> tuple[str, LVLMRequest]:
+    """The prompt text and the request of step ``step`` about ``pages``: the one place a call is built.
+
+    :meth:`QueryContext.ask` sends it; the training curriculum (:mod:`agents.curriculum`) learns on it, so a
+    training prompt is the inference prompt by construction. The reply is capped by the step's kind
+    (:data:`~agents.steps.STEPS`, ``caps.max_new_tokens``)."""
+    text = prompts.render(step, question=question, **values)
+    settings = GenerationSettings(max_new_tokens=caps.max_new_tokens[STEPS[step].reply], top_logprobs=top_logprobs)
+    return text, build_request(pages, text, settings)
+
+
 class QueryFailure(Exception):
     """A query that cannot be answered: ``agent`` is where it stopped, ``reason`` why."""
 
@@ -121,14 +133,11 @@ class QueryContext:
         agent = STEPS[step].agent
         if len(self.calls) >= self.caps.max_calls:
             raise QueryFailure(agent, f"call cap reached (max_calls={self.caps.max_calls})")
-        text = self.prompts.render(step, question=self.question, **values)
-        settings = GenerationSettings(
-            max_new_tokens=self.caps.max_new_tokens[STEPS[step].reply], top_logprobs=top_logprobs
-        )
+        text, request = step_request(self.prompts, self.caps, self.question, step, pages, top_logprobs, **values)
         page_ids = [page.key for page in pages]
         started = self.clock()
         try:
-            result = self.backend(build_request(pages, text, settings))
+            result = self.backend(request)
         except (LVLMError, ImageError) as error:
             reason = f"{type(error).__name__}: {error}"
             self.calls.append(CallRecord(agent, shown(pages, text), page_ids, step=step, iteration=iteration,

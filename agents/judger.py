@@ -36,6 +36,11 @@ class Judger:
     estimator: str
     top_logprobs: int
 
+    @property
+    def alternatives(self) -> int:
+        """The ``top_logprobs`` the initial answer asks for: the setting's when the estimator reads them, else 0."""
+        return self.top_logprobs if self.estimator in NEEDS_ALTERNATIVES else 0
+
     def check_backend(self, backend: LVLMBackend) -> None:
         """Raise before any query when ``backend`` cannot give what the estimator needs.
 
@@ -58,8 +63,7 @@ class Judger:
     def judge(self, ctx: QueryContext, pages: Sequence[Page]) -> Judgement:
         """LQP when H′ < h, else HQP; the uncertainty is recorded on the call. An answer whose statistics
         cannot be measured (NaN, missing alternatives) fails the query naming the Judger."""
-        top = self.top_logprobs if self.estimator in NEEDS_ALTERNATIVES else 0
-        result, record = ctx.ask("answer", pages, top_logprobs=top)
+        result, record = ctx.ask("answer", pages, top_logprobs=self.alternatives)
         try:
             measured = uncertainty(result, self.estimator)
         except (ValueError, LVLMError) as error:

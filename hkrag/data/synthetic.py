@@ -65,6 +65,8 @@ YEARS = tuple(str(year) for year in range(2017, 2025))
 REFERENCE_SIZE = (224, 168)
 CONFIG_FILE = "synthetic_config.json"
 """Written into the output folder: the settings it was generated with (marks the folder as ours)."""
+PAGES_FILE = "pages.jsonl"
+"""Written into the output folder by :func:`generate`: every page's spec and drawn items, one JSON object a line."""
 """Layouts and font sizes are written for this page size and scale with the configured one."""
 MIN_FINE_PRINT_PX = 9
 """Smallest accepted cap height of fine print, in pixels of the rendered page and of the model's input."""
@@ -162,7 +164,7 @@ def generate(out_dir: str | Path, config: SyntheticConfig = SyntheticConfig()) -
     declares ``text: drawn``: the ``text`` column is the exact drawn strings, not a text layer OCR may take.
     """
     root = Path(out_dir)
-    paths = SyntheticPaths(root, root / "qa", root / "corpus", root / "pages.jsonl")
+    paths = SyntheticPaths(root, root / "qa", root / "corpus", root / PAGES_FILE)
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(config.seed)
     train = _page_specs(rng, config, "train", taken=set())
@@ -216,6 +218,34 @@ def page_text(items: list[TextItem]) -> str:
     The corpus's ``text`` column: the page text VDocRAG's pre-training (RCR, RCG) learns from.
     """
     return "\n".join(item.text for item in sorted(items, key=lambda item: (item.box[1], item.box[0])))
+
+
+PAGE_FIELDS = ("title", "label", "value", "source", "code", "year", "page_no")
+"""The :class:`PageSpec` fields :func:`load_page_items` returns (as drawn: strings)."""
+
+
+def load_page_items(root: str | Path, split: str | None = None) -> dict[str, dict]:
+    """Each page's drawn strings by kind, in reading order (:func:`page_text`'s), and its fields, from
+    ``<root>/pages.jsonl``: doc id -> ``{"doc_id", "salient": [...], "fine_print": [...], "fields": {...}}`` (the
+    fields of ``hkrag.rag.records.PageTruth``); ``split`` keeps one split's pages. A folder without the file (a
+    corpus other than the built-in one) is an error naming it: its pages carry no items to learn notes from."""
+    path = Path(root) / PAGES_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: the agents' note targets (salient, fine_print, decouple) are read "
+                                "from the built-in corpus's drawn items; a corpus without them can train the answer "
+                                "and Pruner steps only (generator_training.curriculum.steps)")
+    pages = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        row = json.loads(line)
+        if split is not None and row.get("split") != split:
+            continue
+        if "items" not in row:
+            raise ValueError(f"{path}, line {number} (page {row.get('doc_id')!r}) has no 'items'")
+        items = sorted(row["items"], key=lambda item: (item["box"][1], item["box"][0]))
+        by_kind = {kind: [item["text"] for item in items if item["kind"] == kind] for kind in ("salient", "fine_print")}
+        pages[row["doc_id"]] = {"doc_id": row["doc_id"], **by_kind,
+                                "fields": {name: str(row[name]) for name in PAGE_FIELDS if name in row}}
+    return pages
 
 
 def _page_specs(rng: random.Random, config: SyntheticConfig, split: str, taken: set[tuple]) -> list[PageSpec]:

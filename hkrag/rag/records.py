@@ -58,6 +58,33 @@ def page_marker(page: Page) -> str:
     """How the trace shows ``page`` in a recorded prompt: ``<page:id>`` for an image, ``<text:id>`` for text."""
     return f"<{'text' if isinstance(page, PageText) else 'page'}:{page.key}>\n"
 
+@dataclass(frozen=True)
+class PageTruth:
+    """What is drawn on a page, the ground truth the agents' training targets and the per-step report read.
+
+    ``salient`` and ``fine_print`` hold the page's drawn strings of each kind in reading order (top to bottom, then
+    left to right; ``hkrag.data.synthetic.load_page_truth``); ``fields`` its named values (the built-in corpus's
+    ``label``, ``value``, ``code``, ``year``, ``page_no`` …, as drawn), e.g. ``fields["code"]``, the reference code.
+    """
+
+    doc_id: str
+    salient: tuple[str, ...]
+    fine_print: tuple[str, ...]
+    fields: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class QueryTruth:
+    """A question's ground truth: its gold ``answers`` (the first is the target), its relevant pages (qrels) and,
+    for a built-in question, the page ``field`` it asks for (``hkrag.data.synthetic.question_field``)."""
+
+    query_id: str
+    question: str
+    answers: tuple[str, ...]
+    relevant: tuple[str, ...]
+    field: str | None = None
+
+
 ROUTES = ("LQP", "HQP", "single_pass", "verify_only", "failed")
 """Low-uncertainty pair (Judger → Summarizer verifies), high-uncertainty pair (→ Decoupler), the single-pass
 baseline, the no-decoupler ablation (Pruner → Summarizer verifies, no Judger: without the Decoupler both of

@@ -12,19 +12,26 @@ LoRA; training on the single-pass baseline's own prompt; the final adapter in
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
 
-from hkrag.data.opendocvqa import load_corpus, load_qa
+from hkrag.data.generator_pairs import GeneratorPair
+from hkrag.data.opendocvqa import Corpus, QAExample, load_corpus, load_qa
+from hkrag.data.splits import ValidationSplit
+from hkrag.data.synthetic import load_page_items, question_field
 from hkrag.io import write_json
 from hkrag.lvlm import LVLMRequest, PageImage
 from hkrag.lvlm.phi3v import phi3_chat
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.models.phi3v.loading import load_phi3v, load_processor, tiny_phi3v
+from hkrag.rag.records import PageTruth, QueryTruth
 from hkrag.retrieval.generator_pairs import build_generator_pairs
 from hkrag.retriever import LoraSettings, Phi3VRetriever, load_adapter
 from hkrag.run_log import RunLogger
@@ -36,6 +43,7 @@ from hkrag.training.generator import (
     GeneratorTrainer,
     GeneratorTrainerConfig,
     PromptRenderer,
+    RequestDataset,
     causal_lm_lora,
 )
 
@@ -99,6 +107,66 @@ RESUMABLE_KEYS = ("log_every", "save_every", "num_workers")
 """Optimizer settings a resumed run may change (the others fix the data order and the optimisation)."""
 
 
+def page_sources(gen: DictConfig) -> list[str]:
+    """``generator_training.pages``: one source (``gold`` or ``retrieved``) or a list of them (each query then
+    trains on each of its page sets: the agents' curriculum)."""
+    return [gen.pages] if isinstance(gen.pages, str) else list(gen.pages)
+
+
+def training_page_sets(cfg: DictConfig, qa: Sequence[QAExample], corpus: Corpus,
+                       output_dir: Path) -> dict[str, list[GeneratorPair]]:
+    """Each page source's pairs for ``qa``, built once into the run folder and reused by a rerun
+    (``generator_pairs.jsonl`` for one source, ``generator_pairs_<source>.jsonl`` for several)."""
+    gen, sources = cfg.generator_training, page_sources(cfg.generator_training)
+    if len(sources) > 1 and not gen.get("curriculum"):
+        raise ValueError(f"generator_training.pages={sources}: several page sources need generator_training.curriculum"
+                         " (the single-pass recipe trains on one)")
+    sets = {}
+    for source in sources:
+        identity = training_retriever(gen.retriever)[1] if source == "retrieved" else None
+        path = output_dir / (PAIRS_FILE if len(sources) == 1 else f"generator_pairs_{source}.jsonl")
+        sets[source] = build_generator_pairs(path, qa, corpus, source, cfg.generator.top_k, question_text,
+                                             retriever=lambda: training_retriever(gen.retriever)[0], identity=identity)
+    return sets
+
+
+def query_truth(example: QAExample) -> QueryTruth:
+    """A training query's ground truth: answers, qrels and (a built-in question) the field it asks for."""
+    question = question_text(example)
+    return QueryTruth(example.query_id, question, tuple(example.answers), tuple(example.relevant_doc_ids),
+                      question_field(question))
+
+
+def page_truth(root: str | Path, split: str) -> dict[str, PageTruth]:
+    """The drawn items of a split's pages (``<root>/pages.jsonl``, the built-in corpus only)."""
+    return {doc_id: PageTruth(row["doc_id"], tuple(row["salient"]), tuple(row["fine_print"]), row["fields"])
+            for doc_id, row in load_page_items(root, split).items()}
+
+
+def curriculum_examples(cfg: DictConfig, curriculum: Any, sets: dict[str, list[GeneratorPair]],
+                        truths: dict[str, QueryTruth], corpus: Corpus,
+                        split: ValidationSplit | None) -> list[tuple[str, tuple[str, LVLMRequest, str]]]:
+    """The curriculum's examples of the queries of ``truths`` on each of their page sets (held-out pages dropped:
+    no page of a validation group is in any training example), as ``(step, (query_id, request, target))``."""
+    items = page_truth(cfg.data.root, cfg.data.train.split) if curriculum.needs_items else None
+    pages: dict[str, PageImage] = {}
+
+    def page(doc_id: str) -> PageImage:
+        if doc_id not in pages:
+            pages[doc_id] = PageImage(corpus[doc_id].image, doc_id)
+        return pages[doc_id]
+
+    page_sets: dict[str, list[list[PageImage]]] = {query_id: [] for query_id in truths}
+    for pairs in sets.values():
+        for pair in pairs:
+            if pair.query_id in truths:
+                kept = [doc_id for doc_id in pair.doc_ids if split is None or not split.held_out(doc_id)]
+                page_sets[pair.query_id].append([page(doc_id) for doc_id in kept])
+    return [(example.step, (example.query_id, example.request, example.target))
+            for query_id, truth in tqdm(truths.items(), desc="curriculum", leave=False)
+            for example in curriculum.examples(truth, truth.question, page_sets[query_id], items)]
+
+
 def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     """Build the training top-k, fine-tune the generator's LoRA and save it; returns the report."""
     output_dir, gen = Path(output_dir), cfg.generator_training
@@ -106,16 +174,28 @@ def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str,
     prepare_data(cfg.data)
     qa = load_qa(cfg.data.qa_source, cfg.data.train.qa_config, cfg.data.train.split)[: gen.max_queries or None]
     corpus = load_corpus(cfg.data.corpus_source, cfg.data.train.corpus_config, cfg.data.train.split)
-    retriever_settings = gen.retriever
-    identity = training_retriever(retriever_settings)[1] if gen.pages == "retrieved" else None
-    pairs = build_generator_pairs(output_dir / PAIRS_FILE, qa, corpus, gen.pages, cfg.generator.top_k, question_text,
-                                  retriever=lambda: training_retriever(retriever_settings)[0], identity=identity)
+    sets = training_page_sets(cfg, qa, corpus, output_dir)
+    split = ValidationSplit(**gen.validation) if gen.get("validation") else None
+    train_qa, validation_qa = split.split(qa) if split else (list(qa), [])
+    trained = {example.query_id for example in train_qa}
+    pairs = [pair for pair in next(iter(sets.values())) if pair.query_id in trained]
+    if gen.get("curriculum"):
+        curriculum = instantiate(gen.curriculum, generator=OmegaConf.to_container(cfg.generator, resolve=True),
+                                 _convert_="all")
+        truths = {example.query_id: query_truth(example) for example in train_qa}
+        tagged = curriculum_examples(cfg, curriculum, sets, truths, corpus, split)
+        dataset, steps = RequestDataset([example for _, example in tagged]), list(curriculum.steps)
+        per_step = dict(Counter(step for step, _ in tagged))
+        texts = [target for _, (_, _, target) in tagged]
+    else:
+        dataset, steps = GeneratorDataset(pairs, corpus, single_pass_prompt(cfg.generator)), ["single_pass"]
+        per_step, texts = {"single_pass": len(pairs)}, []
     resume = resolve_resume(cfg.get("resume"), output_dir)
     save = resume is None or not (output_dir / BASE_DIR).is_dir()  # a resume refused for another base keeps base/
     if gen.get("init_from"):
         model, processor, base = merged_base(gen.init_from, cfg.model, output_dir / BASE_DIR, save)
     else:
-        texts = [text for pair in pairs for text in (pair.question, *pair.answers)]  # a tiny base's vocabulary
+        texts += [text for pair in pairs for text in (pair.question, *pair.answers)]  # a tiny base's vocabulary
         model, processor, base = generator_base(cfg.model, texts, output_dir / BASE_DIR, save)
     device = torch.device(gen.device if gen.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     model = causal_lm_lora(model, LoraSettings(**cfg.model.lora)).to(device)
@@ -125,9 +205,10 @@ def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str,
     run_logger = RunLogger(output_dir, project=cfg.logger.project, wandb_mode=cfg.logger.wandb_mode,
                            config=OmegaConf.to_container(cfg, resolve=True), name=cfg.get("run_name"))
     config = GeneratorTrainerConfig(**OmegaConf.to_container(gen.optim, resolve=True))
-    dataset = GeneratorDataset(pairs, corpus, single_pass_prompt(cfg.generator))
     run_config = {"base": base, **({"init_from": str(gen.init_from)} if gen.get("init_from") else {}),
-                  "pages": gen.pages, "top_k": cfg.generator.top_k, "examples": len(pairs),
+                  "pages": gen.pages if isinstance(gen.pages, str) else page_sources(gen),
+                  "top_k": cfg.generator.top_k, "examples": len(dataset),
+                  **({"trained_steps": steps} if gen.get("curriculum") else {}),
                   **{f"optim.{k}": v for k, v in OmegaConf.to_container(gen.optim, resolve=True).items()
                      if k not in RESUMABLE_KEYS}}
     trainer = GeneratorTrainer(model, processor, dataset, config, output_dir, run_logger, run_config=run_config)
@@ -135,7 +216,10 @@ def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str,
         trainer.resume(resume)
     trainer.fit()
     final = trainer.save(FINAL_CHECKPOINT)
-    report = {"steps": trainer.state.step, "examples": len(pairs), "pages": gen.pages, "base": base,
+    report = {"steps": trainer.state.step, "examples": len(dataset), "examples_per_step": per_step,
+              "trained_steps": steps, "queries": len(trained),
+              "validation_queries": [example.query_id for example in validation_qa],
+              "pages": gen.pages if isinstance(gen.pages, str) else page_sources(gen), "base": base,
               "adapter": str(final / ADAPTER_DIR),
               "serve": f"lvlm=phi3v lvlm.base={base} lvlm.adapter={final / ADAPTER_DIR}"}
     write_json(output_dir / "report.json", report)

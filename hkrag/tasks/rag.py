@@ -323,6 +323,17 @@ def answer_one(item: PlannedQuery, store: PageStore, generate: Callable[[Query],
     return outcome
 
 
+def answer_all(generator_cfg: dict[str, Any], backend: LVLMBackend, queries: Iterable[Query]) -> list[QueryOutcome]:
+    """``queries`` answered one by one by the generator ``generator_cfg`` describes on ``backend``, each scored by
+    the rule metrics: the agents on held-out queries outside ``eval.py`` (``hkrag.tasks.agent_steps``)."""
+    generator = build_generator(generator_cfg, backend)
+    outcomes = []
+    for outcome in generator.answer_many(queries):
+        outcome.metrics = rule_metrics("" if outcome.failed else outcome.answer, outcome.gold)
+        outcomes.append(outcome)
+    return outcomes
+
+
 def answer_queries(
     plan: list[PlannedQuery], store: PageStore, generate: Callable[[Query], QueryOutcome], judge, writer: TraceWriter,
     rank: int, world: int, progress: bool, concurrency: int = 1,

@@ -46,7 +46,8 @@ CONFIG_KEYS = ("model", "loss", "optim", "trainer", "data.synthetic", "data.trai
 """The settings that decide a retriever's weights (where the data lives and where the run wrote do not)."""
 GENERATOR_CONFIG_KEYS = ("model", "generator_training", "generator.prompts.single_pass", "generator.top_k",
                          "data.synthetic", "data.train")
-"""The settings that decide a generator's weights (``run._target_`` names generator training)."""
+"""The settings that decide a generator's weights (``run._target_`` names generator training); with the agents'
+curriculum (``generator_training.curriculum``), the whole ``generator`` group too."""
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -73,6 +74,8 @@ def weight_settings(cfg: DictConfig) -> dict[str, Any]:
     """``cfg``'s values, resolved, for the keys that decide the weights (a generator's or a retriever's)."""
     target = OmegaConf.select(cfg, "run._target_") or ""
     keys = GENERATOR_CONFIG_KEYS if target.endswith("run_generator_training") else CONFIG_KEYS
+    if OmegaConf.select(cfg, "generator_training.curriculum"):
+        keys = (*keys, "generator")  # the agents' curriculum learns every prompt, under the caps and top_k
     return {key: _resolved(OmegaConf.select(cfg, key)) for key in keys}
 
 
@@ -111,6 +114,7 @@ def ship(run: Path, out: Path, answers: dict[str, Any] | None = None, replace: b
     sources = shipped_files(run)
     manifest = {"command": " ".join(["python train.py", *overrides]), "overrides": overrides,
                 "steps": report["steps"], "config": run_config(run), "after": report.get("after"),
+                **({"trained_steps": report["trained_steps"]} if "trained_steps" in report else {}),
                 **({"answers": answers} if answers else {}),
                 "files": {name: file_sha256(path) for name, path in sources.items()}}
     if check_destination(run, out, manifest, replace):

@@ -28,7 +28,8 @@ from transformers import get_scheduler
 from hkrag.data.collators import GENERATION_SUFFIX, IGNORE_INDEX
 from hkrag.data.generator_pairs import GeneratorPair
 from hkrag.data.opendocvqa import Corpus
-from hkrag.lvlm.base import PageImage
+from hkrag.lvlm.base import LVLMRequest, PageImage
+from hkrag.lvlm.phi3v import phi3_chat
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.retriever import LoraSettings, freeze_unreachable, log_lora_modules
 from hkrag.run_log import RunLogger
@@ -94,6 +95,9 @@ class GeneratorDataset(Dataset):
     def __len__(self) -> int:
         return len(self.pairs)
 
+    def query_id(self, index: int) -> str:
+        return self.pairs[index].query_id
+
     def __getitem__(self, index: int) -> GeneratorExample:
         pair = self.pairs[index]
         images = [self.corpus[doc_id].image for doc_id in pair.doc_ids]
@@ -101,7 +105,28 @@ class GeneratorDataset(Dataset):
         return GeneratorExample(self.render(pair.question, pages), images, pair.answers[0])
 
 
-def check_lengths(dataset: GeneratorDataset, processor: Phi3VProcessor, context: int | None) -> None:
+class RequestDataset(Dataset):
+    """Training examples given as requests: ``(query_id, request, target)``, each prompt the Phi-3 chat text the
+    Phi3V backend renders for the request (:func:`hkrag.lvlm.phi3v.phi3_chat`), its pages the request's images.
+
+    The agents' curriculum (``agents.curriculum``) builds the requests with the very code the agents send them
+    with, so the prompt learnt is the prompt sent, for every step."""
+
+    def __init__(self, examples: Sequence[tuple[str, LVLMRequest, str]]) -> None:
+        self.examples = list(examples)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def query_id(self, index: int) -> str:
+        return self.examples[index][0]
+
+    def __getitem__(self, index: int) -> GeneratorExample:
+        _, request, target = self.examples[index]
+        return GeneratorExample(phi3_chat(request.messages), [page.image for page in request.images], target)
+
+
+def check_lengths(dataset: GeneratorDataset | RequestDataset, processor: Phi3VProcessor, context: int | None) -> None:
     """Refuse to train when an example's prompt (pages included) plus its target exceeds the model's ``context``.
 
     Cutting the target would teach a wrong (cut) answer, and training past the context positions the model
@@ -112,13 +137,13 @@ def check_lengths(dataset: GeneratorDataset, processor: Phi3VProcessor, context:
     if context is None:
         return
     over = []
-    for index, pair in enumerate(dataset.pairs):
+    for index in range(len(dataset)):
         example = dataset[index]
         counts = [processor.image_processor.num_image_tokens(*image.size) for image in example.images]
         ids, labels = encode_example(processor, example.prompt, counts, example.answer)
         if len(ids) > context:
             target = sum(label != IGNORE_INDEX for label in labels)
-            over.append((len(ids), pair.query_id, len(ids) - target, target))
+            over.append((len(ids), dataset.query_id(index), len(ids) - target, target))
     if over:
         worst = "; ".join(f"query {qid!r}: prompt {prompt} + target {target} tokens"
                           for _, qid, prompt, target in sorted(over, reverse=True)[:3])
@@ -188,7 +213,7 @@ class GeneratorTrainer:
                  output_dir: str | Path, run_logger: RunLogger, run_config: dict[str, Any] | None = None) -> None:
         if not len(dataset):
             raise ValueError("the generator's training set is empty")
-        if isinstance(dataset, GeneratorDataset):
+        if isinstance(dataset, (GeneratorDataset, RequestDataset)):
             check_lengths(dataset, processor, getattr(model.config, "max_position_embeddings", None))
         self.model, self.dataset, self.config = model, dataset, config
         self.collator = GeneratorCollator(processor)

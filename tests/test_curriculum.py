@@ -1,0 +1,213 @@
+"""The agents' curriculum (agents/curriculum.py): every step's training request is the request the agents send,
+byte for byte; targets come from the drawn items and the qrels; the validation split leaks no page; the per-step
+report counts what it says; a curriculum run records its trained steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from PIL import Image
+
+from agents import build_generator
+from agents.curriculum import AgentCurriculum, holds_answer, notes
+from agents.steps import STEPS
+from hkrag.data.opendocvqa import QAExample
+from hkrag.data.splits import ValidationSplit, page_group
+from hkrag.data.synthetic import PageSpec, load_page_items, render_page
+from hkrag.lvlm import PageImage
+from hkrag.lvlm.phi3v import phi3_chat
+from hkrag.lvlm.scripted import ScriptedBackend
+from hkrag.rag.records import CallRecord, PageTruth, Query, QueryOutcome, QueryTruth
+from hkrag.rag.step_report import calibration, step_report
+from hkrag.tasks import agent_steps
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+ALL_STEPS = list(STEPS)
+SPEC = PageSpec(doc_id="synchart-train-d000-p1", style="synchart", title="SALES", label="RED", value=45, source="ALPHA",
+                code="K7", year="2019", bars=(30, 40, 50, 60), accent=1, page_no=3)
+
+
+def generator_config(name: str = "hkrag", **changes) -> dict:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        config = OmegaConf.to_container(compose(overrides=[f"+generator={name}"]).generator, resolve=True)
+    return {**config, **changes}
+
+
+def page_truth(doc_id: str, n: int) -> PageTruth:
+    return PageTruth(doc_id, (f"T{n}", f"{10 + n}%", f"C{n}"), (f"SOURCE: S{n} / 2019", f"REF K{n}  P.{n}"),
+                     {"code": f"K{n}"})
+
+
+PAGES = [PageImage(Image.new("RGB", (28, 28), (40 * n, 90, 200)), f"doc-d00{n}-p1") for n in range(3)]
+TRUTH = {page.key: page_truth(page.key, n) for n, page in enumerate(PAGES)}
+CODE_Q = QueryTruth("q-code", "What is the reference code of the T1 chart sourced from S1?", ("K1",), (PAGES[1].key,),
+                    "code")
+VALUE_Q = QueryTruth("q-value", "What is the C1 value on the T1 chart?", ("11%", "11"), (PAGES[1].key,), "value")
+
+
+def scripted(curriculum: AgentCurriculum, query: QueryTruth) -> tuple[ScriptedBackend, dict]:
+    """A backend answering each request with the curriculum's target for the byte-identical request."""
+    examples = {}
+    for example in curriculum.examples(query, query.question, [PAGES, PAGES[1:2]], TRUTH):
+        examples[example.request.fingerprint("m")] = example
+
+    def reply(request):
+        example = examples.get(request.fingerprint("m"))
+        assert example is not None, f"the agents sent a request the curriculum lacks:\n{phi3_chat(request.messages)}"
+        assert phi3_chat(request.messages) == phi3_chat(example.request.messages)
+        return example.target
+
+    return ScriptedBackend(reply), examples
+
+
+@pytest.mark.parametrize("query", [CODE_Q, VALUE_Q], ids=["answered", "capped"])
+def test_every_request_the_agents_send_is_a_curriculum_example_byte_for_byte(query):
+    curriculum = AgentCurriculum(generator_config(), ALL_STEPS)
+    sent_steps = set()
+    for name, changes in [("hkrag", {}), ("hkrag", {"threshold": 0.0}), ("no_pruner", {"threshold": 0.0}),
+                          ("no_decoupler", {}), ("single_pass", {})]:
+        backend, examples = scripted(curriculum, query)
+        outcome = build_generator(generator_config(name, **changes), backend).answer(
+            Query(query.query_id, query.question, PAGES, list(query.answers)))
+        assert not outcome.failed, outcome.failure
+        assert outcome.answer == query.answers[0]  # every step answered with its target: the agents end right
+        sent_steps |= {call.step for call in outcome.calls}
+        for call, request in zip(outcome.calls, backend.requests, strict=True):
+            assert examples[request.fingerprint("m")].step == call.step
+    assert sent_steps == set(STEPS)  # every step was sent, and each was matched above
+    assert agent_steps.STEPS == tuple(STEPS)
+
+
+def test_the_pruner_learns_the_qrels_on_a_ranked_set():
+    curriculum = AgentCurriculum(generator_config(), ["pruner"])
+
+    def labels(relevant: tuple[str, ...]) -> list[tuple[int, str]]:
+        query = dataclasses.replace(CODE_Q, relevant=relevant)
+        return [(example.iteration, example.target) for example in curriculum.examples(query, "Q?", [PAGES])]
+
+    assert labels((PAGES[1].key,)) == [(1, "no"), (2, "yes")]
+    assert labels((PAGES[0].key,)) == [(1, "yes")]  # the Pruner stops at its first yes
+    assert labels(("elsewhere",)) == [(1, "no"), (2, "no")]  # no relevant page: keep the buffer
+
+
+def test_note_targets_are_the_drawn_items_by_hand(tmp_path):
+    _, items = render_page(SPEC)
+    row = {"split": "train", **dataclasses.asdict(SPEC), "items": [dataclasses.asdict(item) for item in items]}
+    (tmp_path / "pages.jsonl").write_text(json.dumps(row) + "\n")
+    loaded = load_page_items(tmp_path, "train")[SPEC.doc_id]
+    truth = {SPEC.doc_id: PageTruth(SPEC.doc_id, tuple(loaded["salient"]), tuple(loaded["fine_print"]),
+                                    loaded["fields"])}
+    page = [PageImage(Image.new("RGB", (8, 8)), SPEC.doc_id)]
+    assert notes(page, truth, "salient") == "Page 1: SALES; 45%; RED"  # title, then the value above the label
+    assert notes(page, truth, "fine_print") == "Page 1: SOURCE: ALPHA / 2019; REF K7  P.3"
+    assert loaded["fields"]["code"] == "K7" and loaded["fields"]["page_no"] == "3"
+    code = QueryTruth("q", "What is the reference code of the SALES chart sourced from ALPHA?", ("K7",), (SPEC.doc_id,))
+    assert holds_answer(page, code, truth)
+    assert holds_answer(page, dataclasses.replace(code, answers=("P.3", "3")), truth)  # the page number
+    assert not holds_answer(page, dataclasses.replace(code, answers=("45%", "45")), truth)  # a salient value
+    assert not holds_answer(page, dataclasses.replace(code, relevant=("other",)), truth)  # not the asked page
+    curriculum = AgentCurriculum(generator_config(), ["decouple", "fine_print"])
+    targets = {(ex.step, ex.iteration): ex.target for ex in curriculum.examples(code, code.question, [page], truth)}
+    assert targets == {("fine_print", 1): "Page 1: SOURCE: ALPHA / 2019; REF K7  P.3",
+                       ("decouple", 1): "Page 1: SOURCE: ALPHA / 2019; REF K7  P.3\nAnswers the question: yes"}
+    with pytest.raises(FileNotFoundError, match="pages.jsonl"):
+        load_page_items(tmp_path / "elsewhere")
+    with pytest.raises(KeyError, match="no drawn items"):
+        notes(page, {}, "salient")
+
+
+def test_a_bad_curriculum_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown steps \\['judge'\\]"):
+        AgentCurriculum(generator_config(), ["judge"])
+    with pytest.raises(ValueError, match="kept"):
+        AgentCurriculum(generator_config(), ["answer"], kept=["best"])
+    with pytest.raises(ValueError, match="need the pages' drawn items"):
+        AgentCurriculum(generator_config(), ["salient"]).examples(CODE_Q, "Q", [PAGES])
+
+
+def test_the_validation_split_holds_out_whole_documents():
+    qa = [QAExample(f"q{d}-{p}-{kind}", "Q", ("a",), (f"synchart-train-d{d:03d}-p{p}",))
+          for d in range(40) for p in range(1, 4) for kind in ("salient", "fine_print")]
+    split = ValidationSplit(0.25, seed=3)
+    train, validation = split.split(qa)
+    assert len(train) + len(validation) == len(qa) and 0 < len(validation) < len(qa) / 2
+    groups = {page_group(d) for ex in validation for d in ex.relevant_doc_ids}
+    assert groups.isdisjoint(page_group(d) for ex in train for d in ex.relevant_doc_ids)
+    assert all(len({split.held_out(f"{group}-p{p}") for p in range(1, 7)}) == 1 for group in groups)
+    assert split.split(list(reversed(qa)))[1] == list(reversed(validation))  # order-free, deterministic
+    assert page_group("synfine-train-d012-p5") == "synfine-train-d012" and page_group("loose") == "loose"
+    straddling = QAExample("q", "Q", ("a",), (sorted(groups)[0] + "-p1", train[0].relevant_doc_ids[0]))
+    assert split.split([straddling]) == ([], [])
+    with pytest.raises(ValueError, match="fraction"):
+        ValidationSplit(1.0)
+
+
+def call(step: str, pages: list[str], output: str = "", **fields) -> CallRecord:
+    return CallRecord(step, "", pages, step=step, output=output, **fields)
+
+
+def test_the_step_report_counts_by_hand():
+    truth = {"q": CODE_Q}
+    a, b, c = (page.key for page in PAGES)  # b is relevant
+    calls = [call("pruner", [a], decision="yes"), call("pruner", [a], decision="no"),  # FP, TN
+             call("pruner", [a, b], output="yes"), call("pruner", [a, b], output="No"),  # TP, FN
+             call("fine_print", [a, b], "Page 2: REF K1  P.1", iteration=1),  # code held, strings not all
+             call("fine_print", [a, b], "Page 2: SOURCE: S1 / 2019; REF K1  P.1", iteration=1),
+             call("fine_print", [a, b], "Page 2: REF K10", iteration=1),  # K10 is not K1
+             call("fine_print", [a, b], "K1", iteration=2),  # t > 1: not counted
+             call("fine_print", [a], "K0", iteration=1),  # no relevant page: not counted
+             call("answer", [b], "K1", uncertainty=0.1), call("answer", [b], "K2", uncertainty=0.7),
+             call("answer", [b], "K1", uncertainty=0.3), call("verify", [b], " K1 "), call("integrate", [b], "x"),
+             call("single_pass", [a, b, c], "k1")]
+    outcome = QueryOutcome("q", CODE_Q.question, ["K1"], calls=calls, answer="K1")
+    report = step_report([outcome], truth, TRUTH)
+    pruner = report["pruner"]
+    assert pruner["counts"] == {"tp": 1, "fp": 1, "tn": 1, "fn": 1}
+    assert pruner["accuracy"]["rate"] == 0.5 and pruner["precision_yes"]["rate"] == 0.5
+    assert pruner["recall_yes"]["rate"] == 0.5 and 0 < pruner["accuracy"]["low"] < 0.5 < pruner["accuracy"]["high"]
+    assert report["notes"]["fine_print code"] == {**report["notes"]["fine_print code"], "hits": 2, "n": 3}
+    assert report["notes"]["fine_print strings"]["hits"] == 1
+    answers = {step: (row["hits"], row["n"]) for step, row in report["answers"].items()}
+    assert answers == {"answer": (2, 3), "verify": (1, 1), "integrate": (0, 1), "single_pass": (1, 1), "final": (1, 1)}
+    table = report["calibration"]
+    assert table["auroc_lower_is_right"] == 1.0 and [row["n"] for row in table["bins"]] == [1, 1, 0, 1, 0]
+    with pytest.raises(KeyError, match="no ground truth"):
+        step_report([outcome], {}, TRUTH)
+
+
+def test_calibration_reads_lower_uncertainty_as_likelier_right():
+    mixed = calibration([(0.1, False), (0.9, True), (0.5, True), (0.5, False), (1.0, True)])
+    assert mixed["auroc_lower_is_right"] == pytest.approx(0.5 / 6)  # 6 (right, wrong) pairs, one tie: higher H′ right
+    assert mixed["bins"][-1]["n"] == 2  # 0.9 and 1.0 (the closed last bin)
+    assert calibration([(0.2, True)])["auroc_lower_is_right"] is None
+
+
+def test_a_curriculum_run_records_its_trained_steps(tmp_path):
+    from hkrag.tasks.generator_training import run_generator_training
+
+    run = tmp_path / "run"
+    overrides = [f"paths.data_dir={tmp_path / 'data'}", f"paths.output_dir={run}", "experiment=generator_agents_tiny",
+                 "data.synthetic.n_train=24", "data.synthetic.n_test=4", "data.synthetic.train_groups_per_style=2",
+                 "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "model.num_crops=4",
+                 "generator_training.init_from=null", "generator_training.retriever.run_dir=null",
+                 "generator_training.validation.fraction=0.3", "generator_training.optim.max_steps=2",
+                 "generator_training.optim.batch_size=2", "model.lora.r=4", "model.lora.alpha=4"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        report = run_generator_training(compose(config_name="train", overrides=overrides), run)
+    assert report["trained_steps"] == ALL_STEPS and set(report["examples_per_step"]) == set(STEPS)
+    held = set(report["validation_queries"])
+    assert held and report["queries"] + len(held) <= 24 + 16  # 16 synfine questions; straddlers in neither
+    split = ValidationSplit(0.3)
+    for source in ("gold", "retrieved"):
+        pairs = [json.loads(line) for line in (run / f"generator_pairs_{source}.jsonl").read_text().splitlines()[1:]]
+        assert all(split.held_out(pair["doc_ids"][0]) for pair in pairs if pair["query_id"] in held and
+                   source == "gold")
+    saved = json.loads((run / "report.json").read_text())
+    assert saved["trained_steps"] == ALL_STEPS
+    checkpoint = json.loads((run / "checkpoints" / "final" / "state.json").read_text())
+    assert checkpoint["config"]["trained_steps"] == ALL_STEPS
