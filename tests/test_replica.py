@@ -70,7 +70,7 @@ def test_table_6_compares_the_generators_on_the_same_queries(done):
         assert summary["questions"] == 3 and len(summary["claims"]) == 5
     assert report["table6"]["seeds"] == list(config.seeds)
     assert [row["threshold"] for row in report["table6"]["sweep"]] == [0.5, 0.8]
-    runs = config.out / "table6" / "runs" / "test"
+    runs = config.out / "table6" / "runs"
     served = yaml.safe_load((runs / "gold-hkrag-s1" / ".hydra" / "overrides.yaml").read_text())
     generator = config.out / "table6" / "generators" / "generator-s1"
     assert f"lvlm.adapter={generator / 'checkpoints' / 'final' / 'adapter'}" in served

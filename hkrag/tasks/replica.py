@@ -193,11 +193,13 @@ def mine_hard_negatives(config: ReplicaConfig, timings: dict[str, float]) -> Pat
 
 def table6_config(config: ReplicaConfig) -> Table6Config:
     """Table 6 of the replica (:mod:`hkrag.tasks.table6`): its generator started from the warm start's weights and
-    trained for ``generator_steps`` once per seed, the warm start ranking the retrieved pages."""
+    trained for ``generator_steps`` once per seed, the warm start ranking the retrieved pages (of training and of
+    evaluation)."""
     warm = config.out / "warmstart"
     return Table6Config(config.out / "table6", seeds=config.seeds, experiment=table6.EXPERIMENT,
                         generator_steps=config.generator_steps, reader=warm,
-                        overrides=[f"generator_training.init_from={warm}", *config.overrides],
+                        overrides=[f"generator_training.init_from={warm}", f"generator_training.retriever.run_dir={warm}",
+                                   *config.overrides],
                         eval_overrides=config.eval_overrides, workers=config.workers)
 
 
@@ -208,7 +210,7 @@ def sweep_runs(config: ReplicaConfig) -> dict[float, tuple[Path, list[str]]]:
     runs = {PAPER_THRESHOLD: (table6.run_folder(t6, "gold", "hkrag", seed), [])}
     runs.update({h: (t6.out / "sweep" / f"gold-hkrag-h{h:g}",
                      [*table6.PAGES["gold"], "generator=hkrag", f"generator.threshold={h:g}",
-                      *table6.serve_overrides(t6, seed), *table6.split_overrides(t6.split), *config.eval_overrides])
+                      *table6.serve_overrides(t6, seed), *config.eval_overrides])
                  for h in config.thresholds if h != PAPER_THRESHOLD})
     return runs
 

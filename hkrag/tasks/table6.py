@@ -1,14 +1,17 @@
 """The paper's Table 6 (the generator ablation) and Fig. 4's cost per query at CPU scale, in one resumable command.
 
-    python -m hkrag.tasks.table6 --out outputs/table6                   # 5 generator seeds, the test split
-    python -m hkrag.tasks.table6 --out outputs/table6 --split validation   # the same on the validation split
+    python -m hkrag.tasks.table6 --out outputs/table6                          # 5 generator seeds
+    python -m hkrag.tasks.table6 --out outputs/table6 --seeds 0 1 --eval rag.max_queries=10   # a quick look
 
 1. **Generators**: one ``train.py`` run per seed (``experiment=<--experiment>``, ``generator_training.optim.seed``)
    into ``<out>/generators/generator-s<seed>``; its ``report.json`` lists the prompts it was trained on
    (``trained_steps``).
 2. **Runs**: ``eval.py`` with every configuration of :data:`GENERATORS` (``conf/generator``) served by each seed's
    generator, on the gold pages (``task=generation``) and on the shipped reader's top 3 (``task=rag
-   run_dir=<--reader>``, pools ``single`` and ``all``), into ``<out>/runs/<split>/<pages>-<generator>-s<seed>``.
+   run_dir=<--reader>``, pools ``single`` and ``all``) of the test split, into
+   ``<out>/runs/<pages>-<generator>-s<seed>``. The command chooses no recipe: the margin is fixed beforehand, the
+   Judger's h is the paper's, the generator's recipe was chosen on its own validation split (held-out training
+   documents, ``experiment=generator_agents_tiny``); the test split is read once per reported figure.
 3. **Report** (:func:`summarize`, a function of the per-query rows alone): ``table6.{md,json}`` and the per-query
    rows ``table6_queries.jsonl.gz`` (:func:`query_rows`) from which every figure is re-derived. Per set of
    queries (:data:`SETS`: the gold pages; the retrieved pages, and apart the sets where the gold page is first, where a
@@ -93,7 +96,7 @@ on the single-pass prompt only before the field existed."""
 COSTS = ("lvlm_calls", "input_tokens", "output_tokens", "seconds")
 """Fig. 4's cost per query: LVLM calls, input and output tokens, the query's wall seconds."""
 QUERIES_FILE = "table6_queries.jsonl.gz"
-EXPERIMENT = "generator_reader_tiny"
+EXPERIMENT = "generator_agents_tiny"
 """The default generator experiment (``--experiment``)."""
 WEIGHTS_DIR = CONF_DIR.parent / "weights"
 
@@ -110,7 +113,6 @@ class Table6Config:
     """``generator_training.optim.max_steps`` (None: the experiment's own)."""
     reader: Path = WEIGHTS_DIR / "reader_tiny"
     """The retriever whose top 3 the retrieved rows read (a ``train.py`` run or shipped folder)."""
-    split: str = "test"
     overrides: Sequence[str] = ()
     eval_overrides: Sequence[str] = ()
     margin: float = 0.02
@@ -132,7 +134,7 @@ class Table6Config:
                              "baseline single_pass among them")
         check_seeds(self.seeds, self.overrides)
         self.out, self.reader = Path(self.out), Path(self.reader)
-        self.folders = {"generators": self.out / "generators", "runs": self.out / "runs" / self.split}
+        self.folders = {"generators": self.out / "generators", "runs": self.out / "runs"}
 
 
 def generator_folder(config: Table6Config, seed: int) -> Path:
@@ -147,11 +149,6 @@ def serve_overrides(config: Table6Config, seed: int) -> list[str]:
     """The ``eval.py`` overrides that serve seed ``seed``'s generator."""
     generator = generator_folder(config, seed)
     return ["lvlm=phi3v", f"lvlm.base={generator / BASE_DIR}", f"lvlm.adapter={generator / FINAL_ADAPTER}"]
-
-
-def split_overrides(split: str) -> list[str]:
-    """The split a run answers (``rag.split``) and, for retrieved pages, ranks (``eval.split``)."""
-    return [f"rag.split={split}", f"eval.split={split}"]
 
 
 def run_table6(config: Table6Config) -> dict[str, Any]:
@@ -169,8 +166,7 @@ def run_table6(config: Table6Config) -> dict[str, Any]:
         for pages, task in PAGES.items():
             retriever = [f"run_dir={config.reader}"] if pages == "retrieved" else []
             runs += [(run_folder(config, pages, g, seed), [*task, f"generator={g}", *retriever,
-                                                            *serve_overrides(config, seed),
-                                                            *split_overrides(config.split), *config.eval_overrides],
+                                                            *serve_overrides(config, seed), *config.eval_overrides],
                       "eval", RAG_REPORT) for g in config.generators]
     for name, seconds in run_jobs(runs, config.workers, "table 6 runs"):
         record_time(timings, out, name, seconds)
@@ -424,12 +420,12 @@ def write_report(config: Table6Config, timings: Mapping[str, float],
     reports = {seed: json.loads((generator_folder(config, seed) / REPORT_FILE).read_text()) for seed in config.seeds}
     settings = {"command": config.command, "experiment": config.experiment, "seeds": list(config.seeds),
                 "generator_steps": {seed: report.get("steps") for seed, report in reports.items()},
-                "trained_steps": trained, "reader": str(config.reader), "split": config.split,
+                "trained_steps": trained, "reader": str(config.reader),
                 "overrides": list(config.overrides), "eval_overrides": list(config.eval_overrides),
                 "generators": list(config.generators)}
     report = {"settings": settings, "timings": dict(timings), **summary, **(extra or {})}
     compute = sum(timings.values())
-    header = (f"# Table 6 at CPU scale: the generator ablation, {config.split} split\n\n"
+    header = ("# Table 6 at CPU scale: the generator ablation\n\n"
               f"`{config.command or 'python -m hkrag.tasks.table6'}`: `experiment={config.experiment}` trained once "
               f"per seed ({', '.join(str(s) for s in config.seeds)}; steps "
               f"{sorted(set(settings['generator_steps'].values()))}), each served to every configuration on the gold "
@@ -454,8 +450,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="generator_training.optim.max_steps (default: the experiment's)")
     parser.add_argument("--reader", type=Path, default=WEIGHTS_DIR / "reader_tiny",
                         help="the retriever whose top 3 the retrieved rows read (default: weights/reader_tiny)")
-    parser.add_argument("--split", default="test", help="the split the runs answer (rag.split, eval.split; default: "
-                        "test; the validation split for any recipe choice)")
     parser.add_argument("--margin", type=float, default=0.02,
                         help="smallest effect of interest in relaxed accuracy (default: 0.02, 2 points)")
     parser.add_argument("--alpha", type=float, default=0.05, help="family-wise error rate (default: 0.05)")
@@ -470,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     command = "python -m hkrag.tasks.table6 " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
         config = Table6Config(args.out, seeds=args.seeds, experiment=args.experiment,
-                              generator_steps=args.generator_steps, reader=args.reader, split=args.split,
+                              generator_steps=args.generator_steps, reader=args.reader,
                               overrides=args.overrides, eval_overrides=args.eval_overrides, margin=args.margin,
                               alpha=args.alpha, workers=args.workers, generators=args.generators,
                               command=command.strip())
