@@ -198,8 +198,8 @@ def table6_config(config: ReplicaConfig) -> Table6Config:
     warm = config.out / "warmstart"
     return Table6Config(config.out / "table6", seeds=config.seeds, experiment=table6.EXPERIMENT,
                         generator_steps=config.generator_steps, reader=warm,
-                        overrides=[f"generator_training.init_from={warm}", f"generator_training.retriever.run_dir={warm}",
-                                   *config.overrides],
+                        overrides=[f"generator_training.init_from={warm}",
+                                   f"generator_training.retriever.run_dir={warm}", *config.overrides],
                         eval_overrides=config.eval_overrides, workers=config.workers)
 
 

@@ -12,7 +12,8 @@
    ``<out>/runs/<pages>-<generator>-s<seed>``. The command chooses no recipe: the margin is fixed beforehand, the
    Judger's h is the paper's, the generator's recipe was chosen on its own validation split (held-out training
    documents, ``experiment=generator_agents_tiny``); the test split is read once per reported figure.
-3. **Report** (:func:`summarize`, a function of the per-query rows alone): ``table6.{md,json}`` and the per-query
+3. **Report** (:func:`summarize`, a function of the per-query rows alone): ``table6.{md,json}``, the per-step
+   report of the same runs (``steps.{md,json}``, :func:`write_step_reports`) and the per-query
    rows ``table6_queries.jsonl.gz`` (:func:`query_rows`) from which every figure is re-derived. Per set of
    queries (:data:`SETS`: the gold pages; the retrieved pages, and apart the sets where the gold page is first, where a
    relevant page is ranked below a distractor, and where no relevant page was retrieved: where the Pruner has work)
@@ -42,11 +43,12 @@ from typing import Any
 
 import numpy as np
 
-from hkrag.data.opendocvqa import load_qa
+from hkrag.data.opendocvqa import QAExample, load_qa
 from hkrag.io import write_bytes, write_json, write_text
 from hkrag.rag.records import CallRecord, QueryOutcome
 from hkrag.rag.report import REPORT_FILE as RAG_REPORT
 from hkrag.rag.report import RUN_CONFIG_FILE, metric_value
+from hkrag.rag.step_report import step_markdown, step_report
 from hkrag.rag.trace import MERGED_FILE, load_trace
 from hkrag.stats import (
     CORRECTION,
@@ -67,6 +69,7 @@ from hkrag.tasks.common import (
     record_time,
     run_jobs,
 )
+from hkrag.tasks.generator_training import page_truth, query_truth
 
 logger = logging.getLogger(__name__)
 
@@ -198,12 +201,17 @@ def query_row(outcome: QueryOutcome, pages: str, generator: str, seed: int, rele
             "seconds": round(outcome.wall_s, 4)}
 
 
-def relevant_pages(run: Path) -> dict[tuple[str, str], tuple[str, ...]]:
-    """``(data set, query id) -> relevant doc ids`` of the questions an ``eval.py`` run answered (its qrels, read
-    from the data its ``rag_config.json`` names)."""
+def run_questions(run: Path) -> tuple[dict[str, Any], dict[str, list[QAExample]]]:
+    """An ``eval.py`` run's settings (its ``rag_config.json`` identity) and its data sets' questions."""
     identity = json.loads((run / RUN_CONFIG_FILE).read_text())["identity"]
-    return {(dataset, ex.query_id): ex.relevant_doc_ids for dataset in identity["rag"]["datasets"]
-            for ex in load_qa(identity["data"]["qa_source"], dataset, identity["rag"]["split"])}
+    return identity, {dataset: load_qa(identity["data"]["qa_source"], dataset, identity["rag"]["split"])
+                      for dataset in identity["rag"]["datasets"]}
+
+
+def relevant_pages(run: Path) -> dict[tuple[str, str], tuple[str, ...]]:
+    """``(data set, query id) -> relevant doc ids`` of the questions an ``eval.py`` run answered (its qrels)."""
+    return {(dataset, ex.query_id): ex.relevant_doc_ids for dataset, questions in run_questions(run)[1].items()
+            for ex in questions}
 
 
 def query_rows(config: Table6Config) -> list[dict[str, Any]]:
@@ -217,6 +225,31 @@ def query_rows(config: Table6Config) -> list[dict[str, Any]]:
                 rows += [query_row(o, pages, generator, seed, qrels.get((o.dataset, o.query_id), ()))
                          for o in load_trace(run / MERGED_FILE)]
     return rows
+
+
+def step_reports(config: Table6Config) -> dict[str, dict[str, Any]]:
+    """The per-step report (:func:`hkrag.rag.step_report.step_report`) of every page setting x configuration, its
+    seeds' runs pooled: the Pruner's yes/no against the qrels, the notes against the pages' drawn items, each
+    step's answers, the calibration of H′."""
+    identity, questions = run_questions(run_folder(config, "gold", config.generators[0], config.seeds[0]))
+    truths = {ex.query_id: query_truth(ex) for examples in questions.values() for ex in examples}
+    items = page_truth(identity["data"]["root"], identity["rag"]["split"])
+    return {f"{pages}-{generator}": step_report([o for seed in config.seeds for o in load_trace(
+        run_folder(config, pages, generator, seed) / MERGED_FILE)], truths, items)
+        for pages in PAGES for generator in config.generators}
+
+
+def write_step_reports(config: Table6Config) -> dict[str, dict[str, Any]]:
+    """``steps.{json,md}`` beside the table: :func:`step_reports`."""
+    reports = step_reports(config)
+    seeds = ", ".join(str(seed) for seed in config.seeds)
+    write_json(config.out / "steps.json", reports)
+    write_text(config.out / "steps.md", "# Table 6's runs step by step\n\nEach configuration's per-step report "
+               f"(`hkrag.rag.step_report`) on Table 6's own runs, the seeds' runs ({seeds}) pooled: its Wilson "
+               "intervals count every call as independent, so they are descriptive, narrower than a seed-aware "
+               "interval.\n\n" + "\n".join(step_markdown(report, name).replace("## ", "## `", 1).replace("\n", "`\n", 1)
+                                          for name, report in reports.items()))
+    return reports
 
 
 def trained_steps(config: Table6Config) -> dict[int, list[str]]:
@@ -417,6 +450,7 @@ def write_report(config: Table6Config, timings: Mapping[str, float],
     trained = trained_steps(config)
     summary = summarize(rows, trained, config.margin, config.alpha, config.generators)
     write_rows(config.out / QUERIES_FILE, rows)
+    write_step_reports(config)
     reports = {seed: json.loads((generator_folder(config, seed) / REPORT_FILE).read_text()) for seed in config.seeds}
     settings = {"command": config.command, "experiment": config.experiment, "seeds": list(config.seeds),
                 "generator_steps": {seed: report.get("steps") for seed, report in reports.items()},
