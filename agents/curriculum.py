@@ -26,14 +26,19 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hkrag.lvlm import LVLMRequest
+from hkrag.lvlm import LVLMRequest, LVLMResult
 from hkrag.rag.records import Page, PageTruth, QueryTruth
 
 from .context import step_request
+from .decoupler import read_answered
 from .judger import Judger
 from .pipeline import GeneratorConfig
+from .pruner import read_yes_no
 from .steps import STEPS
 
+ORDERS = ("ranked", "relevant_last")
+"""How a page set is shown: as ranked, and/or (a recipe for reading among pages) with its relevant pages moved
+behind the others, so the Pruner meets "no" before its "yes" and the answer steps find the page last."""
 KEPT = ("pruned", "all")
 """Which pages the steps after the Pruner learn on: those a correct Pruner keeps, and/or the whole buffer."""
 NOTES_STEPS = frozenset({"salient", "fine_print", "decouple", "integrate"})
@@ -64,19 +69,16 @@ def notes(pages: Sequence[Page], truth: Mapping[str, PageTruth], kind: str) -> s
 
 
 def holds_answer(pages: Sequence[Page], query: QueryTruth, truth: Mapping[str, PageTruth]) -> bool:
-    """Whether the fine-print notes of ``pages`` hold the asked value: a relevant page is among them and one of its
-    fine-print strings has an answer as a whole word (``"P.3"`` in ``"REF K7  P.3"``, not ``"3"`` in ``"2023"``)."""
-    answers = set(query.answers)
-    return any(page.key in query.relevant and answers & {word for line in truth[page.key].fine_print
-                                                          for word in line.replace("/", " ").split()}
-               for page in pages)
+    """Whether the fine-print notes of ``pages`` hold the asked value (:meth:`QueryTruth.answered_by`)."""
+    return query.answered_by([truth[page.key] for page in pages])
 
 
 class AgentCurriculum:
     """The examples of ``steps`` (names of :data:`~agents.steps.STEPS`) under ``generator`` (a ``conf/generator``
     mapping: its prompts, caps, ``top_k`` and the Pruner's and Judger's ``top_logprobs``)."""
 
-    def __init__(self, generator: Mapping[str, Any], steps: Sequence[str], kept: Sequence[str] = KEPT) -> None:
+    def __init__(self, generator: Mapping[str, Any], steps: Sequence[str], kept: Sequence[str] = KEPT,
+                 orders: Sequence[str] = ("ranked",)) -> None:
         if unknown := [step for step in steps if step not in STEPS]:
             raise ValueError(f"generator_training.curriculum.steps has unknown steps {unknown}; "
                              f"expected some of {list(STEPS)}")
@@ -84,14 +86,27 @@ class AgentCurriculum:
             raise ValueError("generator_training.curriculum.steps is empty: name the steps to train")
         if not kept or any(choice not in KEPT for choice in kept):
             raise ValueError(f"generator_training.curriculum.kept={list(kept)}: expected a non-empty list of {KEPT}")
+        if not orders or any(order not in ORDERS for order in orders):
+            raise ValueError(f"generator_training.curriculum.orders={list(orders)}: expected a non-empty list of "
+                             f"{ORDERS}")
         self.config = GeneratorConfig.from_config(generator)
         self.steps, self.kept = tuple(dict.fromkeys(steps)), tuple(dict.fromkeys(kept))
+        self.orders = tuple(dict.fromkeys(orders))
         self.judger = Judger(self.config.threshold, self.config.estimator, self.config.top_logprobs)
 
     @property
     def needs_items(self) -> bool:
         """Whether some step's request or target holds notes (the pages' drawn items are then required)."""
         return bool(NOTES_STEPS & set(self.steps))
+
+    def decision(self, step: str, result: LVLMResult) -> str | None:
+        """How the agents read a reply to ``step``: the Pruner's yes/no (:func:`agents.pruner.read_yes_no`), the
+        Decoupler's "answers the question" (:func:`agents.decoupler.read_answered`); ``None`` for other steps."""
+        if step == "pruner":
+            return "yes" if read_yes_no(result).yes else "no"
+        if step == "decouple":
+            return "yes" if read_answered(result.text, self.config.prompts.answered_marker)[0] else "no"
+        return None
 
     def request(self, question: str, step: str, pages: Sequence[Page], top_logprobs: int = 0,
                 **values: str) -> LVLMRequest:
@@ -109,14 +124,21 @@ class AgentCurriculum:
             raise ValueError(f"training query {query.query_id!r} has no answer: the answer steps' target is "
                              "answers[0]")
         seen, found = set(), []
-        for pages in page_sets:
-            for example in self._all(query, question, list(pages[: self.config.top_k]), truth or {}):
+        for buffer in [ordered for pages in page_sets for ordered in self.ordered(query, pages)]:
+            for example in self._all(query, question, buffer, truth or {}):
                 key = (example.step, tuple(page.key for page in example.request.images),
                        tuple(message.text for message in example.request.messages), example.request.settings)
                 if example.step in self.steps and key not in seen:
                     seen.add(key)
                     found.append(example)
         return found
+
+    def ordered(self, query: QueryTruth, pages: Sequence[Page]) -> list[list[Page]]:
+        """The buffer (the first ``top_k`` of ``pages``) in each of :attr:`orders`."""
+        buffer = list(pages[: self.config.top_k])
+        relevant = [page for page in buffer if page.key in query.relevant]
+        last = [page for page in buffer if page.key not in query.relevant] + relevant
+        return [buffer if order == "ranked" else last for order in self.orders]
 
     def _all(self, query: QueryTruth, question: str, buffer: list[Page],
              truth: Mapping[str, PageTruth]) -> Iterator[Example]:

@@ -23,7 +23,7 @@ from hkrag.lvlm import PageImage
 from hkrag.lvlm.phi3v import phi3_chat
 from hkrag.lvlm.scripted import ScriptedBackend
 from hkrag.rag.records import CallRecord, PageTruth, Query, QueryOutcome, QueryTruth
-from hkrag.rag.step_report import calibration, step_report
+from hkrag.rag.step_report import calibration, step_markdown, step_report, summary_markdown
 from hkrag.tasks import agent_steps
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -93,6 +93,12 @@ def test_the_pruner_learns_the_qrels_on_a_ranked_set():
     assert labels((PAGES[1].key,)) == [(1, "no"), (2, "yes")]
     assert labels((PAGES[0].key,)) == [(1, "yes")]  # the Pruner stops at its first yes
     assert labels(("elsewhere",)) == [(1, "no"), (2, "no")]  # no relevant page: keep the buffer
+    both = AgentCurriculum(generator_config(), ["pruner", "answer"], orders=["ranked", "relevant_last"])
+    shown = [(ex.step, ex.target, [p.key for p in ex.request.images]) for ex in both.examples(CODE_Q, "Q?", [PAGES])]
+    a, b, c = (page.key for page in PAGES)
+    assert shown == [("pruner", "no", [a]), ("pruner", "yes", [a, b]), ("answer", "K1", [a, b]),
+                     ("answer", "K1", [a, b, c]), ("pruner", "no", [a, c]),  # [a] again: given once
+                     ("answer", "K1", [a, c, b])]  # the relevant page last
 
 
 def test_note_targets_are_the_drawn_items_by_hand(tmp_path):
@@ -121,11 +127,33 @@ def test_note_targets_are_the_drawn_items_by_hand(tmp_path):
         notes(page, {}, "salient")
 
 
+def test_the_shipped_reader_tokenizer_spells_every_target():
+    """generator_agents_tiny starts from weights/reader_tiny, whose byte-level BPE is fixed: every target (notes with
+    their layout, the marker line, answers) must tokenise without an unknown token and decode back exactly."""
+    from hkrag.models.phi3v.loading import load_processor
+
+    tokenizer = load_processor(str(Path(__file__).resolve().parents[1] / "weights" / "reader_tiny" / "base"),
+                               None).tokenizer
+    _, items = render_page(SPEC)
+    truth = {SPEC.doc_id: PageTruth(SPEC.doc_id, tuple(i.text for i in items if i.kind == "salient"),
+                                    tuple(i.text for i in items if i.kind == "fine_print"))}
+    query = QueryTruth("q", "What is the reference code of the SALES chart from ALPHA?", ("K7",), (SPEC.doc_id,))
+    curriculum = AgentCurriculum(generator_config(), ALL_STEPS)
+    page = [PageImage(Image.new("RGB", (8, 8)), SPEC.doc_id)]
+    targets = {example.target for example in curriculum.examples(query, query.question, [page], truth)}
+    assert {"K7", "Page 1: SALES; 45%; RED"} <= targets and any("Answers the question: yes" in t for t in targets)
+    for target in targets | {"Answers the question: no", "P.3", "2019", "PURPLE", "yes", "no"}:
+        ids = tokenizer(target, add_special_tokens=False)["input_ids"]
+        assert tokenizer.unk_token_id not in ids and tokenizer.decode(ids) == target
+
+
 def test_a_bad_curriculum_is_refused_by_name():
     with pytest.raises(ValueError, match="unknown steps \\['judge'\\]"):
         AgentCurriculum(generator_config(), ["judge"])
     with pytest.raises(ValueError, match="kept"):
         AgentCurriculum(generator_config(), ["answer"], kept=["best"])
+    with pytest.raises(ValueError, match="orders"):
+        AgentCurriculum(generator_config(), ["answer"], orders=[])
     with pytest.raises(ValueError, match="need the pages' drawn items"):
         AgentCurriculum(generator_config(), ["salient"]).examples(CODE_Q, "Q", [PAGES])
 
@@ -161,6 +189,7 @@ def test_the_step_report_counts_by_hand():
              call("fine_print", [a, b], "Page 2: REF K10", iteration=1),  # K10 is not K1
              call("fine_print", [a, b], "K1", iteration=2),  # t > 1: not counted
              call("fine_print", [a], "K0", iteration=1),  # no relevant page: not counted
+             call("decouple", [a, b], decision="yes"), call("decouple", [a], decision="yes"),  # right, wrong
              call("answer", [b], "K1", uncertainty=0.1), call("answer", [b], "K2", uncertainty=0.7),
              call("answer", [b], "K1", uncertainty=0.3), call("verify", [b], " K1 "), call("integrate", [b], "x"),
              call("single_pass", [a, b, c], "k1")]
@@ -172,10 +201,15 @@ def test_the_step_report_counts_by_hand():
     assert pruner["recall_yes"]["rate"] == 0.5 and 0 < pruner["accuracy"]["low"] < 0.5 < pruner["accuracy"]["high"]
     assert report["notes"]["fine_print code"] == {**report["notes"]["fine_print code"], "hits": 2, "n": 3}
     assert report["notes"]["fine_print strings"]["hits"] == 1
+    assert (report["decouple_marker"]["hits"], report["decouple_marker"]["n"]) == (1, 2)
     answers = {step: (row["hits"], row["n"]) for step, row in report["answers"].items()}
     assert answers == {"answer": (2, 3), "verify": (1, 1), "integrate": (0, 1), "single_pass": (1, 1), "final": (1, 1)}
     table = report["calibration"]
     assert table["auroc_lower_is_right"] == 1.0 and [row["n"] for row in table["bins"]] == [1, 1, 0, 1, 0]
+    assert [(row["from"], row["hits"]) for row in table["bins"][:2]] == [(0.0, 1), (0.2, 1)]
+    markdown = step_markdown(report)
+    assert "| pruner: yes/no accuracy | 50.0 [" in markdown and "| [0.8, 1.0] | 0 | — (n = 0) |" in markdown
+    assert "| decouple: \"answers the question\" right | 50.0 [" in summary_markdown({"a": report, "b": report})
     with pytest.raises(KeyError, match="no ground truth"):
         step_report([outcome], {}, TRUTH)
 

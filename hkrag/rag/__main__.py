@@ -1,7 +1,8 @@
-"""Sweeps and comparisons of finished RAG runs: ``python -m hkrag.rag sweep MULTIRUN_DIR | compare RUN_DIR ...``.
+"""Finished RAG runs: ``python -m hkrag.rag sweep MULTIRUN_DIR | compare RUN_DIR ... | steps RUN_DIR``.
 
 ``sweep`` tabulates accuracy, routes and cost per Judger threshold over an ``eval.py -m`` folder; ``compare``
-lays several runs out as the paper's Tables 3, 4 and 6 (docs/evaluation.md).
+lays several runs out as the paper's Tables 3, 4 and 6 (docs/evaluation.md); ``steps`` writes the per-step report
+(:mod:`hkrag.rag.step_report`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from hkrag.rag.metrics import METRICS
 from hkrag.rag.report import compare_runs, sweep_summary
+from hkrag.rag.step_report import report_run
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -26,8 +28,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     compare = commands.add_parser("compare", help="one table with a row per run directory (Tables 3, 4, 6)")
     compare.add_argument("run_dirs", type=Path, nargs="+")
     compare.add_argument("--metric", default="accuracy", choices=["accuracy", *METRICS])
+    steps = commands.add_parser("steps", help="the per-step report (Pruner, notes, answers per step, calibration "
+                                "of H') of an eval.py run on the built-in corpus; writes steps.{json,md} into it")
+    steps.add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)
-    if args.command == "sweep":
+    if args.command == "steps":
+        report_run(args.run_dir)
+        print((args.run_dir / "steps.md").read_text())
+    elif args.command == "sweep":
         print(sweep_summary(args.folder, args.out, args.key)["table"])
     else:
         print(compare_runs(args.run_dirs, args.metric))

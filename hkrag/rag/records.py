@@ -8,6 +8,7 @@ nothing else, so a trace alone reproduces every number of a run.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -83,6 +84,18 @@ class QueryTruth:
     answers: tuple[str, ...]
     relevant: tuple[str, ...]
     field: str | None = None
+
+    def answered_by(self, pages: Sequence[PageTruth]) -> bool:
+        """Whether the fine print of ``pages`` holds the asked value: a relevant page among them has an answer as a
+        whole word of its fine-print strings (:func:`words`: ``"P.3"`` in ``"REF K7  P.3"``, not ``"3"`` in
+        ``"2023"``). The target of the Decoupler's "answers the question" marker (agents/curriculum.py)."""
+        answers = set(self.answers)
+        return any(page.doc_id in self.relevant and answers & words(" ".join(page.fine_print)) for page in pages)
+
+
+def words(text: str) -> set[str]:
+    """The whole words of ``text``, split at white space, ``/``, ``;`` and ``,`` (the notes' separators)."""
+    return set(re.split(r"[\s/;,]+", text)) - {""}
 
 
 ROUTES = ("LQP", "HQP", "single_pass", "verify_only", "failed")

@@ -39,10 +39,9 @@ from hkrag.lvlm.phi3v import Phi3VBackend
 from hkrag.lvlm.uncertainty import uncertainty
 from hkrag.rag.metrics import rule_metrics
 from hkrag.rag.records import CallRecord, PageTruth, Query, QueryOutcome, QueryTruth
-from hkrag.rag.step_report import step_markdown, step_report
+from hkrag.rag.step_report import page_truth, query_truth, step_markdown, step_report, summary_markdown
 from hkrag.rag.trace import write_trace
 from hkrag.tasks.common import BASE_DIR, CONF_DIR, FINAL_ADAPTER
-from hkrag.tasks.generator_training import page_truth, query_truth
 from hkrag.tasks.rag import answer_all, question_text
 
 logger = logging.getLogger(__name__)
@@ -89,6 +88,7 @@ def forced_outcome(curriculum: Any, backend: LVLMBackend, truth: QueryTruth, pag
         result = backend(example.request)
         keys = [page.key for page in example.request.images]
         record = CallRecord.from_result(example.step, "", keys, result, step=example.step, iteration=example.iteration)
+        record.decision = curriculum.decision(example.step, result)
         if example.step == "answer":
             record.uncertainty, record.estimator = uncertainty(result, estimator).value, estimator
         outcome.calls.append(record)
@@ -137,8 +137,9 @@ def evaluate(run: Path, out: Path, split: str, pages: Sequence[str], modes: Sequ
     backend.close()
     report = {"run": str(run), "split": split, "queries": len(queries), "reports": results}
     write_json(out / "steps.json", report)
-    write_text(out / "steps.md", "\n".join(step_markdown(r, f"{name} ({split}, {len(queries)} queries)")
-                                           for name, r in results.items()))
+    write_text(out / "steps.md", f"# Per-step report: {run}, {split} split, {len(queries)} queries\n\n"
+               + summary_markdown(results) + "\n" + "\n".join(step_markdown(r, f"{name} ({split})")
+                                                             for name, r in results.items()))
     return report
 
 

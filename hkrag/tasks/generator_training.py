@@ -25,13 +25,13 @@ from tqdm.auto import tqdm
 from hkrag.data.generator_pairs import GeneratorPair
 from hkrag.data.opendocvqa import Corpus, QAExample, load_corpus, load_qa
 from hkrag.data.splits import ValidationSplit
-from hkrag.data.synthetic import load_page_items, question_field
 from hkrag.io import write_json
 from hkrag.lvlm import LVLMRequest, PageImage
 from hkrag.lvlm.phi3v import phi3_chat
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.models.phi3v.loading import load_phi3v, load_processor, tiny_phi3v
-from hkrag.rag.records import PageTruth, QueryTruth
+from hkrag.rag.records import QueryTruth
+from hkrag.rag.step_report import page_truth, query_truth
 from hkrag.retrieval.generator_pairs import build_generator_pairs
 from hkrag.retriever import LoraSettings, Phi3VRetriever, load_adapter
 from hkrag.run_log import RunLogger
@@ -128,19 +128,6 @@ def training_page_sets(cfg: DictConfig, qa: Sequence[QAExample], corpus: Corpus,
         sets[source] = build_generator_pairs(path, qa, corpus, source, cfg.generator.top_k, question_text,
                                              retriever=lambda: training_retriever(gen.retriever)[0], identity=identity)
     return sets
-
-
-def query_truth(example: QAExample) -> QueryTruth:
-    """A training query's ground truth: answers, qrels and (a built-in question) the field it asks for."""
-    question = question_text(example)
-    return QueryTruth(example.query_id, question, tuple(example.answers), tuple(example.relevant_doc_ids),
-                      question_field(question))
-
-
-def page_truth(root: str | Path, split: str) -> dict[str, PageTruth]:
-    """The drawn items of a split's pages (``<root>/pages.jsonl``, the built-in corpus only)."""
-    return {doc_id: PageTruth(row["doc_id"], tuple(row["salient"]), tuple(row["fine_print"]), row["fields"])
-            for doc_id, row in load_page_items(root, split).items()}
 
 
 def curriculum_examples(cfg: DictConfig, curriculum: Any, sets: dict[str, list[GeneratorPair]],
