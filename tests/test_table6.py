@@ -159,3 +159,7 @@ def test_a_second_invocation_re_runs_nothing(tmp_path, monkeypatch):
     assert ran == [] and again == first
     claim = again["sets"]["gold"]["claims"][0]
     assert claim["verdict"] == "not testable" and "never runs" in claim["reason"]  # one gold page: no Pruner call
+    steps = json.loads((tmp_path / "t6" / "steps.json").read_text())  # the per-step report of the same runs
+    assert set(steps) == {f"{pages}-{g}" for pages in ("gold", "retrieved") for g in ("single_pass", "no_decoupler")}
+    assert steps["gold-single_pass"]["queries"] == 2 * 3  # two seeds' runs of 3 questions, pooled
+    assert len(read_rows(tmp_path / "t6" / table6.QUERIES_FILE)) == 2 * 2 * (3 + 6)  # seeds x configs x rows
