@@ -16,8 +16,10 @@ agent gives, derived from the ground truth (:class:`~hkrag.rag.records.QueryTrut
   among the pages and its fine print holds one of the answers (the notes hold the asked value), else ``no``.
 
 The later steps see the pages a correct Pruner keeps (the first n that hold a relevant page, else the buffer)
-and/or the whole buffer (``kept``); the single pass always sees the buffer, as it does at inference. Identical
-(step, request) pairs are given once.
+and/or the whole buffer (``kept``); the single pass always sees the buffer, as it does at inference. A buffer
+without a relevant page still teaches the answer steps ``answers[0]`` (VDocGenerator's recipe) unless
+``answer_unanswerable`` is false: then only its Pruner and notes examples are given, so no answer is learnt
+from pages that cannot hold it. Identical (step, request) pairs are given once.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ from .pipeline import GeneratorConfig
 from .pruner import read_yes_no
 from .steps import STEPS
 
-ORDERS = ("ranked", "relevant_last")
-"""How a page set is shown: as ranked, and/or (a recipe for reading among pages) with its relevant pages moved
-behind the others, so the Pruner meets "no" before its "yes" and the answer steps find the page last."""
+ORDERS = ("ranked", "relevant_first", "relevant_last")
+"""How a page set is shown: as ranked, and/or (recipes for reading among pages) with its relevant pages moved
+before the others (the Pruner's yes at n = 1) or behind them (its no before its yes; the answer found last)."""
 KEPT = ("pruned", "all")
 """Which pages the steps after the Pruner learn on: those a correct Pruner keeps, and/or the whole buffer."""
 NOTES_STEPS = frozenset({"salient", "fine_print", "decouple", "integrate"})
@@ -78,7 +80,7 @@ class AgentCurriculum:
     mapping: its prompts, caps, ``top_k`` and the Pruner's and Judger's ``top_logprobs``)."""
 
     def __init__(self, generator: Mapping[str, Any], steps: Sequence[str], kept: Sequence[str] = KEPT,
-                 orders: Sequence[str] = ("ranked",)) -> None:
+                 orders: Sequence[str] = ("ranked",), answer_unanswerable: bool = True) -> None:
         if unknown := [step for step in steps if step not in STEPS]:
             raise ValueError(f"generator_training.curriculum.steps has unknown steps {unknown}; "
                              f"expected some of {list(STEPS)}")
@@ -92,6 +94,7 @@ class AgentCurriculum:
         self.config = GeneratorConfig.from_config(generator)
         self.steps, self.kept = tuple(dict.fromkeys(steps)), tuple(dict.fromkeys(kept))
         self.orders = tuple(dict.fromkeys(orders))
+        self.answer_unanswerable = answer_unanswerable
         self.judger = Judger(self.config.threshold, self.config.estimator, self.config.top_logprobs)
 
     @property
@@ -137,8 +140,9 @@ class AgentCurriculum:
         """The buffer (the first ``top_k`` of ``pages``) in each of :attr:`orders`."""
         buffer = list(pages[: self.config.top_k])
         relevant = [page for page in buffer if page.key in query.relevant]
-        last = [page for page in buffer if page.key not in query.relevant] + relevant
-        return [buffer if order == "ranked" else last for order in self.orders]
+        others = [page for page in buffer if page.key not in query.relevant]
+        orders = {"ranked": buffer, "relevant_first": relevant + others, "relevant_last": others + relevant}
+        return [orders[order] for order in self.orders]
 
     def _all(self, query: QueryTruth, question: str, buffer: list[Page],
              truth: Mapping[str, PageTruth]) -> Iterator[Example]:
@@ -156,18 +160,21 @@ class AgentCurriculum:
             if relevant:
                 kept = buffer[:n]
                 break
-        yield example("single_pass", buffer, answer)
+        answers = self.answer_unanswerable or any(page.key in query.relevant for page in buffer)
+        if answers:
+            yield example("single_pass", buffer, answer)
         sets = [kept if choice == "pruned" else buffer for choice in self.kept]
         for pages in [pages for i, pages in enumerate(sets) if pages not in sets[:i]]:
-            yield example("answer", pages, answer, top_logprobs=self.judger.alternatives)
-            yield example("verify", pages, answer)
-            if not self.needs_items:
-                continue
-            yield from self._decoupler(example, query, pages, truth, answer)
+            if answers:
+                yield example("answer", pages, answer, top_logprobs=self.judger.alternatives)
+                yield example("verify", pages, answer)
+            if self.needs_items:
+                yield from self._decoupler(example, query, pages, truth, answer if answers else None)
 
     def _decoupler(self, example, query: QueryTruth, pages: Sequence[Page], truth: Mapping[str, PageTruth],
-                   answer: str) -> Iterator[Example]:
-        """The Decoupler's and the integration's examples on ``pages`` (Eqs. 7–8, then the Summarizer's HQP)."""
+                   answer: str | None) -> Iterator[Example]:
+        """The Decoupler's and (with an ``answer``) the integration's examples on ``pages`` (Eqs. 7–8, then the
+        Summarizer's HQP)."""
         prompts = self.config.prompts
         salient, fine = notes(pages, truth, "salient"), notes(pages, truth, "fine_print")
         marker = f"{prompts.answered_marker} {'yes' if holds_answer(pages, query, truth) else 'no'}"
@@ -177,4 +184,5 @@ class AgentCurriculum:
                       fine_print=fine or prompts.no_notes)
         if marker.endswith("no") and self.config.caps.max_iters > 1:
             yield example("fine_print", pages, "", 2, salient=salient, fine_print=fine or prompts.no_notes)
-        yield example("integrate", pages, answer, salient=salient, fine_print=fine)
+        if answer is not None:
+            yield example("integrate", pages, answer, salient=salient, fine_print=fine)

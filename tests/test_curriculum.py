@@ -93,12 +93,20 @@ def test_the_pruner_learns_the_qrels_on_a_ranked_set():
     assert labels((PAGES[1].key,)) == [(1, "no"), (2, "yes")]
     assert labels((PAGES[0].key,)) == [(1, "yes")]  # the Pruner stops at its first yes
     assert labels(("elsewhere",)) == [(1, "no"), (2, "no")]  # no relevant page: keep the buffer
+    strict = AgentCurriculum(generator_config(), ALL_STEPS, answer_unanswerable=False)
+    unanswerable = dataclasses.replace(CODE_Q, relevant=("elsewhere",))
+    assert {ex.step for ex in strict.examples(unanswerable, "Q?", [PAGES], TRUTH)} == {
+        "pruner", "salient", "fine_print", "decouple"}  # no answer learnt from pages that cannot hold it
+    assert {ex.step for ex in strict.examples(CODE_Q, "Q?", [PAGES], TRUTH)} == set(STEPS)
     both = AgentCurriculum(generator_config(), ["pruner", "answer"], orders=["ranked", "relevant_last"])
     shown = [(ex.step, ex.target, [p.key for p in ex.request.images]) for ex in both.examples(CODE_Q, "Q?", [PAGES])]
     a, b, c = (page.key for page in PAGES)
     assert shown == [("pruner", "no", [a]), ("pruner", "yes", [a, b]), ("answer", "K1", [a, b]),
                      ("answer", "K1", [a, b, c]), ("pruner", "no", [a, c]),  # [a] again: given once
                      ("answer", "K1", [a, c, b])]  # the relevant page last
+    first = AgentCurriculum(generator_config(), ["pruner"], orders=["relevant_first"])
+    assert [(ex.target, [p.key for p in ex.request.images]) for ex in first.examples(CODE_Q, "Q?", [PAGES])] == [
+        ("yes", [b])]
 
 
 def test_note_targets_are_the_drawn_items_by_hand(tmp_path):
@@ -245,3 +253,19 @@ def test_a_curriculum_run_records_its_trained_steps(tmp_path):
     assert saved["trained_steps"] == ALL_STEPS
     checkpoint = json.loads((run / "checkpoints" / "final" / "state.json").read_text())
     assert checkpoint["config"]["trained_steps"] == ALL_STEPS
+
+
+def test_the_example_mean_weighs_each_example_once():
+    import math
+
+    import torch
+
+    from hkrag.training.generator import IGNORE_INDEX, example_mean_nll
+
+    logits = torch.zeros(2, 4, 3)
+    logits[0, 0, 1] = math.log(2)  # p(1) = 2/4 at row 0's first position: its one target costs log 2
+    labels = torch.tensor([[IGNORE_INDEX, 1, IGNORE_INDEX, IGNORE_INDEX], [IGNORE_INDEX, 0, 0, 0]])  # 1 and 3 targets
+    per_row = [math.log(2), math.log(3)]  # uniform over 3 classes for row 1
+    assert example_mean_nll(logits, labels).item() == pytest.approx(sum(per_row) / 2)
+    token_mean = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 3), labels[:, 1:].reshape(-1))
+    assert token_mean.item() == pytest.approx((math.log(2) + 3 * math.log(3)) / 4)  # what loss_mean=token gives

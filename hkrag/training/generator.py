@@ -179,6 +179,20 @@ class GeneratorCollator:
         return batch
 
 
+LOSS_MEANS = ("token", "example")
+
+
+def example_mean_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The causal-LM NLL averaged over each example's target tokens, then over the examples that have any: token t
+    predicts label t + 1, labels −100 are ignored (``loss_mean: example``)."""
+    targets = labels[:, 1:]
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, ignore_index=IGNORE_INDEX,
+                                            reduction="none")
+    counted = (targets != IGNORE_INDEX).sum(dim=1)
+    rows = counted > 0
+    return (nll.sum(dim=1)[rows] / counted[rows]).mean()
+
+
 @dataclass
 class GeneratorTrainerConfig:
     """Optimisation settings (``generator_training.optim``); paper: 2 × 4 per step, lr 1e-4, one epoch."""
@@ -198,8 +212,13 @@ class GeneratorTrainerConfig:
     num_workers: int = 0
     precision: str = "bf16"
     """``bf16`` autocasts on CUDA; the CPU always trains in float32."""
+    loss_mean: str = "token"
+    """``token``: the mean over every target token of a batch (VDocGenerator's); ``example``: each example's mean,
+    then their mean (:func:`example_mean_nll`)."""
 
     def __post_init__(self) -> None:
+        if self.loss_mean not in LOSS_MEANS:
+            raise ValueError(f"generator_training.optim.loss_mean={self.loss_mean!r}: expected one of {LOSS_MEANS}")
         for name in ("batch_size", "grad_accum", "epochs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"generator_training.optim.{name} must be a positive integer, got "
@@ -230,11 +249,17 @@ class GeneratorTrainer:
         self.state = TrainState(config={**identity, **(run_config or {})})
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean token NLL of the target tokens of ``batch`` (labels −100 elsewhere)."""
+        """Mean NLL of the target tokens of ``batch`` (labels −100 elsewhere): over all its target tokens
+        (``loss_mean: token``), or per example first, then over the examples (``loss_mean: example``), so that a
+        long target (the agents' notes) weighs no more than a short one (an answer, a yes)."""
         batch = {k: v.to(self.device) for k, v in batch.items()}
         autocast = self.config.precision == "bf16" and self.device.type == "cuda"
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
-            return self.model.get_base_model()(**batch, use_cache=False).loss
+            if self.config.loss_mean == "token":
+                return self.model.get_base_model()(**batch, use_cache=False).loss
+            labels = batch.pop("labels")
+            logits = self.model.get_base_model()(**batch, use_cache=False).logits
+        return example_mean_nll(logits.float(), labels)
 
     def loader(self, epoch: int, start: int = 0) -> DataLoader:
         """The epoch's micro-batches (a permutation seeded by ``seed + epoch``) from optimizer step ``start`` on."""
