@@ -196,7 +196,8 @@ def query_row(outcome: QueryOutcome, pages: str, generator: str, seed: int, rele
             "query_id": outcome.query_id,
             "set": "gold" if pages == "gold" else retrieved_set(outcome.retrieved, relevant),
             "score": metric_value(outcome, METRIC), "route": outcome.route, "failed": outcome.failed,
-            "kept": len(outcome.kept), "calls": [[c.agent, c.step, call_signature(c)] for c in outcome.calls],
+            "ranked": len(outcome.retrieved), "kept": len(outcome.kept),
+            "calls": [[c.agent, c.step, call_signature(c)] for c in outcome.calls],
             "input_tokens": outcome.prompt_tokens, "output_tokens": outcome.completion_tokens,
             "seconds": round(outcome.wall_s, 4)}
 
@@ -294,7 +295,9 @@ def judge_testability(better: Sequence[Mapping[str, Any]], worse: Sequence[Mappi
 
     - the generator was not trained on a prompt either configuration sends (a contrast of a trained prompt with an
       untrained one tests the training, not the component);
-    - ``component`` never runs in ``better`` on the set (no call of that agent, e.g. the Pruner with one page);
+    - ``component`` never runs in ``better`` on the set (no call of that agent, e.g. the Pruner with one page), or
+      the Pruner runs but never prunes (it keeps every page of every query: what follows it sees the pages it
+      would have seen without it);
     - the two coincide: on every query and seed the calls of the steps both configurations send are identical
       (step, pages, prompt and reply), so their answers are equal by construction; either every call is identical,
       or the component ran and changed no other call (e.g. the Pruner kept every page).
@@ -306,6 +309,8 @@ def judge_testability(better: Sequence[Mapping[str, Any]], worse: Sequence[Mappi
         reasons.append(f"the generator was not trained on the prompt(s) {', '.join(untrained)}")
     if component and not any(call[0] == component for row in better for call in row["calls"]):
         reasons.append(f"the {component.capitalize()} never runs on this set (no {component} call)")
+    elif component == "pruner" and all(row["kept"] == row["ranked"] for row in better):
+        reasons.append("the Pruner never prunes on this set (it keeps every page of every query)")
     shared = {call[1] for row in better for call in row["calls"]} & {call[1] for row in worse for call in row["calls"]}
 
     def calls(row: Mapping[str, Any], steps: set[str] | None = None) -> list[list[str]]:
