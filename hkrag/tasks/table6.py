@@ -430,7 +430,11 @@ def markdown(summary: Mapping[str, Any], header: str = "") -> str:
             lines.append(f"| {name} | {100 * score['mean']:.1f} [{100 * low:.1f}, {100 * high:.1f}]"
                          f" | {routes} | {cost['lvlm_calls']:.2f} | {cost['input_tokens']:.0f} | "
                          f"{cost['output_tokens']:.0f} | {cost['seconds']:.3f} | {row['failed']} |")
-        lines += ["", "| claim | difference [95%] | p | p (Holm) | corrected interval | verdict | corrected verdict |",
+        corrected = 100 * table["claims"][0]["corrected_confidence"] if table["claims"] else confidence
+        lines += ["", f"Verdicts by the rule above (margin {100 * summary['margin']:.0f} points); p (Holm) and the "
+                  f"corrected interval ({corrected:.2f} %) over the table's family of {summary['family_size']} "
+                  "testable claims.\n",
+                  "| claim | difference [95%] | p | p (Holm) | corrected interval | verdict | corrected verdict |",
                   "|---|---|---|---|---|---|---|"]
         notes = []
         for claim in table["claims"]:
