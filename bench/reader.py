@@ -1,6 +1,6 @@
 """The tiny reader's retrieval targets over seeds (issue 23): ``experiment=reader_tiny`` trained once per seed
-(finished runs are kept), then nDCG@5 on the test split per data set and pool, with a hierarchical 95 % interval
-(seeds, then queries: :func:`hkrag.stats.hierarchical_bootstrap`) against random ranking's expected nDCG@5.
+(finished runs are kept), then nDCG@5 on the test split per data set and pool, with a crossed seeds × queries 95 %
+t interval (:func:`hkrag.stats.crossed_interval`) against random ranking's expected nDCG@5.
 
     python bench/reader.py --out outputs/reader --seeds 0 1 2 --workers 2
 

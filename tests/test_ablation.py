@@ -5,10 +5,11 @@ import math
 
 import pytest
 import yaml
+from scipy import stats as scipy_stats
 
-from hkrag.retrieval.ablation import AblationError, aggregate, main
+from hkrag.retrieval.ablation import PER_QUERY_LINES, AblationError, aggregate, load_per_query, main, summarize
 from hkrag.retrieval.evaluation import PER_QUERY_FILE
-from hkrag.stats import hierarchical_paired_bootstrap, mean_and_std, verdict
+from hkrag.stats import P_FLOOR, mean_and_std
 
 QUERIES = [("synchart", "q1", "salient"), ("synchart", "q2", "fine_print"), ("synfine", "q3", "fine_print")]
 SCORES = {  # (loss, seed) -> nDCG@5 of q1, q2, q3 in the single pool; the all pool scores half of it
@@ -55,7 +56,7 @@ def multirun(tmp_path):
 
 
 def test_a_data_set_column_holds_its_queries_alone(multirun, tmp_path):
-    summary = aggregate(multirun, tmp_path / "out", n_resamples=200, datasets=["synfine", "absent"])
+    summary = aggregate(multirun, tmp_path / "out", datasets=["synfine", "absent"])
     assert summary["evidence"] == ["all", "fine_print", "salient", "synfine"]  # a data set nobody scored is left out
     synfine = summary["ndcg@5"]["single"]["synfine"]
     assert synfine["hkrag"]["per_seed"] == pytest.approx([0.75, 0.25]) and synfine["hkrag"]["num_queries"] == 1
@@ -64,7 +65,7 @@ def test_a_data_set_column_holds_its_queries_alone(multirun, tmp_path):
 
 
 def test_means_stds_and_paired_intervals_equal_hand_computed_values(multirun):
-    summary = aggregate(multirun, n_resamples=500)
+    summary = aggregate(multirun)
     assert summary["conditions"] == ["infonce", "hkrag", "no_sin"]  # baseline first, then in job order
     assert summary["evidence"] == ["all", "fine_print", "salient"]
     single = summary["ndcg@5"]["single"]
@@ -84,21 +85,22 @@ def test_means_stds_and_paired_intervals_equal_hand_computed_values(multirun):
     # hkrag - infonce per query, averaged over seeds 0 and 1: q1 (0 + 0.25)/2, q2 (0.25 + 0.25)/2, q3 (0.25 + 0.25)/2
     versus = summary["vs_baseline"]["single"]["fine_print"]["hkrag"]
     assert versus["diff"] == pytest.approx(0.25) and versus["low"] == versus["high"] == pytest.approx(0.25)
-    assert versus["p_value"] == 1 / 500 and versus["seeds"] == [0, 1] and versus["num_queries"] == 2  # floored at 1/B
-    # seeds and queries resampled: per seed x query, hkrag - infonce is (0, .25, .25) and (.25, .25, .25)
+    assert versus["p_value"] == P_FLOOR and versus["seeds"] == [0, 1] and versus["num_queries"] == 2  # never 0
+    # crossed seeds x queries: hkrag - infonce is (0, .25, .25) for seed 0 and (.25, .25, .25) for seed 1, mean 5/24.
+    # Seed means 1/6, 1/4: MS_seed = 3 * 2 * (1/24)^2 = 1/96; query means 1/8, 1/4, 1/4: MS_query = 2 * 6/576 / 2
+    # = 1/96; SS_total = 5/16 - 6 * (5/24)^2 = 5/96, SS_residual = 5/96 - 1/96 - 2/96 = 1/48 on 2 df: MS 1/96.
+    # Both components are 0: Var(mean) = MS_residual / (S Q) = 1/576, se 1/24, on the residual's 2 df.
     everything = summary["vs_baseline"]["single"]["all"]["hkrag"]
-    expected = hierarchical_paired_bootstrap([SCORES["hkrag", 0], SCORES["hkrag", 1]],
-                                             [SCORES["infonce", 0], SCORES["infonce", 1]], n_resamples=500)
-    assert everything["diff"] == pytest.approx(1.25 / 6)
-    assert {k: everything[k] for k in expected} == pytest.approx(expected)
-    assert 0.0 <= everything["low"] < everything["diff"] < everything["high"] <= 0.25
-    # each condition's mean carries its own hierarchical interval
+    half = scipy_stats.t.ppf(0.975, 2) / 24
+    assert (everything["diff"], everything["se"], everything["df"]) == pytest.approx((5 / 24, 1 / 24, 2))
+    assert (everything["low"], everything["high"]) == pytest.approx((5 / 24 - half, 5 / 24 + half))  # [2.9, 38.8]
+    # each condition's mean carries its own crossed interval
     assert single["all"]["hkrag"]["low"] < 0.625 < single["all"]["hkrag"]["high"]
     assert single["fine_print"]["infonce"]["low"] <= 0.25 <= single["fine_print"]["infonce"]["high"]
 
 
 def test_mask_shares_and_written_files(multirun):
-    summary = aggregate(multirun, n_resamples=200)
+    summary = aggregate(multirun)
     masks = summary["masks"]["hkrag"]
     assert masks["mean"] == pytest.approx({"mask/one": 0.45, "mask/half": 0.4, "mask/zero": 0.15})
     assert masks["steps"] == [1, 2] and masks["curve"]["mask/zero"] == pytest.approx([0.2, 0.1])
@@ -111,14 +113,14 @@ def test_mask_shares_and_written_files(multirun):
 
 def test_seeds_are_matched_and_bad_folders_are_named(multirun, tmp_path):
     (multirun / "2" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["loss=hkrag", "trainer.seed=7"]))
-    summary = aggregate(multirun, tmp_path / "out", n_resamples=200)
+    summary = aggregate(multirun, tmp_path / "out")
     assert summary["seeds"]["hkrag"] == [1, 7] and summary["vs_baseline"]["single"]["all"]["hkrag"]["seeds"] == [1]
     with pytest.raises(AblationError, match="baseline 'bogus' is not among the conditions"):
         aggregate(multirun, baseline="bogus")
     (multirun / "5" / "eval-after" / PER_QUERY_FILE).unlink()
     with pytest.raises(AblationError, match=r"5: eval-after/per_query.json is missing"):
         aggregate(multirun)
-    partial = aggregate(multirun, tmp_path / "partial", n_resamples=200, finished_only=True)
+    partial = aggregate(multirun, tmp_path / "partial", finished_only=True)
     assert partial["seeds"] == {"infonce": [0, 1], "hkrag": [1, 7], "no_sin": [0]}
 
 
@@ -129,7 +131,7 @@ def test_cli_errors_name_the_folder(tmp_path, capsys):
 
 
 def test_verdicts_on_the_table_5_claims_that_ran(multirun):
-    summary = aggregate(multirun, n_resamples=300)
+    summary = aggregate(multirun)
     verdicts = {(v["better"], v["worse"], v["evidence"], v["pool"]): v for v in summary["verdicts"]}
     # no_din did not run: its claims are left out; every other claim is judged in both pools
     assert {key[:3] for key in verdicts} == {("hkrag", "infonce", "all"), ("hkrag", "no_sin", "all"),
@@ -138,14 +140,16 @@ def test_verdicts_on_the_table_5_claims_that_ran(multirun):
     fine = verdicts["hkrag", "no_sin", "fine_print", "single"]  # +0.25 on every seed and query
     assert (fine["low"], fine["high"], fine["verdict"]) == (pytest.approx(0.25), pytest.approx(0.25), "reproduced")
     text = (multirun / "ablation.md").read_text()
-    assert "## Verdicts on the paper's claims" in text and "| fine_print | single | +25.0 [+25.0, +25.0] | " \
-        "**reproduced** |" in text
-
-
-@pytest.mark.parametrize("low, high, expected", [(0.001, 0.05, "reproduced"), (-0.02, 0.005, "not reproduced"),
-                                                 (-0.05, -0.01, "not reproduced"), (-0.02, 0.03, "inconclusive")])
-def test_verdict_rule(low, high, expected):
-    assert verdict(low, high, margin=0.01) == expected
+    assert "## Verdicts on the paper's claims" in text and "| fine_print | single | +25.0 [+25.0, +25.0] | < 1e-4 | " \
+        "reproduced | < 1e-4 | [+25.0, +25.0] | **reproduced** |" in text
+    assert "margin (smallest effect of interest) 1 nDCG@5 points" in text and "m = 8 verdicts" in text
+    # Holm over the 8 verdicts: the smallest p is multiplied by 8; intervals at 1 - 0.05/8 = 99.375 %
+    everything = verdicts["hkrag", "infonce", "all", "single"]
+    assert everything["p_holm"] >= everything["p_value"] and everything["corrected_confidence"] == 1 - 0.05 / 8
+    assert everything["corrected_low"] < everything["low"] < everything["high"] < everything["corrected_high"]
+    assert everything["verdict"] == "reproduced"  # [+2.9, +38.8] at 95 %, p = 0.038
+    assert everything["corrected_verdict"] == "inconclusive"  # reaches below 0 at 99.375 %; Holm p above 0.05
+    assert everything["p_holm"] > 0.05
 
 
 def test_learning_curves_average_seeds_per_step(tmp_path):
@@ -156,7 +160,7 @@ def test_learning_curves_average_seeds_per_step(tmp_path):
         write_scores(job / "eval-before", (0.0, 0.0, 0.0))
         write_scores(job / "eval-step-2", [v / 2 for v in SCORES[loss, seed]])
         write_scores(job / "eval-step-4", SCORES[loss, seed])
-    summary = aggregate(folder, n_resamples=100)
+    summary = aggregate(folder)
     curve = summary["curves"]["single"]["all"]["hkrag"]
     assert curve["steps"] == [0, 2, 4]  # eval-before is step 0
     assert curve["mean"] == pytest.approx([0.0, 0.3125, 0.625])
@@ -172,11 +176,11 @@ def test_conditions_from_several_keys_or_every_varying_override(tmp_path):
     for number, (loss, seed, extra) in enumerate(jobs):
         write_job(folder, number, loss, seed, extra)
     labels = ["loss=infonce", "loss=hkrag,loss.alpha=2", "loss=hkrag,loss.alpha=0.5"]
-    keyed = aggregate(folder, by=["loss", "loss.alpha"], baseline="loss=infonce", n_resamples=100)
+    keyed = aggregate(folder, by=["loss", "loss.alpha"], baseline="loss=infonce")
     assert keyed["conditions"] == labels and keyed["seeds"]["loss=hkrag,loss.alpha=2"] == [0, 1]
-    assert aggregate(folder, by="auto", baseline="loss=infonce", n_resamples=100)["conditions"] == labels
+    assert aggregate(folder, by="auto", baseline="loss=infonce")["conditions"] == labels
     with pytest.raises(AblationError, match="repeats loss=hkrag trainer.seed=0"):
-        aggregate(folder, n_resamples=100)  # by loss alone, the two alphas collide
+        aggregate(folder)  # by loss alone, the two alphas collide
 
 
 def test_mean_and_std():
@@ -185,3 +189,16 @@ def test_mean_and_std():
     assert mean_and_std([0.5]) == (0.5, 0.0)
     with pytest.raises(ValueError, match="non-empty"):
         mean_and_std([])
+
+
+def test_the_summary_re_derives_from_its_per_query_file(multirun, tmp_path):
+    summary = aggregate(multirun, tmp_path / "out")
+    lines = [json.loads(line) for line in (tmp_path / "out" / PER_QUERY_LINES).read_text().splitlines()]
+    assert lines[0] == {"pool": "single", "queries": [list(query) for query in QUERIES]}
+    assert lines[1] == {"condition": "infonce", "seed": 0, "pool": "single", "ndcg@5": list(SCORES["infonce", 0])}
+    again = summarize(load_per_query(tmp_path / "out" / PER_QUERY_LINES))
+    assert again["vs_baseline"] == summary["vs_baseline"] and again["ndcg@5"] == summary["ndcg@5"]
+    assert again["verdicts"] == summary["verdicts"]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"condition": "hkrag", "seed": 0, "pool": "all", "ndcg@5": [1]}))
+    with pytest.raises(AblationError, match="bad.jsonl, line 1: scores without a matching header line of pool all"):
+        load_per_query(tmp_path / "bad.jsonl")

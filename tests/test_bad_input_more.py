@@ -211,7 +211,7 @@ def test_the_ablation_refuses_one_run_counted_twice(tmp_path):
         load_multirun(folder, by="auto")  # conditions loss=hkrag and loss=hkrag,loss.alpha=1.0: not a repeat by name
     runs = [load_run(folder / "0"), load_run(folder / "1")]
     with pytest.raises(AblationError, match="repeats hkrag seed=0"):
-        summarize([*runs, runs[1]], n_resamples=10)  # the replica calls summarize on runs it loaded itself
+        summarize([*runs, runs[1]])  # the replica calls summarize on runs it loaded itself
 
 
 # --- resumed runs whose model changed -----------------------------------------------------------------------------

@@ -8,7 +8,9 @@ import pytest
 import yaml
 
 import hkrag.tasks.training as training
+from hkrag.retrieval.ablation import load_per_query, summarize
 from hkrag.retrieval.evaluation import PER_QUERY_FILE
+from hkrag.tasks import replica
 from hkrag.tasks.replica import TABLE5, ReplicaConfig, job_folder, run_jobs, run_replica
 from hkrag.tasks.table6 import GENERATORS
 
@@ -93,6 +95,14 @@ def test_the_report_judges_the_table_5_claims(done):
     text = (config.out / "replica.md").read_text()
     assert text.startswith("# Replica of the paper's Table 5 at CPU scale") and "### Verdicts" in text
     assert (config.out / "table5.png").read_bytes()[:4] == b"\x89PNG"
+    # the verdicts re-derive from the per-query scores written beside the report
+    runs = [run for run in load_per_query(config.out / replica.RETRIEVER_PER_QUERY)
+            if run.condition in summary["conditions"]]
+    again = summarize(runs, "infonce", margin=config.margin, datasets=replica.FINE_PRINT_SPLITS)
+    keys = ("diff", "low", "high", "p_value", "p_holm", "corrected_low", "corrected_high")
+    assert [v[k] for v in again["verdicts"] for k in keys] == pytest.approx(
+        [v[k] for v in summary["verdicts"] for k in keys])
+    assert [v["corrected_verdict"] for v in again["verdicts"]] == [v["corrected_verdict"] for v in summary["verdicts"]]
 
 
 def test_a_rerun_skips_finished_jobs_and_redoes_unfinished_ones(done, monkeypatch):

@@ -7,6 +7,7 @@ from scipy import stats as scipy_stats
 from hkrag.stats import (
     CROSSED,
     ONE_SEED,
+    ONE_VALUE,
     P_FLOOR,
     bootstrap_interval,
     cluster_rows,
@@ -203,8 +204,9 @@ def test_crossed_interval_of_identical_runs_is_a_point_and_never_p_zero():
     assert (result["diff"], result["low"], result["high"], result["p_value"]) == (0.0, 0.0, 0.0, 1.0)
     shifted = crossed_difference(np.ones((3, 4)) + 0.1, np.ones((3, 4)))
     assert shifted["p_value"] == P_FLOOR > 0
-    with pytest.raises(ValueError, match="one value"):
-        crossed_interval([[1.0]])
+    single = crossed_interval([[0.5]])  # one seed, one question: no interval at all
+    assert (single["low"], single["high"], single["p_value"], single["method"]) == (-np.inf, np.inf, 1.0, ONE_VALUE)
+    assert verdict(single["low"], single["high"], 0.01) == "inconclusive"
 
 
 def test_cluster_rows_averages_a_questions_rows_before_the_interval():
@@ -269,3 +271,11 @@ def test_corrected_verdicts_apply_holm_and_bonferroni_intervals():
     # reaches below 0: inconclusive once corrected
     assert [o["corrected_verdict"] for o in out] == ["reproduced", "inconclusive", "not testable"]
     assert out[2]["p_holm"] is None and out[2]["corrected_low"] is None
+
+
+def test_bounds_intersect_the_interval_with_the_range_of_the_mean():
+    accuracy = [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]]  # mean 0.25: the t interval reaches below 0
+    free, bounded = crossed_interval(accuracy), crossed_interval(accuracy, bounds=(0.0, 1.0))
+    assert free["low"] < 0 and bounded["low"] == 0.0 and bounded["high"] == free["high"]
+    with pytest.raises(ValueError, match="outside the bounds"):
+        crossed_interval([[2.0, 3.0]], bounds=(0.0, 1.0))

@@ -223,7 +223,7 @@ def test_rag_report_layouts_per_query_rows_and_files_equal_rag_json(tmp_path, da
 
 def test_ablation_and_replica_get_runs_of_their_own(tmp_path, multirun, offline):  # noqa: F811
     out = tmp_path / "ablation"
-    summary = aggregate(multirun, out, n_resamples=200)
+    summary = aggregate(multirun, out)
     local = json.loads((out / "ablation.json").read_text())
     run = OfflineRun.read(out)
     tables = {}
@@ -244,7 +244,8 @@ def test_ablation_and_replica_get_runs_of_their_own(tmp_path, multirun, offline)
     assert [(v["better"], v["worse"], v["pool"], v["verdict"]) for v in verdicts] == [
         (v["better"], v["worse"], v["pool"], v["verdict"]) for v in local["verdicts"]]
     assert run.image("ablation/plot") == (out / "ablation.png").read_bytes()
-    assert_artifact(run, "ablation-report", out, ["ablation.json", "ablation.md", "ablation.png"])
+    assert_artifact(run, "ablation-report", out, ["ablation.json", "ablation.md", "ablation.png",
+                                                  "ablation_per_query.jsonl"])
 
     folder = tmp_path / "replica"
     (folder / "table6").mkdir(parents=True)
@@ -272,7 +273,7 @@ def test_ablation_and_replica_get_runs_of_their_own(tmp_path, multirun, offline)
 
 def test_without_wandb_or_off_the_main_rank_nothing_is_logged(tmp_path, multirun, monkeypatch):  # noqa: F811
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    aggregate(multirun, tmp_path / "disabled", n_resamples=50)
+    aggregate(multirun, tmp_path / "disabled")
     assert (tmp_path / "disabled" / "ablation.md").is_file() and not (tmp_path / "disabled" / "wandb").exists()
     quiet = RunLogger(tmp_path / "rank1", wandb_mode="offline", enabled=False)
     quiet.table("t", ["a"], [[1]])

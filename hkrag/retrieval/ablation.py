@@ -12,13 +12,17 @@ seed that of ``--seed-key`` (default ``trainer.seed``). For every pool and evide
 ``fine_print``, and all queries), the summary gives:
 
 - **mean ± std over seeds** of the run's nDCG@5, averaged over its queries pooled across the data sets;
-- **the difference to the baseline** (default ``infonce``, the paper's Eq. 3 baseline) with a **hierarchical
-  paired bootstrap** interval (:func:`hkrag.stats.hierarchical_paired_bootstrap`): seeds, then queries within
-  them, are resampled on the matched seeds, so the interval holds seed-to-seed variance as well as which
-  queries a loss wins or loses;
-- **verdicts** on the paper's Table 5 claims (:data:`TABLE5_CLAIMS`; those whose two conditions ran): for a claim
-  "A beats B", *reproduced* when the interval of A − B lies above 0, *not reproduced* when it lies below
-  ``margin`` (no gain as large as the smallest effect of interest; default 1 nDCG@5 point), else *inconclusive*;
+- **the difference to the baseline** (default ``infonce``, the paper's Eq. 3 baseline) with a **crossed seeds ×
+  queries** t interval (:func:`hkrag.stats.crossed_difference`) on the matched seeds: every seed answers the same
+  test queries, so seed and query are crossed random factors of the per-seed, per-query differences, and the
+  interval holds seed-to-seed variance as well as which queries a loss wins or loses (with 3–5 seeds, where the
+  crossed percentile bootstrap under-covers; docs/statistics.md);
+- **verdicts** on the paper's Table 5 claims (:data:`TABLE5_CLAIMS`; those whose two conditions ran), by the rule
+  of :func:`hkrag.stats.verdict`, which tests the smallest effect of interest ``margin`` (default 1 nDCG@5 point)
+  first: *not reproduced* when the interval of A − B lies wholly below the margin, *reproduced* when it lies above
+  0 (and reaches the margin), else *inconclusive*; and, over the table's family of verdicts (every claim in every
+  pool), Holm-adjusted p-values, Bonferroni-level intervals and the corrected verdicts
+  (:func:`hkrag.stats.corrected_verdicts`);
 - **learning curves** (mean ± std over seeds per evaluated step) and the change over their last interval, which
   says whether the runs reached a plateau;
 - **mask shares** of the positive pairs' hybrid mask (Eq. 2) equal to 1, ½ and 0, averaged over training
@@ -43,7 +47,15 @@ import yaml
 from hkrag.io import png_bytes, write_bytes, write_json, write_text
 from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, BEFORE_TRAINING_DIR, CURVE_DIR, PER_QUERY_FILE
 from hkrag.run_log import METRICS_FILE, RunLogger
-from hkrag.stats import Claim, hierarchical_bootstrap, hierarchical_paired_bootstrap, mean_and_std, verdict
+from hkrag.stats import (
+    CORRECTION,
+    VERDICT_RULE,
+    Claim,
+    corrected_verdicts,
+    crossed_difference,
+    crossed_interval,
+    mean_and_std,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +222,52 @@ def check_settings_distinct(jobs: Sequence[Path]) -> None:
         seen[settings] = job
 
 
+PER_QUERY_LINES = "ablation_per_query.jsonl"
+"""Every run's per-query nDCG@5 behind a summary (:func:`per_query_lines`), written beside ``ablation.json``."""
+
+
+def per_query_lines(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """Every run's nDCG@5 on every test query after training, compactly: per pool a header line ``{"pool",
+    "queries": [[dataset, query id, evidence], ...]}``, then one line per run ``{"condition", "seed", "pool",
+    "ndcg@5": [...]}`` in the header's query order. :func:`load_per_query` reads them back into runs that
+    :func:`summarize` turns into the same means, intervals and verdicts (not the learning curves or masks)."""
+    lines: list[dict[str, Any]] = []
+    for pool in dict.fromkeys(pool for run in runs for pool in run.scores):
+        first = next(run for run in runs if pool in run.scores).scores[pool]
+        keys = sorted(first)
+        lines.append({"pool": pool, "queries": [[*key, first[key][0]] for key in keys]})
+        for run in runs:
+            scores = run.scores.get(pool, {})
+            if scores.keys() != set(keys):
+                raise AblationError(f"{run.path} scored other {pool} queries than the first run of that pool")
+            lines.append({"condition": run.condition, "seed": run.seed, "pool": pool,
+                          METRIC: [scores[key][1] for key in keys]})
+    return lines
+
+
+def write_per_query(path: str | Path, runs: Sequence[Run]) -> Path:
+    """:func:`per_query_lines` of ``runs`` into ``path`` (JSON lines, atomically)."""
+    return write_text(path, "".join(json.dumps(line) + "\n" for line in per_query_lines(runs)))
+
+
+def load_per_query(path: str | Path) -> list[Run]:
+    """The runs of a :func:`per_query_lines` file (``path`` each run's path), for :func:`summarize`."""
+    path = Path(path)
+    runs: dict[tuple[str, int], Run] = {}
+    queries: dict[str, list] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        row = json.loads(line)
+        if "queries" in row:
+            queries[row["pool"]] = row["queries"]
+            continue
+        if row["pool"] not in queries or len(row[METRIC]) != len(queries[row["pool"]]):
+            raise AblationError(f"{path}, line {number}: scores without a matching header line of pool {row['pool']}")
+        run = runs.setdefault((row["condition"], row["seed"]), Run(path, row["condition"], row["seed"], {}))
+        run.scores[row["pool"]] = {(dataset, query): (evidence, score)
+                                   for (dataset, query, evidence), score in zip(queries[row["pool"]], row[METRIC])}
+    return list(runs.values())
+
+
 def evidence_types(runs: Sequence[Run]) -> list[str]:
     """``all`` then the evidence labels the queries carry, sorted."""
     labels = {label for run in runs for by_query in run.scores.values() for label, _ in by_query.values() if label}
@@ -232,7 +290,7 @@ def score_matrix(runs: Sequence[Run], pool: str, evidence: str, step: int | None
 
 
 def summarize(
-    runs: Sequence[Run], baseline: str = "infonce", confidence: float = 0.95, n_resamples: int = 2000, seed: int = 0,
+    runs: Sequence[Run], baseline: str = "infonce", confidence: float = 0.95,
     claims: Sequence[Claim] = TABLE5_CLAIMS, margin: float = 0.01, datasets: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Means, stds, intervals, differences to ``baseline``, verdicts on ``claims``, learning curves and mask
@@ -250,20 +308,20 @@ def summarize(
     evidence = evidence_types(runs) + [name for name in datasets if name in scored]
     summary: dict[str, Any] = {"baseline": baseline, "conditions": conditions, "pools": pools, "evidence": evidence,
                                "seeds": {c: [r.seed for r in rs] for c, rs in by_condition.items()},
-                               "confidence": confidence, "n_resamples": n_resamples, "margin": margin,
+                               "confidence": confidence, "margin": margin, "interval": CROSSED_SCHEME,
                                METRIC: {}, "vs_baseline": {}, "curves": {}}
-    compare = functools.partial(_versus, confidence=confidence, n_resamples=n_resamples, seed=seed)
+    compare = functools.partial(_versus, confidence=confidence)
     for pool in pools:
         for label in evidence:
             for condition, group in by_condition.items():
                 summary[METRIC].setdefault(pool, {}).setdefault(label, {})[condition] = _condition_score(
-                    group, pool, label, confidence, n_resamples, seed)
+                    group, pool, label, confidence)
                 if condition != baseline:
                     summary["vs_baseline"].setdefault(pool, {}).setdefault(label, {})[condition] = compare(
                         group, by_condition[baseline], pool, label)
             summary["curves"].setdefault(pool, {})[label] = {
                 c: curve for c, group in by_condition.items() if (curve := curve_summary(group, pool, label))}
-    summary["verdicts"] = []
+    judged = []
     for claim in claims:
         if claim.better not in by_condition or claim.worse not in by_condition or claim.evidence not in evidence:
             continue  # a claim about conditions this sweep did not run
@@ -272,26 +330,29 @@ def summarize(
             continue
         for pool in pools:
             result = compare(by_condition[claim.better], by_condition[claim.worse], pool, claim.evidence)
-            summary["verdicts"].append({**dataclasses.asdict(claim), "pool": pool, **result,
-                                        "verdict": verdict(result["low"], result["high"], margin)})
+            judged.append({**dataclasses.asdict(claim), "pool": pool, **result})
+    summary["verdicts"] = corrected_verdicts(judged, margin, alpha=1 - confidence)
     summary["masks"] = {c: mask_summary(rs) for c, rs in by_condition.items()}
     return summary
 
 
-def _condition_score(runs: Sequence[Run], pool: str, evidence: str, confidence: float, n_resamples: int,
-                     seed: int) -> dict[str, Any]:
-    """Mean ± std over seeds of the runs' query means, and the hierarchical interval of the mean."""
+CROSSED_SCHEME = "crossed seeds x queries t interval (two-way random-effects ANOVA, Satterthwaite df)"
+"""The interval of every mean and difference here (:func:`hkrag.stats.crossed_interval`), for the reports."""
+
+
+def _condition_score(runs: Sequence[Run], pool: str, evidence: str, confidence: float) -> dict[str, Any]:
+    """Mean ± std over seeds of the runs' query means, and the crossed seeds × queries interval of the mean."""
     keys, matrix = score_matrix(runs, pool, evidence)
     per_seed = [run_mean(run, pool, evidence) for run in runs]
     mean, std = mean_and_std(per_seed)
-    interval = hierarchical_bootstrap(matrix, confidence, n_resamples, seed) if keys else {}
+    interval = crossed_interval(matrix, confidence) if keys else {}
     return {"mean": mean, "std": std, "per_seed": per_seed, "num_queries": len(keys),
             **{k: interval[k] for k in ("low", "high") if k in interval}}
 
 
-def _versus(runs: Sequence[Run], base: Sequence[Run], pool: str, evidence: str, confidence: float,
-            n_resamples: int, seed: int) -> dict[str, Any]:
-    """Hierarchical paired bootstrap of ``runs`` against ``base`` over the seeds both have and their queries."""
+def _versus(runs: Sequence[Run], base: Sequence[Run], pool: str, evidence: str, confidence: float) -> dict[str, Any]:
+    """Crossed seeds × queries interval of ``runs`` − ``base`` over the seeds both have and their queries
+    (:func:`hkrag.stats.crossed_difference`); a pool's queries are distinct questions, so no clustering is needed."""
     seeds = sorted({r.seed for r in runs} & {r.seed for r in base})
     if not seeds:
         raise AblationError(f"{runs[0].condition} and {base[0].condition} share no seed")
@@ -299,8 +360,9 @@ def _versus(runs: Sequence[Run], base: Sequence[Run], pool: str, evidence: str, 
     keys_b, b = score_matrix([r for r in base if r.seed in seeds], pool, evidence)
     if keys_a != keys_b:
         raise AblationError(f"{runs[0].condition} and {base[0].condition} scored other {pool}/{evidence} queries")
-    result = hierarchical_paired_bootstrap(a, b, confidence, n_resamples, seed)
-    return {**result, "seeds": seeds, "num_queries": len(keys_a)}
+    result = crossed_difference(a, b, confidence=confidence)
+    return {**{k: v for k, v in result.items() if k not in ("seeds", "questions")}, "seeds": seeds,
+            "num_queries": len(keys_a)}
 
 
 def curve_summary(runs: Sequence[Run], pool: str, evidence: str) -> dict[str, Any]:
@@ -341,10 +403,10 @@ def markdown(summary: dict[str, Any], title: str) -> str:
         counts = ", ".join(f"{e}: {summary[METRIC][pool][e][baseline]['num_queries']}" for e in evidence)
         lines += [f"\nQueries: {counts}.\n"]
         confidence = round(100 * summary["confidence"])
-        lines += [f"Difference to `{baseline}` ×100 [hierarchical paired bootstrap {confidence}% interval: seeds, "
-                  f"then queries, on matched seeds] (two-sided bootstrap p):\n", _header(["loss", *evidence])]
+        lines += [f"Difference to `{baseline}` ×100 [{confidence}% {CROSSED_SCHEME}, on matched seeds] (two-sided "
+                  "t p):\n", _header(["loss", *evidence])]
         for condition, *values in difference_rows(summary, pool)[1]:
-            cells = [f"{diff:+.1f} [{low:+.1f}, {high:+.1f}] (p={p:.2f})"
+            cells = [f"{diff:+.1f} [{low:+.1f}, {high:+.1f}] (p{'' if p < 1e-4 else '='}{p_text(p)})"
                      for diff, low, high, p in zip(*(values[k::4] for k in range(4)))]
             lines.append(f"| {condition} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -379,11 +441,16 @@ def difference_rows(summary: dict[str, Any], pool: str) -> tuple[list[str], list
         for condition in summary["conditions"][1:]]
 
 
+VERDICT_COLUMNS = ("claim", "better", "worse", "evidence", "pool", "diff", "low", "high", "p_value", "verdict",
+                   "p_holm", "corrected_low", "corrected_high", "corrected_verdict")
+
+
 def verdict_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
-    """Each judged claim: text, conditions, queries, pool, difference better − worse, its interval (×100), verdict."""
-    return ["claim", "better", "worse", "evidence", "pool", "diff", "low", "high", "verdict"], [
-        [v["text"], v["better"], v["worse"], v["evidence"], v["pool"], 100 * v["diff"], 100 * v["low"],
-         100 * v["high"], v["verdict"]] for v in summary["verdicts"]]
+    """Each judged claim: text, conditions, queries, pool, difference better − worse, its interval (×100), p, the
+    verdict, then the family-corrected p (Holm), interval (Bonferroni level, ×100) and verdict."""
+    scaled = {"diff", "low", "high", "corrected_low", "corrected_high"}
+    return list(VERDICT_COLUMNS), [[v["text"], *(100 * v[k] if k in scaled else v[k] for k in VERDICT_COLUMNS[1:])]
+                                   for v in summary["verdicts"]]
 
 
 def log_summary(run_logger: RunLogger, summary: dict[str, Any], prefix: str = "ablation") -> None:
@@ -397,15 +464,27 @@ def log_summary(run_logger: RunLogger, summary: dict[str, Any], prefix: str = "a
 def _verdict_lines(summary: dict[str, Any]) -> list[str]:
     if not summary["verdicts"]:
         return []
-    confidence = round(100 * summary["confidence"])
-    lines = ["## Verdicts on the paper's claims\n", f"Difference better − worse ×100 [{confidence}% hierarchical "
-             f"paired interval]; *reproduced*: the interval lies above 0; *not reproduced*: it lies below "
-             f"{100 * summary['margin']:g} (the smallest effect of interest); else *inconclusive*.\n",
-             _header(["claim", "queries", "pool", "difference", "verdict"])]
-    for text, better, worse, evidence, pool, diff, low, high, result in verdict_rows(summary)[1]:
+    first = summary["verdicts"][0]
+    confidence, corrected = 100 * summary["confidence"], 100 * first["corrected_confidence"]
+    lines = ["## Verdicts on the paper's claims\n",
+             f"Difference better − worse ×100 [{confidence:g}% {CROSSED_SCHEME}] and its two-sided t p. Rule: "
+             f"{VERDICT_RULE}; margin (smallest effect of interest) {100 * summary['margin']:g} nDCG@5 points. "
+             f"Multiple comparisons: {CORRECTION}, over this table's m = {first['family_size']} verdicts "
+             f"(alpha {1 - summary['confidence']:g}: corrected intervals at {corrected:.4g}%); the corrected verdict "
+             "is the one to quote.\n",
+             _header(["claim", "queries", "pool", "difference", "p", "verdict", "Holm p", "corrected interval",
+                      "corrected verdict"])]
+    for (text, better, worse, evidence, pool, diff, low, high, p, result, p_holm, corrected_low, corrected_high,
+         corrected_result) in verdict_rows(summary)[1]:
         lines.append(f"| {text} (`{better}` vs `{worse}`) | {evidence} | {pool} | "
-                     f"{diff:+.1f} [{low:+.1f}, {high:+.1f}] | **{result}** |")
+                     f"{diff:+.1f} [{low:+.1f}, {high:+.1f}] | {p_text(p)} | {result} | {p_text(p_holm)} | "
+                     f"[{corrected_low:+.1f}, {corrected_high:+.1f}] | **{corrected_result}** |")
     return [*lines, ""]
+
+
+def p_text(p: float) -> str:
+    """A p-value in a table: two significant digits, ``< 1e-4`` below that (a t p-value can be 1e-300)."""
+    return f"{p:.2g}" if p >= 1e-4 else "< 1e-4"
 
 
 def _curve_lines(summary: dict[str, Any]) -> list[str]:
@@ -473,24 +552,26 @@ def plot(summary: dict[str, Any], pool: str = "single") -> bytes:
 
 
 def aggregate(folder: str | Path, out_dir: str | Path | None = None, by: str | Sequence[str] = "loss",
-              seed_key: str = "trainer.seed", baseline: str = "infonce", n_resamples: int = 2000,
-              finished_only: bool = False, margin: float = 0.01, datasets: Sequence[str] = ()) -> dict[str, Any]:
-    """Summarise ``folder`` into ``ablation.json``, ``ablation.md`` and ``ablation.png`` (in ``out_dir``, default
-    ``folder``); returns the summary."""
+              seed_key: str = "trainer.seed", baseline: str = "infonce", finished_only: bool = False,
+              margin: float = 0.01, datasets: Sequence[str] = ()) -> dict[str, Any]:
+    """Summarise ``folder`` into ``ablation.json``, ``ablation.md``, ``ablation.png`` and the per-query scores
+    behind them, ``ablation_per_query.jsonl`` (in ``out_dir``, default ``folder``); returns the summary."""
     runs = load_multirun(folder, by, seed_key, finished_only)
-    summary = summarize(runs, baseline, n_resamples=n_resamples, margin=margin, datasets=datasets)
+    summary = summarize(runs, baseline, margin=margin, datasets=datasets)
     out = Path(out_dir or folder)
     write_json(out / "ablation.json", summary)
+    write_per_query(out / PER_QUERY_LINES, runs)
     text = markdown(summary, str(folder))
     write_text(out / "ablation.md", text)
     write_bytes(out / "ablation.png", plot(summary))
     print(text)
     run_logger = RunLogger.from_defaults(out, f"ablation {Path(folder).name}", {
-        "folder": str(folder), "by": by, "seed_key": seed_key, "baseline": baseline, "n_resamples": n_resamples,
+        "folder": str(folder), "by": by, "seed_key": seed_key, "baseline": baseline,
         "margin": margin, "datasets": list(datasets)})
     log_summary(run_logger, summary)
     run_logger.image("ablation/plot", out / "ablation.png")
-    run_logger.artifact("ablation-report", "report", out, ["ablation.json", "ablation.md", "ablation.png"])
+    run_logger.artifact("ablation-report", "report", out, ["ablation.json", "ablation.md", "ablation.png",
+                                                           PER_QUERY_LINES])
     run_logger.finish()
     return summary
 
@@ -503,7 +584,6 @@ def main(argv: list[str] | None = None) -> None:
                         "commas (loss,loss.alpha), or auto (every override that varies but the seed; default: loss)")
     parser.add_argument("--seed-key", default="trainer.seed", help="override that names the seed")
     parser.add_argument("--baseline", default="infonce", help="condition the others are compared with")
-    parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples (default: 2000)")
     parser.add_argument("--finished-only", action="store_true", help="skip jobs that have not finished (listed)")
     parser.add_argument("--margin", type=float, default=0.01,
                         help="smallest effect of interest in nDCG@5 for a 'not reproduced' verdict (default: 0.01)")
@@ -513,7 +593,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         by = args.by if args.by == "auto" or "," not in args.by else args.by.split(",")
-        aggregate(args.folder, args.out, by, args.seed_key, args.baseline, args.resamples, args.finished_only,
+        aggregate(args.folder, args.out, by, args.seed_key, args.baseline, args.finished_only,
                   args.margin, args.datasets)
     except AblationError as error:
         parser.exit(2, f"error: {error}\n")

@@ -17,9 +17,10 @@ Per seed ``s``, each stage a ``train.py`` / ``eval.py`` run in ``<out>/<stage>/s
    the generator was trained on one page per question, and three pages, a prompt it never saw, undo its reading).
 
 The report (``<out>/chain.{md,json}``, ``curves.png``): nDCG@5 per data set and pool and relaxed accuracy per
-evidence type and asked-for field, each a mean over seeds and questions with a hierarchical 95 % interval
-(:func:`hkrag.stats.hierarchical_bootstrap`), a verdict on each target, the training losses, the generator's
-learning curve and each stage's time.
+evidence type and asked-for field, each a mean over seeds and questions with a crossed seeds × questions 95 % t
+interval (:func:`hkrag.stats.crossed_interval`, bounded to [0, 1]), a verdict on each target (:meth:`Target.verdict`),
+the training losses, the generator's learning curve and each stage's time; ``<out>/per_query.jsonl`` holds every
+seed's per-question score behind them (:func:`per_query_lines`), so each interval can be re-derived from it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from hkrag.rag.report import REPORT_FILE as RAG_REPORT
 from hkrag.rag.trace import MERGED_FILE, load_trace
 from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, PER_QUERY_FILE
 from hkrag.retrieval.metrics import chance_ndcg
-from hkrag.stats import hierarchical_bootstrap
+from hkrag.stats import crossed_interval
 from hkrag.tasks.common import (
     BASE_DIR,
     CONF_DIR,
@@ -70,15 +71,25 @@ FIELDS = ("label", "value", "code", "year", "page_no")
 
 @dataclass(frozen=True)
 class Target:
-    """A target of issue 23: ``metric``'s mean over seeds and questions at least ``bound``."""
+    """A target of issue 23: ``name``'s mean over seeds and questions at least ``bound`` (``note``: what the
+    questions leave out, and why)."""
 
     name: str
     bound: float
+    note: str = ""
 
     def verdict(self, result: dict[str, float]) -> str:
+        """:data:`TARGET_RULE`: ``met`` when the whole interval lies at or above the bound, ``not met`` when it lies
+        wholly below, else ``not shown`` (the interval holds the bound: the data neither meet nor miss it, whichever
+        side the mean falls)."""
         if result["low"] >= self.bound:
-            return "met (the whole interval)"
-        return "met on the mean, not the whole interval" if result["mean"] >= self.bound else "not met"
+            return "met"
+        return "not met" if result["high"] < self.bound else "not shown"
+
+
+TARGET_RULE = ("*met*: the whole 95 % interval lies at or above the bound; *not met*: it lies wholly below; "
+               "*not shown*: it holds the bound (the data neither meet nor miss it)")
+"""The rule of :meth:`Target.verdict` in words, as the report states it."""
 
 
 @dataclass
@@ -99,7 +110,6 @@ class ChainConfig:
     eval_overrides: Sequence[str] = ()
     corpus: Path | None = None
     """The corpus source of the chance figures (default: ``data.corpus_source`` as ``train.py`` composes it)."""
-    n_resamples: int = 2000
 
     def __post_init__(self) -> None:
         if not self.seeds or min(self.pretrain_steps, self.curve_every) < 0 or self.workers < 1 or (
@@ -114,6 +124,10 @@ class ChainConfig:
     def folder(self, stage: str, seed: int) -> Path:
         return self.out / stage / f"s{seed}"
 
+    def curve_folder(self, seed: int, step: int) -> Path:
+        """The gold-page answers of seed ``seed``'s generator checkpoint at ``step``."""
+        return self.out / "curve" / f"s{seed}-step-{step}"
+
     def stages(self) -> tuple[str, ...]:
         skipped = {"pretrain": not self.pretrain_steps, "curve": not self.curve_every}
         return tuple(stage for stage in STAGES if not skipped.get(stage))
@@ -122,7 +136,7 @@ class ChainConfig:
         """The runs of one stage of one seed: one, or for ``curve`` one per generator checkpoint found."""
         if stage != "curve":
             return [self.job(stage, seed)]
-        return [(self.out / "curve" / f"s{seed}-step-{step}",
+        return [(self.curve_folder(seed, step),
                  ["task=generation", *self.serve(seed, checkpoint / ADAPTER_DIR)], "eval", RAG_REPORT)
                 for step, checkpoint in self.checkpoints(seed)]
 
@@ -178,8 +192,8 @@ def retrieval_scores(run: Path) -> dict[str, dict[str, dict[str, float]]]:
             for dataset, by_pool in scores.items()}
 
 
-def retrieval_rows(runs: Sequence[Path], corpus: Path, n_resamples: int = 2000) -> list[dict[str, Any]]:
-    """One row per data set and pool: chance, the hierarchical mean [interval] over ``runs`` (one per seed) and
+def retrieval_rows(runs: Sequence[Path], corpus: Path) -> list[dict[str, Any]]:
+    """One row per data set and pool: chance, the mean [crossed interval] over ``runs`` (one per seed) and
     queries, and each seed's mean."""
     scores = [retrieval_scores(run) for run in runs]
     rows = []
@@ -188,13 +202,18 @@ def retrieval_rows(runs: Sequence[Path], corpus: Path, n_resamples: int = 2000) 
             matrix = [[run[dataset][pool][query] for query in queries] for run in scores]
             chance = chance_ndcg(len(load_corpus(corpus, pools(dataset)[pool], "test")))
             rows.append({"dataset": dataset, "pool": pool, "chance": chance,
-                         **hierarchical_bootstrap(matrix, n_resamples=n_resamples),
-                         "seeds": [sum(row) / len(row) for row in matrix]})
+                         **_interval_row(matrix)})
     return rows
 
 
-def answer_rows(traces: Sequence[Sequence[QueryOutcome]], n_resamples: int = 2000,
-                metric: str = "relaxed_accuracy") -> list[dict[str, Any]]:
+def _interval_row(matrix: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """The crossed seeds × questions interval of a score matrix, bounded to [0, 1], and each seed's mean."""
+    interval = crossed_interval(matrix, bounds=(0.0, 1.0))
+    return {**{k: interval[k] for k in ("mean", "low", "high", "se", "df", "method")},
+            "seeds": [sum(row) / len(row) for row in matrix]}
+
+
+def answer_rows(traces: Sequence[Sequence[QueryOutcome]], metric: str = "relaxed_accuracy") -> list[dict[str, Any]]:
     """Relaxed accuracy of one trace per seed (the same questions, in any order) per group of questions: all, every
     evidence type, fine print without the year questions (any year is within relaxed accuracy's 5 % of any other),
     and each asked-for field (:func:`hkrag.data.synthetic.question_kind`; other questions count in ``all`` only)."""
@@ -213,20 +232,23 @@ def answer_rows(traces: Sequence[Sequence[QueryOutcome]], n_resamples: int = 200
         ids = [row.query_id for row in questions if member(row)]
         if ids:
             matrix = [[seed[query].metrics[metric] for query in ids] for seed in by_id]
-            rows.append({"questions": name, "n": len(ids), **hierarchical_bootstrap(matrix, n_resamples=n_resamples),
-                         "seeds": [sum(row) / len(row) for row in matrix]})
+            rows.append({"questions": name, "n": len(ids), **_interval_row(matrix)})
     return rows
 
 
 RETRIEVER_TARGETS = {("synfine", "single"): 3.0, ("synfine", "all"): 1.0}
 """Issue 23: ``synfine`` nDCG@5 at least 3x chance in its own pool, and above chance among all pages."""
-ANSWER_TARGETS = (Target("salient", 0.5), Target("fine_print", 0.3))
+ANSWER_TARGETS = (Target("salient", 0.5), Target(
+    "fine_print, no year", 0.3, "year questions left out: relaxed accuracy's 5 % tolerance counts any year of "
+    "2017–2024 right (hkrag.data.synthetic.question_field)"))
+"""Issue 23 on gold pages: salient questions at least 50 %, fine print at least 30 % on the questions whose answer
+must be read (the fine-print questions but the year ones)."""
 
 
 def write_report(config: ChainConfig, timings: dict[str, float]) -> dict[str, Any]:
     """``chain.{md,json}`` and ``curves.png`` in ``config.out`` from the finished runs."""
     corpus = config.corpus or _corpus_source(config)
-    retrieval = retrieval_rows([config.folder("reader", s) for s in config.seeds], corpus, config.n_resamples)
+    retrieval = retrieval_rows([config.folder("reader", s) for s in config.seeds], corpus)
     answers = {stage: _answers(config, stage) for stage in ("answers", "rag")}
     targets = [{"target": f"{d} nDCG@5 >= {x:g}x chance ({p} pool)", "bound": x * row["chance"],
                 "verdict": Target(d, x * row["chance"]).verdict(row), **_mean(row)}
@@ -234,10 +256,12 @@ def write_report(config: ChainConfig, timings: dict[str, float]) -> dict[str, An
                if (row["dataset"], row["pool"]) == (d, p)]
     gold = {row["questions"]: row for row in answers["answers"]["gold"]}
     targets += [{"target": f"{t.name} relaxed accuracy >= {t.bound:.0%} (gold pages)", "bound": t.bound,
-                 "verdict": t.verdict(gold[t.name]), **_mean(gold[t.name])} for t in ANSWER_TARGETS if t.name in gold]
+                 "verdict": t.verdict(gold[t.name]), "note": t.note, **_mean(gold[t.name])}
+                for t in ANSWER_TARGETS if t.name in gold]
     report = {"settings": _settings(config), "timings": timings, "targets": targets, "retrieval": retrieval,
               "answers": answers, "curve": generator_curve(config)}
     write_json(config.out / "chain.json", report)
+    write_text(config.out / PER_QUERY_LINES, "".join(json.dumps(line) + "\n" for line in per_query_lines(config)))
     write_text(config.out / "chain.md", markdown(report))
     write_bytes(config.out / "curves.png", plot_curves(config, report["curve"]))
     return report
@@ -247,8 +271,7 @@ def _answers(config: ChainConfig, stage: str) -> dict[str, list[dict[str, Any]]]
     """Answer rows per pool of one eval stage (``gold`` for the gold pages, ``single``/``all`` for RAG)."""
     traces = [load_trace(config.folder(stage, seed) / MERGED_FILE) for seed in config.seeds]
     by_pool = sorted({row.pool for row in traces[0]})
-    return {pool: answer_rows([[row for row in trace if row.pool == pool] for trace in traces], config.n_resamples)
-            for pool in by_pool}
+    return {pool: answer_rows([[row for row in trace if row.pool == pool] for trace in traces]) for pool in by_pool}
 
 
 def generator_curve(config: ChainConfig) -> list[dict[str, Any]]:
@@ -259,10 +282,39 @@ def generator_curve(config: ChainConfig) -> list[dict[str, Any]]:
     steps = sorted(set.intersection(*({step for step, _ in config.checkpoints(seed)} for seed in config.seeds)))
     points = []
     for step in steps:
-        traces = [load_trace(config.out / "curve" / f"s{seed}-step-{step}" / MERGED_FILE) for seed in config.seeds]
-        rows = {row["questions"]: _mean(row) for row in answer_rows(traces, config.n_resamples)}
+        traces = [load_trace(config.curve_folder(seed, step) / MERGED_FILE) for seed in config.seeds]
+        rows = {row["questions"]: _mean(row) for row in answer_rows(traces)}
         points.append({"step": step, **{group: rows[group] for group in CURVE_GROUPS if group in rows}})
     return points
+
+
+PER_QUERY_LINES = "per_query.jsonl"
+
+
+def per_query_lines(config: ChainConfig) -> list[dict[str, Any]]:
+    """Every per-question score behind the report, one line per run and page set: ``{"stage", "seed", "dataset"
+    (reader) or "pool" (answers, rag, curve with its "step"), "scores": {query id: score}}`` (nDCG@5 for the
+    reader, relaxed accuracy for the generator), after a first line ``{"questions": {query id: [evidence,
+    field]}}`` (:func:`hkrag.data.synthetic.question_kind`). An interval of the report is
+    :func:`hkrag.stats.crossed_interval` of the ``(seeds, questions)`` matrix of one stage, pool and group."""
+    lines: list[dict[str, Any]] = []
+    kinds: dict[str, Any] = {}
+    for seed in config.seeds:
+        for dataset, by_pool in retrieval_scores(config.folder("reader", seed)).items():
+            lines += [{"stage": "reader", "seed": seed, "dataset": dataset, "pool": pool, "scores": scores}
+                      for pool, scores in by_pool.items()]
+    runs = [(stage, None, config.folder(stage, seed), seed) for stage in ("answers", "rag") for seed in config.seeds]
+    if "curve" in config.stages():
+        runs += [("curve", step, config.curve_folder(seed, step), seed)
+                 for seed in config.seeds for step, _ in config.checkpoints(seed)]
+    for stage, step, folder, seed in runs:
+        trace = load_trace(folder / MERGED_FILE)
+        for pool in sorted({row.pool for row in trace}):
+            rows = [row for row in trace if row.pool == pool]
+            kinds.update({row.query_id: question_kind(row.question) for row in rows})
+            lines.append({"stage": stage, **({"step": step} if step is not None else {}), "seed": seed, "pool": pool,
+                          "scores": {row.query_id: row.metrics["relaxed_accuracy"] for row in rows}})
+    return [{"questions": kinds}, *lines]
 
 
 def _mean(row: dict[str, Any]) -> dict[str, float]:
@@ -274,9 +326,12 @@ def markdown(report: dict[str, Any]) -> str:
     settings, timings = report["settings"], report["timings"]
     lines = ["# The tiny model that reads: the whole chain\n",
              f"Seeds {settings['seeds']}; stages {', '.join(settings['stages'])}; commands in docs/training.md. Means "
-             "over seeds and test questions ×100 with hierarchical 95 % intervals (seeds, then questions).\n",
-             "## Targets\n", "| target | bound | result [95 %] | verdict |", "|---|---|---|---|"]
-    lines += [f"| {t['target']} | {100 * t['bound']:.1f} | {_interval(t)} | {t['verdict']} |"
+             "over seeds and test questions ×100 with 95 % crossed seeds × questions t intervals (two-way "
+             "random-effects ANOVA, Satterthwaite df; `hkrag.stats.crossed_interval`), bounded to [0, 100]; every "
+             f"seed's per-question score is in `{PER_QUERY_LINES}`.\n",
+             "## Targets\n", f"Verdicts: {TARGET_RULE}.\n", "| target | bound | result [95 %] | verdict |",
+             "|---|---|---|---|"]
+    lines += [f"| {_target_name(t)} | {100 * t['bound']:.1f} | {_interval(t)} | {t['verdict']} |"
               for t in report["targets"]]
     lines += ["", "## Retrieval (nDCG@5, the reader)\n", retrieval_table(report["retrieval"])]
     for stage, title in (("answers", "gold pages"), ("rag", "the reader's top page")):
@@ -295,6 +350,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [f"| {name} | {seconds:.0f} |" for name, seconds in timings.items()]
     lines += ["", "![training curves](curves.png)", ""]
     return "\n".join(lines)
+
+
+def _target_name(target: dict[str, Any]) -> str:
+    return f"{target['target']} ({target['note']})" if target.get("note") else target["target"]
 
 
 def retrieval_table(rows: Sequence[dict[str, Any]]) -> str:

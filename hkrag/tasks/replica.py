@@ -19,7 +19,7 @@
    start's top 3; and the Judger-threshold sweep over h on gold pages (the first seed's generator,
    ``<out>/table6/sweep``).
 4. **Report**: ``<out>/replica.{md,json}`` and one plot per table: for the retriever tables
-   (:func:`hkrag.retrieval.ablation.summarize`) hierarchical seed x query intervals, a verdict on each Table 5 claim,
+   (:func:`hkrag.retrieval.ablation.summarize`) crossed seeds x queries intervals, Holm-corrected Table 5 verdicts,
    learning curves; for Table 6 :mod:`hkrag.tasks.table6`'s report (crossed seeds x questions intervals, routes,
    cost per query, verdicts with *not testable* read from the traces); the compute each part took.
 
@@ -43,7 +43,15 @@ from hkrag.io import write_bytes, write_json, write_text
 from hkrag.rag.report import REPORT_FILE as RAG_REPORT
 from hkrag.rag.report import sweep_summary
 from hkrag.rag.trace import MERGED_FILE, load_trace
-from hkrag.retrieval.ablation import TABLE5_CLAIMS, load_run, log_summary, markdown, plot, summarize
+from hkrag.retrieval.ablation import (
+    TABLE5_CLAIMS,
+    load_run,
+    log_summary,
+    markdown,
+    plot,
+    summarize,
+    write_per_query,
+)
 from hkrag.run_log import RunLogger
 from hkrag.stats import Claim
 from hkrag.tasks import table6
@@ -228,18 +236,25 @@ def run_table6(config: ReplicaConfig, timings: dict[str, float]) -> dict[str, An
     return report
 
 
+RETRIEVER_PER_QUERY = "retriever_per_query.jsonl"
+"""Every retriever job's per-query nDCG@5 (:func:`hkrag.retrieval.ablation.per_query_lines`): the retriever tables'
+intervals re-derive from it with :func:`hkrag.retrieval.ablation.load_per_query` and ``summarize``."""
+
+
 def write_report(config: ReplicaConfig, timings: dict[str, float],
                  table6_summary: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Summaries of every table into ``replica.{md,json}`` and ``<table>.png`` in ``config.out``, Table 6's
-    (:func:`run_table6`'s report) when given."""
+    """Summaries of every table into ``replica.{md,json}`` and ``<table>.png`` in ``config.out``, the retriever
+    jobs' per-query scores behind them into :data:`RETRIEVER_PER_QUERY`, and Table 6's (:func:`run_table6`'s
+    report) when given."""
     report: dict[str, Any] = {"settings": _settings(config), "timings": timings, "tables": {}}
     sections = [_header(config, timings)]
+    loaded = {(c.name, seed): replace(load_run(job_folder(config.out, c, seed)), condition=c.name)
+              for c in config.conditions() for seed in config.seeds}
+    write_per_query(config.out / RETRIEVER_PER_QUERY, list(loaded.values()))
     for name, conditions in config.tables.items():
-        runs = [replace(load_run(job_folder(config.out, c, seed)), condition=c.name)
-                for c in conditions for seed in config.seeds]
+        runs = [loaded[c.name, seed] for c in conditions for seed in config.seeds]
         claims = {"table5": TABLE5_CLAIMS, "hard_negatives": HARD_NEGATIVE_CLAIMS}.get(name, ())
-        summary = summarize(runs, conditions[0].name, n_resamples=config.n_resamples, margin=config.margin,
-                            claims=claims, datasets=FINE_PRINT_SPLITS)
+        summary = summarize(runs, conditions[0].name, margin=config.margin, claims=claims, datasets=FINE_PRINT_SPLITS)
         report["tables"][name] = summary
         sections.append(markdown(summary, TITLES[name]).replace("# Ablation: ", "## ", 1)
                         .replace("\n## ", "\n### ") + f"\n![{name}]({name}.png)\n")

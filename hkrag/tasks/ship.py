@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     answers = None
     if args.answers:
         trace = load_trace(args.answers / MERGED_FILE)
-        answers = {"eval_run": str(args.answers), "rows": answer_rows([trace], n_resamples=200)}
+        answers = {"eval_run": str(args.answers), "rows": answer_rows([trace])}
     try:
         manifest = ship(args.run, args.out, answers, replace=args.replace)
     except (ShipRefused, FileNotFoundError) as error:
