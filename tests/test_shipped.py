@@ -22,8 +22,9 @@ from hkrag.tasks.ship import MANIFEST_FILE, ShipRefused, file_hashes, ship, trai
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "weights"
 SHIPPED, GENERATOR = WEIGHTS / "reader_tiny", WEIGHTS / "generator_tiny"
+AGENTS = WEIGHTS / "generator_agents_tiny"
 MANIFEST = json.loads((SHIPPED / MANIFEST_FILE).read_text())
-EXPERIMENTS = {SHIPPED: "reader_tiny", GENERATOR: "generator_reader_tiny"}
+EXPERIMENTS = {SHIPPED: "reader_tiny", GENERATOR: "generator_reader_tiny", AGENTS: "generator_agents_tiny"}
 
 
 @pytest.mark.parametrize("shipped", EXPERIMENTS, ids=lambda path: path.name)
@@ -63,6 +64,26 @@ def test_the_shipped_generator_answers_as_when_it_was_shipped(tmp_path):
     shipped = json.loads((GENERATOR / MANIFEST_FILE).read_text())["answers"]["rows"]
     assert {r["questions"]: r["mean"] for r in shipped} == {name: r["mean"] for name, r in rows.items()}
     assert rows["code"]["mean"] > 3 / 8  # it reads reference codes: eight codes, chance 1/8
+
+
+def test_the_agents_generator_was_trained_on_every_step_and_answers_as_when_shipped(tmp_path):
+    """weights/generator_agents_tiny (docs/training.md "The agents' curriculum"): HKRAG's agents on the gold pages,
+    served by lvlm=phi3v_agents_tiny, answer the test questions as they did when it was shipped."""
+    from agents.steps import STEPS
+    from hkrag.rag.trace import MERGED_FILE, load_trace
+    from hkrag.tasks import run_eval_task
+    from hkrag.tasks.chain import answer_rows
+
+    manifest = json.loads((AGENTS / MANIFEST_FILE).read_text())
+    assert manifest["trained_steps"] == list(STEPS) and manifest["config"]["generator_training"]["curriculum"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("eval", [f"paths.data_dir={tmp_path / 'data'}", f"paths.output_dir={tmp_path / 'eval'}",
+                               "task=generation", "generator=hkrag", "lvlm=phi3v_agents_tiny"])
+    assert cfg.lvlm.base == "weights/generator_agents_tiny/base"
+    run_eval_task(cfg, tmp_path / "eval")
+    rows = {r["questions"]: r for r in answer_rows([load_trace(tmp_path / "eval" / MERGED_FILE)], n_resamples=200)}
+    assert {r["questions"]: r["mean"] for r in manifest["answers"]["rows"]} == {n: r["mean"] for n, r in rows.items()}
+    assert rows["code"]["mean"] > 3 / 8 and rows["label"]["mean"] > 3 / 8  # the agents read codes and colours
 
 
 def test_the_shipped_reader_scores_synfine_as_when_it_was_trained(tmp_path):
