@@ -349,7 +349,8 @@ def summarize(rows: Sequence[Mapping[str, Any]], trained: Mapping[int, Sequence[
         for generator in generators:
             members = [by_run[generator, seed][key] for seed in seeds for key in keys]
             table["generators"][generator] = {
-                "score": crossed_interval(cluster_rows(_matrix(by_run, generator, seeds, keys), questions), confidence),
+                "score": crossed_interval(cluster_rows(_matrix(by_run, generator, seeds, keys), questions), confidence,
+                                          bounds=(0.0, 1.0)),
                 "routes": {route: sum(r["route"] == route for r in members) / len(members)
                            for route in sorted({r["route"] for r in members})},
                 "cost": {cost: float(np.mean([len(r["calls"]) if cost == "lvlm_calls" else r[cost] for r in members]))
@@ -412,7 +413,7 @@ def markdown(summary: Mapping[str, Any], header: str = "") -> str:
     confidence = 100 * summary["confidence"]
     lines += [f"**Rule.** {summary['metric']} ×100 with {confidence:.0f} % intervals, crossed seeds × questions "
               f"(seeds {summary['seeds']}; a t interval from the two-way random-effects ANOVA, Satterthwaite degrees "
-              "of freedom, a score's clipped to [0, 100]; a question asked in both pools is one column, never two "
+              "of freedom, a score's bounded to [0, 100]; a question asked in both pools is one column, never two "
               "rows). Verdict on each claim "
               f"(better − worse): {summary['rule']}; margin (smallest effect of interest) "
               f"{100 * summary['margin']:.0f} points. Correction: {summary['correction']}, over the "
@@ -426,8 +427,7 @@ def markdown(summary: Mapping[str, Any], header: str = "") -> str:
         for name, row in table["generators"].items():
             score, cost = row["score"], row["cost"]
             routes = ", ".join(f"{route} {100 * share:.0f}%" for route, share in row["routes"].items())
-            low, high = max(0.0, score["low"]), min(1.0, score["high"])  # an accuracy lies in [0, 1]
-            lines.append(f"| {name} | {100 * score['mean']:.1f} [{100 * low:.1f}, {100 * high:.1f}]"
+            lines.append(f"| {name} | {100 * score['mean']:.1f} [{100 * score['low']:.1f}, {100 * score['high']:.1f}]"
                          f" | {routes} | {cost['lvlm_calls']:.2f} | {cost['input_tokens']:.0f} | "
                          f"{cost['output_tokens']:.0f} | {cost['seconds']:.3f} | {row['failed']} |")
         corrected = 100 * table["claims"][0]["corrected_confidence"] if table["claims"] else confidence
