@@ -5,7 +5,8 @@
 
 1. **Generators**: one ``train.py`` run per seed (``experiment=<--experiment>``, ``generator_training.optim.seed``)
    into ``<out>/generators/generator-s<seed>``; its ``report.json`` lists the prompts it was trained on
-   (``trained_steps``).
+   (``trained_steps``). With ``--stage1 OVERRIDE`` each seed first trains a first stage with those overrides
+   (``<out>/generators/stage1-s<seed>``), which its generator then starts from (a two-stage recipe).
 2. **Runs**: ``eval.py`` with every configuration of :data:`GENERATORS` (``conf/generator``) served by each seed's
    generator, on the gold pages (``task=generation``) and on the shipped reader's top 3 (``task=rag
    run_dir=<--reader>``, pools ``single`` and ``all``) of the test split, into
@@ -64,6 +65,7 @@ from hkrag.tasks.common import (
     CONF_DIR,
     FINAL_ADAPTER,
     REPORT_FILE,
+    Job,
     check_seeds,
     read_timings,
     record_time,
@@ -117,6 +119,9 @@ class Table6Config:
     reader: Path = WEIGHTS_DIR / "reader_tiny"
     """The retriever whose top 3 the retrieved rows read (a ``train.py`` run or shipped folder)."""
     overrides: Sequence[str] = ()
+    stage1: Sequence[str] = ()
+    """When given, the ``train.py`` overrides of a first stage per seed (besides the experiment and the seed); each
+    seed's generator then starts from its first stage (``generator_training.init_from``)."""
     eval_overrides: Sequence[str] = ()
     margin: float = 0.02
     """The smallest effect of interest (relaxed accuracy, 2 points)."""
@@ -135,13 +140,17 @@ class Table6Config:
         if unknown or "single_pass" not in self.generators:
             raise ValueError(f"generators {list(self.generators)}: each must be one of {list(GENERATORS)}, and the "
                              "baseline single_pass among them")
-        check_seeds(self.seeds, self.overrides)
+        check_seeds(self.seeds, [*self.overrides, *self.stage1])
         self.out, self.reader = Path(self.out), Path(self.reader)
         self.folders = {"generators": self.out / "generators", "runs": self.out / "runs"}
 
 
 def generator_folder(config: Table6Config, seed: int) -> Path:
     return config.folders["generators"] / f"generator-s{seed}"
+
+
+def stage1_folder(config: Table6Config, seed: int) -> Path:
+    return config.folders["generators"] / f"stage1-s{seed}"
 
 
 def run_folder(config: Table6Config, pages: str, generator: str, seed: int) -> Path:
@@ -159,11 +168,18 @@ def run_table6(config: Table6Config) -> dict[str, Any]:
     out = config.out
     timings = read_timings(out)
     steps = [f"generator_training.optim.max_steps={config.generator_steps}"] if config.generator_steps else []
-    trainings = [(generator_folder(config, seed), [f"experiment={config.experiment}",
-                                                   f"generator_training.optim.seed={seed}", *steps, *config.overrides],
-                  "train", REPORT_FILE) for seed in config.seeds]
-    for name, seconds in run_jobs(trainings, config.workers, "table 6 generators"):
-        record_time(timings, out, name, seconds)
+
+    def training(folder: Path, seed: int, overrides: Sequence[str]) -> Job:
+        return folder, [f"experiment={config.experiment}", f"generator_training.optim.seed={seed}", *overrides], \
+            "train", REPORT_FILE
+
+    stage1 = [training(stage1_folder(config, seed), seed, config.stage1) for seed in config.seeds if config.stage1]
+    trainings = [training(generator_folder(config, seed), seed, [
+        *steps, *([f"generator_training.init_from={stage1_folder(config, seed)}"] if config.stage1 else []),
+        *config.overrides]) for seed in config.seeds]
+    for jobs, desc in ((stage1, "table 6 first stages"), (trainings, "table 6 generators")):
+        for name, seconds in run_jobs(jobs, config.workers, desc):
+            record_time(timings, out, name, seconds)
     runs = []
     for seed in config.seeds:
         for pages, task in PAGES.items():
@@ -464,7 +480,8 @@ def write_report(config: Table6Config, timings: Mapping[str, float],
     settings = {"command": config.command, "experiment": config.experiment, "seeds": list(config.seeds),
                 "generator_steps": {seed: report.get("steps") for seed, report in reports.items()},
                 "trained_steps": trained, "reader": str(config.reader),
-                "overrides": list(config.overrides), "eval_overrides": list(config.eval_overrides),
+                "overrides": list(config.overrides), "stage1": list(config.stage1),
+                "eval_overrides": list(config.eval_overrides),
                 "generators": list(config.generators)}
     report = {"settings": settings, "timings": dict(timings), **summary, **(extra or {})}
     compute = sum(timings.values())
@@ -496,6 +513,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--margin", type=float, default=0.02,
                         help="smallest effect of interest in relaxed accuracy (default: 0.02, 2 points)")
     parser.add_argument("--alpha", type=float, default=0.05, help="family-wise error rate (default: 0.05)")
+    parser.add_argument("--stage1", action="append", default=[], metavar="OVERRIDE",
+                        help="a train.py override of a first training stage per seed (repeat); each generator then "
+                        "starts from its seed's first stage, e.g. --stage1 'generator_training.pages=[gold]' --stage1 "
+                        "'generator_training.curriculum.steps=[single_pass]'")
     parser.add_argument("--eval", action="append", default=[], dest="eval_overrides", metavar="OVERRIDE",
                         help="an eval.py override for every run (repeat), e.g. --eval rag.max_queries=10")
     parser.add_argument("--generators", nargs="+", default=list(GENERATORS), choices=GENERATORS,
@@ -508,7 +529,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
         config = Table6Config(args.out, seeds=args.seeds, experiment=args.experiment,
                               generator_steps=args.generator_steps, reader=args.reader,
-                              overrides=args.overrides, eval_overrides=args.eval_overrides, margin=args.margin,
+                              overrides=args.overrides, stage1=args.stage1, eval_overrides=args.eval_overrides,
+                              margin=args.margin,
                               alpha=args.alpha, workers=args.workers, generators=args.generators,
                               command=command.strip())
     except ValueError as error:
