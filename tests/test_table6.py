@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 import hkrag.tasks.common as common
 from hkrag.rag.records import CallRecord, QueryOutcome
@@ -152,13 +153,20 @@ DATA = ["data.synthetic.n_train=16", "data.synthetic.n_test=8", "data.synthetic.
         "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "data.eval_datasets=[synchart]"]
 
 
+@pytest.mark.slow  # 10-33 s on the shared 2 cores: four tiny generators and eight runs
 def test_a_second_invocation_re_runs_nothing(tmp_path, monkeypatch):
     data = f"paths.data_dir={tmp_path / 'data'}"
+    stage1 = [f"--stage1={o}" for o in (data, *DATA, "generator_training.optim.max_steps=2")]
     argv = ["--out", str(tmp_path / "t6"), "--seeds", "0", "1", "--generator-steps", "2", "--generators",
-            "single_pass", "no_decoupler", *(f"--eval={o}" for o in (data, *DATA, "rag.max_queries=3")), data, *DATA]
+            "single_pass", "no_decoupler", *stage1, *(f"--eval={o}" for o in (data, *DATA, "rag.max_queries=3")),
+            data, *DATA]
     first = table6.main(argv)
-    assert set(first["timings"]) == {"generator-s0", "generator-s1", *(f"{pages}-{g}-s{seed}" for seed in (0, 1)
-                                     for pages in ("gold", "retrieved") for g in ("single_pass", "no_decoupler"))}
+    assert set(first["timings"]) == {"stage1-s0", "stage1-s1", "generator-s0", "generator-s1",
+                                     *(f"{pages}-{g}-s{seed}" for seed in (0, 1) for pages in ("gold", "retrieved")
+                                       for g in ("single_pass", "no_decoupler"))}
+    generators = tmp_path / "t6" / "generators"
+    trained = yaml.safe_load((generators / "generator-s1" / ".hydra" / "overrides.yaml").read_text())
+    assert f"generator_training.init_from={generators / 'stage1-s1'}" in trained
     ran = []
     monkeypatch.setattr(common, "run_job", lambda *job: ran.append(job[0]) or 0.0)
     again = table6.main(argv)
