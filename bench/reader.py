@@ -17,7 +17,7 @@ from pathlib import Path
 from common import machine
 
 from hkrag.tasks.chain import retrieval_rows, retrieval_table
-from hkrag.tasks.replica import REPORT_FILE, check_seeds, run_jobs
+from hkrag.tasks.common import REPORT_FILE, check_seeds, run_jobs
 
 
 def main() -> None:

@@ -11,7 +11,8 @@ import hkrag.tasks.training as training
 from hkrag.retrieval.ablation import load_per_query, summarize
 from hkrag.retrieval.evaluation import PER_QUERY_FILE
 from hkrag.tasks import replica
-from hkrag.tasks.replica import GENERATORS, TABLE5, ReplicaConfig, job_folder, run_jobs, run_replica
+from hkrag.tasks.replica import TABLE5, ReplicaConfig, job_folder, run_jobs, run_replica
+from hkrag.tasks.table6 import GENERATORS
 
 DATA = ["data.synthetic.n_train=16", "data.synthetic.n_test=8", "data.synthetic.train_groups_per_style=1",
         "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "data.eval_datasets=[synchart]"]
@@ -41,8 +42,9 @@ def test_every_job_continues_the_warm_start(done):
             assert f"trainer.seed={seed}" in chosen and condition.overrides[0] in chosen
             assert (job / "eval-step-1").is_dir() and (job / "eval-step-2").is_dir()  # the learning curve
     jobs = {job_folder(config.out, c, s).name for c in config.conditions() for s in config.seeds}
-    table6 = {f"{pages}-{g}" for pages in ("gold", "retrieved") for g in GENERATORS} | {"gold-hkrag-h0.5"}
-    assert set(report["timings"]) == {"warmstart", "mining", "generator", *jobs, *table6}
+    table6 = {f"table6/{pages}-{g}-s{seed}" for pages in ("gold", "retrieved") for g in GENERATORS
+              for seed in config.seeds} | {f"table6/generator-s{seed}" for seed in config.seeds}
+    assert set(report["timings"]) == {"warmstart", "mining", *jobs, *table6, "gold-hkrag-h0.5"}
 
 
 def test_hard_negatives_are_mined_from_the_warm_start_and_never_positives(done):
@@ -62,16 +64,21 @@ def test_hard_negatives_are_mined_from_the_warm_start_and_never_positives(done):
 
 def test_table_6_compares_the_generators_on_the_same_queries(done):
     config, report = done
-    tables = report["table6"]["tables"]
-    assert list(tables) == ["gold", "retrieved"]
-    for pages, queries in (("gold", 3), ("retrieved", 6)):  # 3 queries; retrieved in the single and all pools
+    tables = report["table6"]["sets"]
+    assert list(tables)[:2] == ["gold", "retrieved"]
+    for pages, rows in (("gold", 3), ("retrieved", 6)):  # 3 queries; retrieved in the single and all pools
         summary = tables[pages]
-        assert list(summary["rows"]) == list(GENERATORS) and summary["num_queries"] == queries
-        assert len(summary["verdicts"]) == 5
+        assert list(summary["generators"]) == list(GENERATORS) and summary["rows"] == rows
+        assert summary["questions"] == 3 and len(summary["claims"]) == 5
+    assert report["table6"]["seeds"] == list(config.seeds)
     assert [row["threshold"] for row in report["table6"]["sweep"]] == [0.5, 0.8]
-    served = yaml.safe_load((config.out / "table6" / "gold-hkrag" / ".hydra" / "overrides.yaml").read_text())
-    assert f"lvlm.adapter={config.out / 'generator' / 'checkpoints' / 'final' / 'adapter'}" in served
-    retrieved = yaml.safe_load((config.out / "table6" / "retrieved-hkrag" / ".hydra" / "overrides.yaml").read_text())
+    runs = config.out / "table6" / "runs"
+    served = yaml.safe_load((runs / "gold-hkrag-s1" / ".hydra" / "overrides.yaml").read_text())
+    generator = config.out / "table6" / "generators" / "generator-s1"
+    assert f"lvlm.adapter={generator / 'checkpoints' / 'final' / 'adapter'}" in served
+    trained = yaml.safe_load((generator / ".hydra" / "overrides.yaml").read_text())
+    assert f"generator_training.init_from={config.out / 'warmstart'}" in trained
+    retrieved = yaml.safe_load((runs / "retrieved-hkrag-s0" / ".hydra" / "overrides.yaml").read_text())
     assert f"run_dir={config.out / 'warmstart'}" in retrieved
     text = (config.out / "replica.md").read_text()
     assert "## Table 6: the generator ablation" in text and "### Judger threshold h" in text

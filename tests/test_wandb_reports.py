@@ -23,15 +23,15 @@ import pytest
 from _eval_config import tiny_eval_config
 from hydra import compose, initialize_config_dir
 from test_ablation import multirun  # noqa: F401  (fixture)
-from test_rag_ablation import RUNS
 from test_rag_task import GoldBackend, backends, config, data, gold_answers, run  # noqa: F401  (fixtures)
+from test_table6 import ALL_STEPS, synthetic_rows
 
-from hkrag.rag.ablation import generator_ablation
 from hkrag.retrieval.ablation import aggregate
 from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, BEFORE_TRAINING_DIR, PER_QUERY_FILE, TABLE_METRICS
 from hkrag.run_log import RunLogger
 from hkrag.tasks import replica
 from hkrag.tasks.retrieval import run_retrieval_evaluation
+from hkrag.tasks.table6 import summarize
 from hkrag.tasks.training import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,19 +253,19 @@ def test_ablation_and_replica_get_runs_of_their_own(tmp_path, multirun, offline)
         shutil.copy(out / "ablation.png", folder / plot)
     for file in ("replica.json", "replica.md", replica.TIMINGS_FILE):
         (folder / file).write_text("{}")
-    table6 = generator_ablation(RUNS, n_resamples=200)
-    replica.log_report(folder, {"settings": {"seeds": [0, 1]}, "tables": {"table5": summary},
-                                "table6": {"tables": {"gold": table6}}})
+    table6 = summarize(synthetic_rows({"single_pass": 0.2, "no_pruner": 0.5, "no_decoupler": 0.35, "hkrag": 0.8}),
+                       {seed: ALL_STEPS for seed in range(3)})
+    replica.log_report(folder, {"settings": {"seeds": [0, 1]}, "tables": {"table5": summary}, "table6": table6})
     run = OfflineRun.read(folder)
     assert {pool: run.table(f"table5/{pool}/ndcg@5") for pool in tables} == tables
-    rows = run.table("table6/gold")
-    assert list(rows) == list(table6["rows"])
-    assert rows["hkrag"]["score"] == pytest.approx(100 * table6["rows"]["hkrag"]["value"])
-    assert rows["single_pass"]["vs_baseline"] is None
-    assert rows["hkrag"]["vs_baseline"] == pytest.approx(100 * table6["rows"]["hkrag"]["vs_baseline"]["diff"])
-    assert [(v["better"], round(v["diff"], 9), v["verdict"]) for v in run.rows("table6/gold/verdicts")] == [
-        (v["better"], round(100 * v["diff"], 9), v["verdict"]) for v in table6["verdicts"]]
-    assert len(table6["verdicts"]) == 5
+    rows, gold = run.table("table6/gold"), table6["sets"]["gold"]
+    assert list(rows) == list(gold["generators"])
+    assert rows["hkrag"]["score"] == pytest.approx(100 * gold["generators"]["hkrag"]["score"]["mean"])
+    assert rows["hkrag"]["lvlm_calls"] == pytest.approx(gold["generators"]["hkrag"]["cost"]["lvlm_calls"])
+    assert [(v["better"], round(v["diff"], 9), v["verdict"], v["corrected_verdict"])
+            for v in run.rows("table6/gold/verdicts")] == [
+        (v["better"], round(100 * v["diff"], 9), v["verdict"], v["corrected_verdict"]) for v in gold["claims"]]
+    assert len(gold["claims"]) == 5
     assert run.image("table6/sweep") == (folder / "table6/sweep.png").read_bytes()
     assert_artifact(run, "replica-report", folder, ["replica.json", "replica.md", replica.TIMINGS_FILE, "table5.png",
                                                     "table6/sweep.png"])

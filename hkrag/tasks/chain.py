@@ -46,8 +46,17 @@ from hkrag.rag.trace import MERGED_FILE, load_trace
 from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, PER_QUERY_FILE
 from hkrag.retrieval.metrics import chance_ndcg
 from hkrag.stats import crossed_interval
-from hkrag.tasks.common import BASE_DIR, CONF_DIR, FINAL_ADAPTER
-from hkrag.tasks.replica import REPORT_FILE, Job, check_seeds, read_timings, record_time, run_jobs
+from hkrag.tasks.common import (
+    BASE_DIR,
+    CONF_DIR,
+    FINAL_ADAPTER,
+    REPORT_FILE,
+    Job,
+    check_seeds,
+    read_timings,
+    record_time,
+    run_jobs,
+)
 from hkrag.training.checkpoint import ADAPTER_DIR, CHECKPOINTS_DIR
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,9 @@
-"""What every task composes from config: the accelerator, the shared run directory, data and the retriever.
+"""What every task composes from config: the accelerator, the shared run directory, data and the retriever; and
+the job machinery of the commands made of many runs (:func:`run_jobs`).
 
 ``hkrag.tasks.training`` (``train.py``), ``hkrag.tasks.retrieval`` (``eval.py task=retrieval``) and the
-RAG task build on these; entry points only call a task's ``run_*`` function.
+RAG task build on these; entry points only call a task's ``run_*`` function. The replica, Table 6 and the chain
+(``python -m hkrag.tasks.replica|table6|chain``) run their ``train.py`` / ``eval.py`` jobs through :func:`run_jobs`.
 """
 
 from __future__ import annotations
@@ -9,22 +11,32 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import multiprocessing
 import os
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
 
 from hkrag.data.opendocvqa import ALL_POOL, check_pool_pages, load_corpus, pools
 from hkrag.data.synthetic import CONFIG_FILE, SyntheticConfig, generate
-from hkrag.io import atomic_directory
+from hkrag.io import atomic_directory, write_json, write_text
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.models.phi3v.loading import save_processor, tiny_phi3v
 from hkrag.retrieval.evaluation import RetrievalEvalConfig
 from hkrag.retriever import LoraSettings, Phi3VRetriever
+from hkrag.tasks import run_eval_task
 from hkrag.training.checkpoint import (
     ADAPTER_DIR,
     CHECKPOINTS_DIR,
@@ -214,3 +226,94 @@ def flat_metrics(results: dict[str, Any] | None, prefix: str) -> dict[str, float
     return {f"{prefix}/{dataset}/{pool}/{label}/ndcg@5": metrics["ndcg@5"]
             for dataset, by_pool in (results or {}).items() for pool, result in by_pool.items()
             for label, metrics in result.items() if isinstance(metrics, dict)}
+
+
+# The job machinery of the multi-run commands (hkrag.tasks.replica, .table6, .chain): each job a train.py or
+# eval.py run into its own folder, skipped by a rerun once it finished.
+
+REPORT_FILE = "report.json"
+"""What a finished ``train.py`` run writes last: a job holding it is done."""
+
+SEED_KEYS = ("trainer.seed", "generator_training.optim.seed")
+"""The overrides each run's seed is given by (the retriever's, the generator's)."""
+
+
+def check_seeds(seeds: Sequence[int], overrides: Sequence[str] = ()) -> None:
+    """Refuse seeds that would count one run as several independent ones in the intervals: a seed given twice
+    (``--seeds 0 0 1``), or an override fixing every run's seed (``trainer.seed=3``), naming them."""
+    repeated = sorted({seed for seed in seeds if list(seeds).count(seed) > 1})
+    if repeated:
+        raise ValueError(f"seeds {list(seeds)} repeat {repeated}: each seed is one independent run in the intervals "
+                         "(seeds x queries), so a repeated seed would be counted twice; give distinct seeds")
+    fixed = [item for item in overrides if item.lstrip("+~").split("=", 1)[0] in SEED_KEYS]
+    if fixed:
+        raise ValueError(f"the override(s) {fixed} give every run the same seed, which the seeds {list(seeds)} must "
+                         "vary: drop them (the seeds set them per run)")
+
+
+def run_job(folder: Path, overrides: Sequence[str], config: str = "train", done: str = REPORT_FILE) -> float:
+    """``train.py`` (``eval.py`` with ``config="eval"``) with ``overrides`` into ``folder`` unless it finished there
+    (``done`` exists); returns the seconds it took (0: skipped)."""
+    if (folder / done).is_file():
+        return 0.0
+    shutil.rmtree(folder, ignore_errors=True)
+    start = time.perf_counter()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config, [*overrides, f"paths.output_dir={folder}"])
+    (folder / ".hydra").mkdir(parents=True)
+    write_text(folder / ".hydra" / "overrides.yaml", yaml.safe_dump(list(overrides)))
+    write_text(folder / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg))  # as Hydra saves it (what ship records)
+    if config == "train":
+        instantiate(cfg.run)(cfg, folder)  # what train.py does: the retriever's or the generator's training
+    else:
+        run_eval_task(cfg, folder)
+    return time.perf_counter() - start
+
+
+Job = tuple[Path, list[str], str, str]
+"""``run_job``'s arguments: folder, overrides, config name and the file a finished run holds."""
+
+
+def run_jobs(jobs: Sequence[Job], workers: int = 1, desc: str = "replica jobs") -> Iterator[tuple[str, float]]:
+    """Run the unfinished ``jobs`` (one after the other, or ``workers`` processes side by side) and yield each one's
+    ``(folder name, seconds)`` as it finishes. A failing job stops the rest: running ones finish, queued ones are
+    dropped, and the error is raised (a rerun resumes)."""
+    todo = [job for job in jobs if not (job[0] / job[3]).is_file()]
+    with tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, unit="job") as progress:
+        for name, seconds in _side_by_side(todo, workers) if workers > 1 and len(todo) > 1 else _in_turn(todo):
+            progress.update()
+            yield name, seconds
+
+
+def _in_turn(jobs: Sequence[Job]) -> Iterator[tuple[str, float]]:
+    for job in jobs:
+        yield job[0].name, run_job(*job)
+
+
+def _side_by_side(jobs: Sequence[Job], workers: int) -> Iterator[tuple[str, float]]:
+    threads = max(1, (os.cpu_count() or 1) // workers)  # more would spin-wait on shared cores (docs/training.md)
+    with ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), torch.set_num_threads, (threads,)) as pool:
+        running = {pool.submit(run_job, *job): job[0].name for job in jobs}
+        try:
+            while running:
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    yield running.pop(future), future.result()
+        finally:
+            pool.shutdown(cancel_futures=True)
+
+
+TIMINGS_FILE = "timings.json"
+
+
+def read_timings(out: Path) -> dict[str, float]:
+    """The compute recorded in ``out`` so far (``{}`` before the first run)."""
+    path = out / TIMINGS_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def record_time(timings: dict[str, float], out: Path, name: str, seconds: float) -> None:
+    """Record a part's compute in ``out``'s timings (a skipped part keeps the time it took when it ran)."""
+    if seconds:
+        timings[name] = seconds
+        write_json(out / TIMINGS_FILE, timings)
