@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from _lvlm_fake import Reply, ScriptedServer, completion
-from omegaconf import OmegaConf
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 from transformers import DynamicCache
 
@@ -394,9 +395,15 @@ def test_feature_cache_is_a_bounded_lru():
         FeatureCache(-1)
 
 
+def lvlm_config(path: Path) -> DictConfig:
+    """conf/lvlm/<name>.yaml as eval.py composes it (a config may extend another through its ``defaults``)."""
+    with initialize_config_dir(config_dir=str(CONF.parent), version_base="1.3"):
+        return compose("eval", [f"lvlm={path.stem}"]).lvlm
+
+
 def backend_configs() -> dict[str, dict]:
     """Every LVLM config: conf/lvlm/*.yaml and the judges' ``backend`` blocks (conf/judge/*.yaml)."""
-    configs = {path.stem: OmegaConf.load(path) for path in sorted(CONF.glob("*.yaml"))}
+    configs = {path.stem: lvlm_config(path) for path in sorted(CONF.glob("*.yaml"))}
     judges = {f"judge-{path.stem}": OmegaConf.load(path).backend
               for path in sorted((CONF.parent / "judge").glob("*.yaml"))}
     return {name: OmegaConf.to_container(cfg) for name, cfg in {**configs, **judges}.items() if cfg is not None}
