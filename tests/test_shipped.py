@@ -44,6 +44,15 @@ def test_the_files_are_the_ones_the_manifests_name():
     assert sizes < 10 * 2**20  # issue 23: weights and adapters together within 10 MB
 
 
+@pytest.mark.parametrize("folder", [SHIPPED, GENERATOR, AGENTS], ids=lambda folder: folder.name)
+def test_a_shipped_adapter_names_no_base_outside_the_repository(folder):
+    """PEFT reads ``base_model_name_or_path`` when it loads an adapter: a training run's own folder there (e.g. a
+    stage-1 run under outputs/) is a path no user has, which PEFT warns about at every load."""
+    config = json.loads((folder / "checkpoints" / "final" / "adapter" / "adapter_config.json").read_text())
+    base = config["base_model_name_or_path"]
+    assert base is None or (WEIGHTS.parent / base / "config.json").is_file(), f"{folder.name}: {base!r}"
+
+
 def test_the_generator_starts_from_the_shipped_reader():
     config = json.loads((GENERATOR / MANIFEST_FILE).read_text())["config"]
     assert config["generator_training"]["init_from"] == "weights/reader_tiny"
