@@ -269,9 +269,13 @@ def write_step_reports(config: Table6Config) -> dict[str, dict[str, Any]]:
     return reports
 
 
-def trained_steps(config: Table6Config) -> dict[int, list[str]]:
-    """Each seed's ``trained_steps`` from its generator's ``report.json`` (:data:`UNRECORDED_STEPS` if absent)."""
-    reports = {seed: json.loads((generator_folder(config, seed) / REPORT_FILE).read_text()) for seed in config.seeds}
+def generator_reports(config: Table6Config) -> dict[int, dict[str, Any]]:
+    """Each seed's generator ``report.json``."""
+    return {seed: json.loads((generator_folder(config, seed) / REPORT_FILE).read_text()) for seed in config.seeds}
+
+
+def trained_steps(reports: dict[int, dict[str, Any]]) -> dict[int, list[str]]:
+    """Each seed's ``trained_steps`` from its generator's report (:data:`UNRECORDED_STEPS` if absent)."""
     return {seed: list(report.get("trained_steps", UNRECORDED_STEPS)) for seed, report in reports.items()}
 
 
@@ -472,11 +476,11 @@ def write_report(config: Table6Config, timings: Mapping[str, float],
                  extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``table6.{md,json}`` and the per-query rows (:data:`QUERIES_FILE`) in ``config.out``; returns the JSON."""
     rows = query_rows(config)
-    trained = trained_steps(config)
+    reports = generator_reports(config)
+    trained = trained_steps(reports)
     summary = summarize(rows, trained, config.margin, config.alpha, config.generators)
     write_rows(config.out / QUERIES_FILE, rows)
     write_step_reports(config)
-    reports = {seed: json.loads((generator_folder(config, seed) / REPORT_FILE).read_text()) for seed in config.seeds}
     settings = {"command": config.command, "experiment": config.experiment, "seeds": list(config.seeds),
                 "generator_steps": {seed: report.get("steps") for seed, report in reports.items()},
                 "trained_steps": trained, "reader": str(config.reader),
