@@ -39,7 +39,8 @@ FULL_PHI3V = dict(
 )
 FULL_QWEN_3B = dict(max_position_embeddings=128000,
                     hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-                    num_key_value_heads=2)
+                    num_key_value_heads=2, tie_word_embeddings=True,
+                    rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[16, 24, 24]))
 FULL_QWEN_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
                         window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import DictConfig
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -397,3 +399,9 @@ class PretrainingLoss(nn.Module):
         """``L_RCR + L_RCG`` for logging and the finiteness check (each term was back-propagated already)."""
         rcg = rcg.detach()
         return LossOutput(loss=rcr.loss.detach() + rcg, components={**rcr.components, "rcg": rcg}, metrics=rcr.metrics)
+
+
+def make_loss(loss_cfg: DictConfig) -> HybridMaskLoss | PretrainingLoss:
+    """The ``loss`` group's objective: its ``_target_`` (``hkrag.losses.PretrainingLoss``, conf/loss/pretrain.yaml),
+    else :class:`HybridMaskLoss` with its values."""
+    return instantiate(loss_cfg) if "_target_" in loss_cfg else HybridMaskLoss(**loss_cfg)

@@ -30,7 +30,6 @@ from hkrag.retrieval.generator_pairs import build_generator_pairs
 from hkrag.retriever import LoraSettings, Phi3VRetriever
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import save_tiny_base
-from hkrag.tasks.generator_training import single_pass_prompt
 from hkrag.tasks.rag import question_text
 from hkrag.training.generator import (
     IGNORE_INDEX,
@@ -41,6 +40,7 @@ from hkrag.training.generator import (
     GeneratorTrainerConfig,
     causal_lm_lora,
     encode_example,
+    single_pass_prompt,
 )
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -158,3 +158,15 @@ def test_both_packages_import_in_a_fresh_interpreter():
     result = subprocess.run([sys.executable, "-c", "import agents, hkrag"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("module", ["hkrag.tasks.preflight", "hkrag.training.memory"])
+def test_the_preflight_imports_without_search_or_scoring_libraries(module, tmp_path):
+    """The GPU machines a preflight runs on need not have FAISS or trec_eval (the H200 image had neither): the
+    preflight and the memory model must not import them."""
+    for missing in ("faiss", "pytrec_eval"):
+        (tmp_path / f"{missing}.py").write_text(f"raise ImportError('{missing} is not installed here')\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    result = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -32,6 +32,7 @@ from hkrag.lvlm.openai_backend import OpenAIBackend
 from hkrag.lvlm.phi3v import Phi3VBackend, phi3_chat
 from hkrag.lvlm.prefix_cache import PrefixCache, PromptLayout
 from hkrag.lvlm.qwen2_5_vl import Qwen2_5_VLBackend
+from hkrag.models.qwen2_5_vl import build_qwen_offline_tokenizer, tiny_qwen2_5_vl_config
 
 BACKENDS = {backend.name: backend for backend in (Phi3VBackend, Qwen2_5_VLBackend)}
 KINDS = tuple(BACKENDS)
@@ -415,3 +416,12 @@ def test_lvlm_configs_match_the_constructors(name, cfg):
     inspect.signature(backend_class(cfg["_target_"])).bind(**settings)
     if cfg.get("base") == "tiny":
         assert build_backend(cfg).generate([]) == []
+
+
+def test_qwen_config_refuses_rope_sections_that_do_not_span_half_a_head():
+    tokenizer = build_qwen_offline_tokenizer()
+    with pytest.raises(ValueError, match=r"mrope_section \[2, 3, 3\] must sum to half the head dimension \(64"):
+        tiny_qwen2_5_vl_config(tokenizer, hidden_size=2048, num_attention_heads=16)
+    rope = dict(rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])
+    config = tiny_qwen2_5_vl_config(tokenizer, hidden_size=2048, num_attention_heads=16, rope_parameters=rope)
+    assert config.text_config.rope_parameters["mrope_section"] == [16, 24, 24]

@@ -80,7 +80,13 @@ def tiny_qwen2_5_vl_config(tokenizer: PreTrainedTokenizerFast, **text_overrides:
         depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
         spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
     )
-    return Qwen2_5_VLConfig(text_config={**text, **text_overrides}, vision_config=vision, **ids, **special)
+    text.update(text_overrides)
+    half_head = text["hidden_size"] // text["num_attention_heads"] // 2
+    if sum(text["rope_parameters"]["mrope_section"]) != half_head:
+        raise ValueError(f"rope_parameters.mrope_section {text['rope_parameters']['mrope_section']} must sum to half "
+                         f"the head dimension ({half_head}: hidden_size {text['hidden_size']} / "
+                         f"{text['num_attention_heads']} heads / 2)")
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids, **special)
 
 
 def tiny_qwen2_5_vl(

@@ -27,7 +27,6 @@ from hkrag.data.opendocvqa import Corpus, QAExample, load_corpus, load_qa
 from hkrag.data.splits import ValidationSplit
 from hkrag.io import write_json
 from hkrag.lvlm import LVLMRequest, PageImage
-from hkrag.lvlm.phi3v import phi3_chat
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.models.phi3v.loading import load_phi3v, load_processor, tiny_phi3v
 from hkrag.rag.records import QueryTruth
@@ -42,26 +41,12 @@ from hkrag.training.generator import (
     GeneratorDataset,
     GeneratorTrainer,
     GeneratorTrainerConfig,
-    PromptRenderer,
     RequestDataset,
     causal_lm_lora,
+    single_pass_prompt,
 )
 
 PAIRS_FILE = "generator_pairs.jsonl"
-
-
-def single_pass_prompt(generator_cfg: DictConfig) -> PromptRenderer:
-    """The chat prompt the single-pass baseline sends for a question and its pages: its template
-    (``generator.prompts.single_pass``, filled as ``agents.prompts.Prompts.render`` fills it), one user turn
-    of pages then text (as ``agents.prompts.build_request``) and the backend's Phi-3 rendering (``phi3_chat``).
-    ``agents`` is named only at the composition root, so tests/test_generator_training.py checks this against
-    the request the single-pass generator really sends, byte for byte."""
-    template = str(generator_cfg.prompts.single_pass)
-
-    def render(question: str, pages: Sequence[PageImage]) -> str:
-        return phi3_chat(LVLMRequest.user(*pages, template.format(question=question)).messages)
-
-    return render
 
 
 def generator_base(model_cfg: DictConfig, texts: Sequence[str], save_to: Path,

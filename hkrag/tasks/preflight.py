@@ -30,11 +30,11 @@ from PIL import Image
 
 from hkrag.data.collators import RetrieverCollator
 from hkrag.io import write_json
+from hkrag.losses import make_loss
 from hkrag.models.phi3v import Phi3VConfig, load_processor, tiny_phi3v
 from hkrag.models.phi3v.loading import CheckpointNotFoundError
 from hkrag.retriever import VDOCRAG_LORA_TARGETS, LoraSettings, describe_lora_modules
-from hkrag.tasks.generator_training import single_pass_prompt
-from hkrag.tasks.training import make_loss
+from hkrag.training.generator import single_pass_prompt
 from hkrag.training.memory import (
     GIB,
     GPU_SIZES_GB,

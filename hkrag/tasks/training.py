@@ -15,7 +15,6 @@ from typing import Any
 
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from hkrag.data.collators import PretrainingCollator
@@ -24,7 +23,7 @@ from hkrag.data.pairs import TrainingPair, pretraining_pairs, training_pairs
 from hkrag.environment import describe, environment
 from hkrag.index.shards import config_hash
 from hkrag.io import write_json, write_text
-from hkrag.losses import HybridMaskLoss, PretrainingLoss
+from hkrag.losses import PretrainingLoss, make_loss
 from hkrag.retrieval.evaluation import (
     AFTER_TRAINING_DIR,
     BEFORE_TRAINING_DIR,
@@ -117,12 +116,6 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     run_logger.finish()
     accelerator.wait_for_everyone()
     return report
-
-
-def make_loss(loss_cfg: DictConfig) -> HybridMaskLoss | PretrainingLoss:
-    """The ``loss`` group's objective: its ``_target_`` (``hkrag.losses.PretrainingLoss``, conf/loss/pretrain.yaml),
-    else :class:`HybridMaskLoss` with its values."""
-    return instantiate(loss_cfg) if "_target_" in loss_cfg else HybridMaskLoss(**loss_cfg)
 
 
 def training_data(cfg: DictConfig, pretraining: bool) -> tuple[list[TrainingPair], Corpus, list[str]]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 from peft import PeftModel, TaskType, get_peft_model
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
@@ -45,6 +46,21 @@ from hkrag.training.checkpoint import (
 
 PromptRenderer = Callable[[str, Sequence[PageImage]], str]
 """``(question, pages) -> prompt``: the full chat prompt the single-pass baseline sends for these pages."""
+
+
+def single_pass_prompt(generator_cfg: DictConfig) -> PromptRenderer:
+    """The chat prompt the single-pass baseline sends for a question and its pages: its template
+    (``generator.prompts.single_pass``, filled as ``agents.prompts.Prompts.render`` fills it), one user turn
+    of pages then text (as ``agents.prompts.build_request``) and the backend's Phi-3 rendering (``phi3_chat``).
+    ``agents`` is named only at the composition root, so tests/test_generator_training.py checks this against
+    the request the single-pass generator really sends, byte for byte."""
+    template = str(generator_cfg.prompts.single_pass)
+
+    def render(question: str, pages: Sequence[PageImage]) -> str:
+        return phi3_chat(LVLMRequest.user(*pages, template.format(question=question)).messages)
+
+    return render
+
 
 
 def target_text(answer: str) -> str:
