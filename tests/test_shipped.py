@@ -18,7 +18,7 @@ from hkrag.models.phi3v.loading import ShippedFileMismatch, file_sha256, load_ph
 from hkrag.retriever import load_adapter
 from hkrag.tasks.common import CONF_DIR
 from hkrag.tasks.retrieval import run_retrieval_evaluation
-from hkrag.tasks.ship import MANIFEST_FILE, ShipRefused, file_hashes, ship, training_config
+from hkrag.tasks.ship import MANIFEST_FILE, ShipRefused, file_hashes, ship, shipped_base_name, training_config
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "weights"
 SHIPPED, GENERATOR = WEIGHTS / "reader_tiny", WEIGHTS / "generator_tiny"
@@ -203,6 +203,18 @@ def test_shipping_into_an_empty_folder(tmp_path, run_config):
     (tmp_path / "out").mkdir()
     manifest = ship(fake_run(tmp_path / "run", run_config), tmp_path / "out")
     assert file_hashes(tmp_path / "out") == manifest["files"]
+
+
+def test_the_shipped_adapter_names_the_shipped_base_not_the_runs(tmp_path, run_config):
+    run = fake_run(tmp_path / "run", run_config)
+    (run / "checkpoints/final/adapter/adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": str(run / "base"), "r": 8}))
+    manifest = ship(run, tmp_path / "out")
+    config = json.loads((tmp_path / "out/checkpoints/final/adapter/adapter_config.json").read_text())
+    assert config == {"base_model_name_or_path": str((tmp_path / "out" / "base").resolve()), "r": 8}
+    assert file_hashes(tmp_path / "out") == manifest["files"]
+    assert ship(run, tmp_path / "out") == manifest  # shipped intact: nothing to do
+    assert shipped_base_name(WEIGHTS / "some_model") == "weights/some_model/base"
 
 
 @pytest.fixture()

@@ -8,7 +8,8 @@ The shipped folder is a ``run_dir`` like any other (``eval.py task=retrieval run
 ``task=rag``, ``generator_training.retriever.run_dir=``); loading it checks its files against the manifest's sha256
 (:func:`hkrag.models.phi3v.loading.verify_shipped`). ``tests/test_shipped.py`` checks that the manifest's config,
 the run's own (its ``.hydra/config.yaml``), is still what ``train.py`` composes from its overrides and that the files
-are the ones it names (docs/training.md, "A tiny model that reads").
+are the ones it names (docs/training.md, "A tiny model that reads"). The shipped adapter's config names the shipped
+base (``weights/<name>/base``), not the run's folder.
 
 Shipping never loses weights: it builds the folder under a temporary name and renames it into place; it refuses a
 ``--out`` that exists (naming it and what it holds) unless it holds this very run already shipped intact (nothing
@@ -19,6 +20,7 @@ the run, are refused even then.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import shutil
@@ -49,6 +51,8 @@ GENERATOR_CONFIG_KEYS = ("model", "generator_training", "generator.prompts.singl
 """The settings that decide a generator's weights (``run._target_`` names generator training); with the agents'
 curriculum (``generator_training.curriculum``), the whole ``generator`` group too."""
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+ADAPTER_CONFIG = str(FINAL_ADAPTER / ADAPTER_FILES[0])
+REPOSITORY = CONF_DIR.parent
 
 
 class ShipRefused(FileExistsError):
@@ -96,6 +100,21 @@ def shipped_files(run: Path) -> dict[str, Path]:
     return dict(sorted(files.items()))
 
 
+def shipped_base_name(out: Path) -> str:
+    """The base a shipped adapter names: ``out``'s ``base/``, relative to the repository when it ships inside it (as
+    the repository's configs name it: ``weights/<name>/base``), else absolute. PEFT reads this name when it loads an
+    adapter; the run's own base folder (e.g. ``outputs/...``) would be a path no user has."""
+    base = (out / BASE_DIR).resolve()
+    return str(base.relative_to(REPOSITORY)) if base.is_relative_to(REPOSITORY) else str(base)
+
+
+def shipped_adapter_config(run: Path, out: Path) -> bytes:
+    """``run``'s final adapter config as shipped into ``out``: naming the shipped base (:func:`shipped_base_name`)."""
+    config = json.loads((run / ADAPTER_CONFIG).read_text())
+    config["base_model_name_or_path"] = shipped_base_name(out)
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+
 def ship(run: Path, out: Path, answers: dict[str, Any] | None = None, replace: bool = False) -> dict[str, Any]:
     """Ship ``run``'s base and final adapter into ``out`` with its manifest; returns the manifest.
 
@@ -112,17 +131,21 @@ def ship(run: Path, out: Path, answers: dict[str, Any] | None = None, replace: b
     overrides = yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) or []
     report = json.loads((run / "report.json").read_text())
     sources = shipped_files(run)
+    adapter_config = shipped_adapter_config(run, out)
+    files = {name: file_sha256(path) for name, path in sources.items()}
+    files[ADAPTER_CONFIG] = hashlib.sha256(adapter_config).hexdigest()
     manifest = {"command": " ".join(["python train.py", *overrides]), "overrides": overrides,
                 "steps": report["steps"], "config": run_config(run), "after": report.get("after"),
                 **({"trained_steps": report["trained_steps"]} if "trained_steps" in report else {}),
                 **({"answers": answers} if answers else {}),
-                "files": {name: file_sha256(path) for name, path in sources.items()}}
+                "files": files}
     if check_destination(run, out, manifest, replace):
         return manifest
     with atomic_directory(out) as tmp:
         for name, path in sources.items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, tmp / name)
+        (tmp / ADAPTER_CONFIG).write_bytes(adapter_config)
         changed = sorted(name for name, digest in file_hashes(tmp).items() if manifest["files"].get(name) != digest)
         if changed:
             raise RuntimeError(f"{run}: {', '.join(changed)} changed while being shipped; {out} is left as it was")
