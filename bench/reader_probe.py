@@ -6,7 +6,10 @@ scored on the test pages'. The generator started from a reader can answer what i
     python bench/reader_probe.py weights/reader_tiny
 
 A multinomial logistic regression per field (full-batch L-BFGS, L2 1e-3) on the L2-normalised document embeddings;
-accuracy on the 120 test pages against the most frequent test value's share.
+accuracy on the 120 test pages against the most frequent test value's share. ``--siblings`` adds a second reading: a
+query made from a test page's fields (``"{title} {value}%"``) against the embeddings of its document's pages (the
+pages sharing its title): the share it ranks first, against chance (one over the document's pages), i.e. whether
+the embedding carries the field as a query names it.
 """
 
 from __future__ import annotations
@@ -52,10 +55,27 @@ def read_out(train: torch.Tensor, train_labels: list[str], test: torch.Tensor, t
     return sum(p == t for p, t in zip(predicted, test_labels)) / len(test_labels)
 
 
+def sibling_top1(retriever: Phi3VRetriever, ids: list[str], pages: torch.Tensor, fields: dict[str, dict],
+                 template: str) -> tuple[float, float]:
+    """Share of the pages ``ids`` that the query ``template`` fills from their fields ranks first among the pages of
+    their document (same id up to ``-p<n>``), and the chance share."""
+    queries = retriever.encode_queries([template.format(**fields[i]) for i in ids]).float()
+    scores = queries @ pages.T
+    documents = [doc_id.rsplit("-p", 1)[0] for doc_id in ids]
+    hits = chance = 0.0
+    for row, document in enumerate(documents):
+        members = [j for j, other in enumerate(documents) if other == document]
+        hits += max(members, key=lambda j: scores[row, j].item()) == row
+        chance += 1 / len(members)
+    return hits / len(ids), chance / len(ids)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, help="a train.py run of the tiny retriever (base/ + final adapter)")
     parser.add_argument("--data", type=Path, default=Path("data/synthetic"), help="the built-in corpus's folder")
+    parser.add_argument("--siblings", nargs="*", default=[], metavar="TEMPLATE",
+                        help="query templates over the page fields, e.g. '{title} {value}%%' '{title} {code}'")
     args = parser.parse_args()
     torch.manual_seed(0)
     retriever = Phi3VRetriever.from_pretrained(str(args.run / "base"), adapter=str(args.run / FINAL_ADAPTER),
@@ -71,6 +91,11 @@ def main() -> None:
         majority = max(test_labels.count(label) for label in set(test_labels)) / len(test_labels)
         accuracy = read_out(train, train_labels, test, test_labels)
         print(f"| {name} | {len(set(train_labels))} | {100 * accuracy:.1f} | {100 * majority:.1f} |")
+    if args.siblings:
+        print("\n| query (test pages) | ranked first among its document's pages | chance |\n|---|---|---|")
+    for template in args.siblings:
+        top1, chance = sibling_top1(retriever, test_ids, test, fields, template)
+        print(f"| `{template}` | {100 * top1:.1f} | {100 * chance:.1f} |")
 
 
 if __name__ == "__main__":

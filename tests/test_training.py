@@ -15,9 +15,9 @@ from hydra import compose, initialize_config_dir
 from safetensors import SafetensorError
 
 import hkrag.io
-from hkrag.data.opendocvqa import load_corpus, load_qa
-from hkrag.data.pairs import TrainingPair, training_pairs
-from hkrag.data.synthetic import SyntheticConfig, generate
+from hkrag.data.opendocvqa import DataError, load_corpus, load_qa
+from hkrag.data.pairs import TrainingPair, field_pairs, training_pairs
+from hkrag.data.synthetic import SyntheticConfig, generate, load_page_items
 from hkrag.io import WriteError
 from hkrag.losses import HybridMaskLoss, LossOutput
 from hkrag.models.phi3v.loading import load_phi3v
@@ -421,3 +421,17 @@ def test_run_settings_keep_what_fixes_the_run_and_leave_out_the_rest():
     assert base["model.kind"] == "tiny" and base["data.synthetic.n_train"] == 1536 and base["trainer.precision"] == "no"
     assert run_settings(composed("trainer.chunk_size=4", "data.eval_datasets=[synchart]")) == base
     assert run_settings(composed("data.synthetic.n_train=64"))["data.synthetic.n_train"] == 64
+
+
+def test_field_queries_name_each_training_page_by_its_drawn_fields(synthetic_root):
+    corpus = load_corpus(synthetic_root / "corpus", "default", "train")
+    items = load_page_items(synthetic_root, "train")
+    fields = {doc_id: row["fields"] for doc_id, row in items.items()}
+    pairs = field_pairs(fields, ["{title} {value}%"], corpus)
+    assert len(pairs) == len(corpus) and {p.positives for p in pairs} == {(doc_id,) for doc_id in corpus.doc_ids}
+    first = next(p for p in pairs if p.positives == (sorted(corpus.doc_ids)[0],))
+    page = items[first.positives[0]]
+    assert first.query == f"{page['fields']['title']} {page['fields']['value']}%"
+    assert f"{page['fields']['value']}%" in page["salient"]  # the value as drawn
+    with pytest.raises(DataError, match=r"'\{colour\}' names the field 'colour' that page"):
+        field_pairs(fields, ["{colour}"], corpus)

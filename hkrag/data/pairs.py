@@ -52,6 +52,28 @@ def training_pairs(qa: Iterable[QAExample], corpus: Corpus) -> list[TrainingPair
     return pairs
 
 
+def field_pairs(fields: Mapping[str, Mapping[str, str]], templates: Sequence[str],
+                corpus: Corpus) -> list[TrainingPair]:
+    """Queries made from each page's drawn fields (``{title} {value}%``): one pair per page in ``corpus`` and
+    template, the page its one positive. With document-grouped batches (``trainer.group_pattern``) the pages of one
+    document share their title, so a template naming a field that differs within a document (the headline value, the
+    page number) is a contrast that needs that field read. ``fields``: doc id -> field name -> drawn string
+    (``hkrag.data.synthetic.load_page_items``' ``fields``); a template naming a field a page lacks is an error
+    naming both."""
+    pairs = []
+    for template in templates:
+        for doc_id in sorted(fields):
+            if doc_id not in corpus:
+                continue
+            try:
+                query = template.format(**fields[doc_id])
+            except KeyError as missing:
+                raise DataError(f"data.field_queries: {template!r} names the field {missing} that page {doc_id!r} "
+                                f"lacks (it has {sorted(fields[doc_id])})") from None
+            pairs.append(TrainingPair(f"{doc_id}-field{templates.index(template)}", query, (doc_id,)))
+    return pairs
+
+
 def pretraining_pairs(corpus: Corpus, column: str = TEXT_COLUMN) -> list[TrainingPair]:
     """VDocRAG pre-training pairs: each page's text as the query, the page itself as its one positive.
 

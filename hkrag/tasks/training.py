@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from hkrag.data.collators import PretrainingCollator
 from hkrag.data.opendocvqa import Corpus, load_corpus, load_pretraining_corpus, load_qa
-from hkrag.data.pairs import TrainingPair, pretraining_pairs, training_pairs
+from hkrag.data.pairs import TrainingPair, field_pairs, pretraining_pairs, training_pairs
+from hkrag.data.synthetic import load_page_items
 from hkrag.environment import describe, environment
 from hkrag.index.shards import config_hash
 from hkrag.io import write_json, write_text
@@ -138,6 +139,10 @@ def training_data(cfg: DictConfig, pretraining: bool) -> tuple[list[TrainingPair
     else:
         corpus = load_corpus(cfg.data.corpus_source, cfg.data.train.corpus_config, cfg.data.train.split)
         pairs = training_pairs(questions, corpus)
+        if cfg.data.get("field_queries"):
+            items = load_page_items(cfg.data.root, cfg.data.train.split)
+            fields = {doc_id: row["fields"] for doc_id, row in items.items()}
+            pairs += field_pairs(fields, list(cfg.data.field_queries), corpus)
     vocabulary = [ex.query for ex in questions] if questions is not None else [pair.query for pair in pairs]
     return pairs, corpus, vocabulary
 
