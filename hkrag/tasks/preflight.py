@@ -482,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model-config", help="folder with the model's config.json and tokenizer (default: "
                                                "model.base)")
     parser.add_argument("--processes", type=int, default=1, help="data-parallel processes sharing the global batch")
-    parser.add_argument("--measure", action="store_true", help="measure the experiment's training step at --layers")
+    parser.add_argument("--measure", action="store_true", help="measure --path (default: training) at --layers")
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--vision-layers", type=int, default=24)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="--measure on CPU (fp32, resident "
