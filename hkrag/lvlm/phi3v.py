@@ -93,17 +93,24 @@ class Phi3VBackend(LocalBackend):
         if adapter is not None:
             model = load_adapter(model, adapter).merge_and_unload()  # one that does not fit is refused
             default_name = f"{default_name}+{adapter}"
+        self._attach(model.to(target), processor, model_name or default_name, batch_size, feature_cache_size,
+                     prefix_cache_size)
+
+    def _attach(self, model: Phi3VForCausalLM, processor: Phi3VProcessor, model_name: str, batch_size: int,
+                feature_cache_size: int, prefix_cache_size: int) -> None:
         self.processor: Phi3VProcessor = processor
-        super().__init__(
-            model.to(target),
-            processor.tokenizer,
-            model_name or default_name,
-            END_TOKENS,
-            batch_size=batch_size,
-            feature_cache_size=feature_cache_size,
-            prefix_cache_size=prefix_cache_size,
-        )
+        super().__init__(model, processor.tokenizer, model_name, END_TOKENS, batch_size=batch_size,
+                         feature_cache_size=feature_cache_size, prefix_cache_size=prefix_cache_size)
         self.lm: Phi3VForCausalLM
+
+    @classmethod
+    def from_model(cls, model: Phi3VForCausalLM, processor: Phi3VProcessor, model_name: str, batch_size: int = 4,
+                   feature_cache_size: int = 32, prefix_cache_size: int = 8) -> Phi3VBackend:
+        """A backend over a model already built (on its device, in its dtype) and its processor: the preflight's
+        full-width, reduced-depth rehearsal of a query (``hkrag.tasks.preflight --path query``)."""
+        backend = cls.__new__(cls)
+        backend._attach(model, processor, model_name, batch_size, feature_cache_size, prefix_cache_size)
+        return backend
 
     @property
     def num_crops(self) -> int:

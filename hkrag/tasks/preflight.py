@@ -10,6 +10,10 @@ per page from the processor), prints its terms and a verdict for 24, 40, 80 and 
 RCG, or the generator's causal-LM LoRA fine-tuning) on CPU at full width and reduced depth (``--layers 1 2``; random
 weights and pages, fp32) and prints measured against predicted bytes at the same depth, the step's loss and whether
 the saved adapter reloads to equal tensors (bench/RESULTS.md "Memory model").
+``--measure --path encode`` runs one encoding batch of the experiment's retriever (``--pages`` pages, ``--queries``
+queries; its ``model.num_crops``, the real tokenizer), ``--measure --path query`` one query of ``eval.py``'s generator
+(``generator=hkrag lvlm=phi3v``) through the Phi3V local backend as ``task=rag`` runs it; each prints parameters,
+tokens per page and per prompt, peak memory and seconds, and the full depth extrapolated per LM layer (marked so).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from PIL import Image
 from hkrag.data.collators import RetrieverCollator
 from hkrag.io import write_json
 from hkrag.losses import make_loss
+from hkrag.lvlm import PageImage
 from hkrag.models.phi3v import Phi3VConfig, load_processor, tiny_phi3v
 from hkrag.models.phi3v.loading import CheckpointNotFoundError
 from hkrag.retriever import VDOCRAG_LORA_TARGETS, LoraSettings, describe_lora_modules
@@ -48,8 +53,11 @@ from hkrag.training.memory import (
     estimate,
     format_terms,
     kv_cache_bytes,
+    measure_encoding,
     measure_generator_step,
+    measure_query,
     measure_step,
+    noise_pages,
 )
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -74,10 +82,11 @@ class PreflightError(SystemExit):
         super().__init__(message)
 
 
-def compose_config(overrides: Sequence[str]) -> DictConfig:
-    """``train.py``'s configuration under ``overrides`` (``experiment=...`` among them)."""
+def compose_config(overrides: Sequence[str], name: str = "train") -> DictConfig:
+    """``train.py``'s configuration under ``overrides`` (``experiment=...`` among them); ``name="eval"``:
+    ``eval.py``'s (``--path query``: ``generator=hkrag lvlm=phi3v``)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
+        return compose(config_name=name, overrides=list(overrides))
 
 
 def is_generator(cfg: DictConfig) -> bool:
@@ -95,9 +104,13 @@ def model_source(cfg: DictConfig, model_config: str | None) -> tuple[Phi3VConfig
     if model.kind == "tiny":
         built, processor = tiny_phi3v(num_crops=model.num_crops, seed=model.seed, **model.get("config", {}))
         return built.config, processor
-    source = model_config or model.base
+    return read_source(model_config or model.base, model.num_crops)
+
+
+def read_source(source: str, num_crops: int | None) -> tuple[Phi3VConfig, Any]:
+    """Phi3V's config and processor (``num_crops`` crops; ``None``: the checkpoint's) from ``source``."""
     try:
-        return Phi3VConfig.from_pretrained(source), load_processor(source, model.num_crops)
+        return Phi3VConfig.from_pretrained(source), load_processor(source, num_crops)
     except (OSError, CheckpointNotFoundError) as error:
         raise SystemExit(
             f"preflight: cannot read the model's config.json and tokenizer from {source!r} ({error}); pass "
@@ -299,7 +312,8 @@ def measure(overrides: Sequence[str], args: argparse.Namespace) -> list[dict[str
     rows = []
     for layers in args.layers:
         command = [sys.executable, "-m", "hkrag.tasks.preflight", *overrides, "--measure-one", str(layers),
-                   "--vision-layers", str(args.vision_layers), "--device", args.device]
+                   "--vision-layers", str(args.vision_layers), "--device", args.device, "--path", args.path,
+                   "--pages", str(args.pages), "--queries", str(args.queries)]
         if args.model_config:
             command += ["--model-config", args.model_config]
         done = subprocess.run(command, env={**os.environ, **MALLOC_ENV}, capture_output=True, text=True)
@@ -309,15 +323,21 @@ def measure(overrides: Sequence[str], args: argparse.Namespace) -> list[dict[str
     return rows
 
 
+def reduce_depth(config: Phi3VConfig, layers: int, vision_layers: int, attention: str | None) -> Phi3VConfig:
+    """``config`` at ``layers`` LM and ``vision_layers`` CLIP layers, full width (attention ``sdpa`` unless set)."""
+    config.num_hidden_layers = layers
+    config.vision_config.num_hidden_layers = vision_layers
+    config._attn_implementation = attention or "sdpa"
+    return config
+
+
 def reduced(cfg: DictConfig, layers: int, vision_layers: int, model_config: str | None,
             device: str = "cpu") -> tuple[Plan, Any]:
     """``cfg``'s plan at full width and ``layers`` / ``vision_layers`` deep, as measured (fp32 on CPU, bf16 on
     CUDA; the retriever's gradient cache over the whole global batch), and the reduced model's config and processor
     (attention as ``model.attn_implementation``)."""
     config, processor = model_source(cfg, model_config)
-    config.num_hidden_layers = layers
-    config.vision_config.num_hidden_layers = vision_layers
-    config._attn_implementation = cfg.model.get("attn_implementation") or "sdpa"
+    reduce_depth(config, layers, vision_layers, cfg.model.get("attn_implementation"))
     p = plan(cfg, model_config, source=(config, processor))
     changes: dict[str, Any] = {"dtype": "float32" if device == "cpu" else "bfloat16", "device": device,
                                "autocast": device == "cuda"}
@@ -358,6 +378,75 @@ def measure_one(cfg: DictConfig, layers: int, vision_layers: int, model_config: 
             **measured.as_dict()}
 
 
+def measure_encode_one(cfg: DictConfig, layers: int, vision_layers: int, model_config: str | None, pages: int,
+                       queries: int, device: str = "cpu") -> dict[str, Any]:
+    """One depth of ``--path encode``: one batch of ``pages`` pages and one of ``queries`` queries encoded by the
+    experiment's retriever (its ``model.num_crops``, the real tokenizer) at full width, random weights."""
+    config, processor = model_source(cfg, model_config)
+    reduce_depth(config, layers, vision_layers, cfg.model.get("attn_implementation"))
+    measured = measure_encoding(config, processor, pages, queries, QUERY, PAGE_SIZE, device)
+    return {"experiment": cfg.get("run_name", "train"), "path": "encode", "layers": layers,
+            "vision_layers": vision_layers, "device": device, "num_crops": processor.image_processor.num_crops,
+            **measured.as_dict()}
+
+
+def measure_query_one(cfg: DictConfig, layers: int, vision_layers: int, model_config: str | None,
+                      device: str = "cpu") -> dict[str, Any]:
+    """One depth of ``--path query``: one query answered by ``eval.py``'s generator (``generator=hkrag``) through
+    the Phi3V local backend as ``task=rag`` runs it (:func:`hkrag.tasks.rag.answer_all`), its pages
+    ``generator.top_k`` random-noise pages of :data:`PAGE_SIZE` at ``lvlm.num_crops``, random weights (an adapter
+    named by ``lvlm.adapter`` is merged into the weights at load time and adds nothing at inference)."""
+    from hkrag.rag.records import Query  # the RAG task's types and loop: only this path needs them
+    from hkrag.tasks.rag import answer_all
+
+    lvlm = cfg.lvlm
+    if not str(lvlm.get("_target_", "")).endswith("Phi3VBackend"):
+        raise SystemExit(f"preflight --path query rehearses the Phi3V local backend; lvlm is {lvlm.get('_target_')}"
+                         " (pass lvlm=phi3v)")
+    config, processor = read_source(model_config or lvlm.base, lvlm.num_crops)
+    reduce_depth(config, layers, vision_layers, lvlm.get("attn_implementation"))
+    generator = OmegaConf.to_container(cfg.generator, resolve=True)
+    images = noise_pages(int(generator.get("top_k", 3)), PAGE_SIZE)
+    pages = [PageImage(image, f"page-{i}") for i, image in enumerate(images)]
+    query = Query("preflight", GENERATOR_QUESTION, pages, gold=[GENERATOR_ANSWER])
+    settings = {key: int(lvlm[key]) for key in ("batch_size", "feature_cache_size", "prefix_cache_size")}
+    measured = measure_query(config, processor, settings, images[0],
+                             lambda backend: answer_all(generator, backend, [query])[0], device)
+    return {"experiment": f"{generator.get('name', 'generator')} on {cfg.lvlm.get('base')}", "path": "query",
+            "layers": layers, "vision_layers": vision_layers, "device": device,
+            "num_crops": processor.image_processor.num_crops, **measured.as_dict()}
+
+
+def extrapolated(rows: Sequence[dict[str, Any]], layers: int) -> dict[str, Any] | None:
+    """The two deepest measured rows' figures extrapolated linearly per LM layer to ``layers`` (``None`` with
+    fewer than two depths): weights, peak, seconds and parameters."""
+    by_depth = sorted(rows, key=lambda row: row["layers"])
+    if len(by_depth) < 2 or by_depth[-1]["layers"] == by_depth[-2]["layers"]:
+        return None
+    low, high = by_depth[-2], by_depth[-1]
+    scale = (layers - high["layers"]) / (high["layers"] - low["layers"])
+    keys = ("weights", "step_peak", "seconds", "parameters")
+    return {**high, **{k: high[k] + scale * (high[k] - low[k]) for k in keys}, "layers": layers,
+            "extrapolated": True}
+
+
+def inference_table(rows: Sequence[dict[str, Any]], full_depth: int) -> str:
+    """``--path encode|query``: the measured depths and, from the two deepest, the full depth extrapolated per
+    LM layer (marked so; the CLIP depth stays the measured one)."""
+    lines = ["| path | LM layers | CLIP layers | crops | parameters | tokens/page | tokens/prompt | frozen model "
+             "| peak above it | s | detail |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    extra = extrapolated(rows, full_depth)
+    for row in [*rows, *([extra] if extra else [])]:
+        depth = f"{row['layers']} (extrapolated)" if row.get("extrapolated") else str(row["layers"])
+        detail = ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row["detail"].items()
+                           if v is not None and not row.get("extrapolated"))
+        lines.append(f"| {row['path']} | {depth} | {row['vision_layers']} | {row['num_crops']} | "
+                     f"{row['parameters']:,.0f} | {row['page_tokens']} | {row['prompt_tokens']} | "
+                     f"{describe_bytes(row['weights'])} | {describe_bytes(row['step_peak'])} | {row['seconds']:.0f} | "
+                     f"{detail or 'extrapolated per LM layer from the two deepest rows'} |")
+    return "\n".join(lines)
+
+
 def predicted_row(cfg: DictConfig, row: dict[str, Any], model_config: str | None) -> dict[str, Any]:
     """``row`` (a measurement) with the memory model's figures at its depth."""
     p, _ = reduced(cfg, row["layers"], row["vision_layers"], model_config, row.get("device", "cpu"))
@@ -393,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model-config", help="folder with the model's config.json and tokenizer (default: "
                                                "model.base)")
     parser.add_argument("--processes", type=int, default=1, help="data-parallel processes sharing the global batch")
-    parser.add_argument("--measure", action="store_true", help="measure the experiment's training step at --layers")
+    parser.add_argument("--measure", action="store_true", help="measure --path (default: training) at --layers")
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--vision-layers", type=int, default=24)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="--measure on CPU (fp32, resident "
@@ -401,17 +490,34 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--row", action="store_true", help="print one markdown row (docs/training.md's table)")
     parser.add_argument("--out", help="--measure: also write the measured rows to this JSON file")
     parser.add_argument("--compare", help="print the table of measured rows (a --out file) against the model")
+    parser.add_argument("--path", choices=["train", "encode", "query"], default="train",
+                        help="--measure: the experiment's training step (train), one encoding batch of its retriever "
+                             "(encode), or one query of eval.py's generator through the Phi3V local backend (query: "
+                             "the overrides are eval.py's, e.g. generator=hkrag lvlm=phi3v)")
+    parser.add_argument("--pages", type=int, default=2, help="--path encode: pages in the batch")
+    parser.add_argument("--queries", type=int, default=2, help="--path encode: queries in the batch")
+    parser.add_argument("--full-depth", type=int, default=32, help="--path encode|query: LM layers extrapolated to")
     parser.add_argument("--measure-one", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    cfg = compose_config(args.overrides)
+    cfg = compose_config(args.overrides, "eval" if args.path == "query" else "train")
     if args.measure_one:
-        print(json.dumps(measure_one(cfg, args.measure_one, args.vision_layers, args.model_config, args.device)))
+        if args.path == "encode":
+            row = measure_encode_one(cfg, args.measure_one, args.vision_layers, args.model_config, args.pages,
+                                     args.queries, args.device)
+        elif args.path == "query":
+            row = measure_query_one(cfg, args.measure_one, args.vision_layers, args.model_config, args.device)
+        else:
+            row = measure_one(cfg, args.measure_one, args.vision_layers, args.model_config, args.device)
+        print(json.dumps(row))
         return
     if args.measure or args.compare:
         rows = measure(args.overrides, args) if args.measure else json.loads(Path(args.compare).read_text())
         if args.out:
             write_json(Path(args.out), rows)
-        print(measurement_table([predicted_row(cfg, row, args.model_config) for row in rows]))
+        if rows and rows[0].get("path", "train") != "train":
+            print(inference_table(rows, args.full_depth))
+        else:
+            print(measurement_table([predicted_row(cfg, row, args.model_config) for row in rows]))
         return
     p = plan(cfg, args.model_config, args.processes)
     memory = parse_size(args.gpu_memory) if args.gpu_memory else None

@@ -21,7 +21,7 @@ import io
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from hkrag.data.generator_pairs import GeneratorPair
 from hkrag.data.opendocvqa import CORPUS_FEATURES, Corpus
 from hkrag.data.pairs import TrainingPair
 from hkrag.losses import HybridMaskLoss
+from hkrag.lvlm.phi3v import Phi3VBackend
 from hkrag.models.phi3v import Phi3VConfig, Phi3VForCausalLM
 from hkrag.retriever import LoraSettings, Phi3VRetriever, freeze_unreachable, lora_modules
 from hkrag.training.generator import GeneratorDataset, GeneratorTrainer, GeneratorTrainerConfig, causal_lm_lora
@@ -189,7 +190,7 @@ def lm_layer_bytes(arch: Architecture, work: Workload, targets: Iterable[str], t
     RMSNorm's fp32 input; the MLP's gate_up output (kept by the gate and up views) and SiLU output.
     """
     targets = set(targets)
-    h, i, s, t = arch.hidden, arch.intermediate, work.bytes, tokens
+    h, s, t = arch.hidden, work.bytes, tokens
     length = tokens // work.rows
     total = 4 * t * h + 4 * t if grad_in else 0  # the fp32 input and its rsqrt
     if "qkv_proj" in targets:
@@ -203,15 +204,21 @@ def lm_layer_bytes(arch: Architecture, work: Workload, targets: Iterable[str], t
             total += t * h * s + work.rows * arch.heads * length * 4  # output and log-sum-exp
     if "o_proj" in targets:
         total += work.lora_input(t, h, attention_grad)
-    mlp_grad = attention_grad or "o_proj" in targets
-    if mlp_grad:
-        total += 4 * t * h + 4 * t
+    return total + lm_mlp_bytes(arch, work, targets, tokens, attention_grad or "o_proj" in targets)
+
+
+def lm_mlp_bytes(arch: Architecture, work: Workload, targets: Iterable[str], tokens: int, grad_in: bool) -> int:
+    """The MLP's share of :func:`lm_layer_bytes` (from the post-attention RMSNorm on): freed by the layer's
+    backward before its attention's backward runs."""
+    targets = set(targets)
+    h, i, s, t = arch.hidden, arch.intermediate, work.bytes, tokens
+    total = 4 * t * h + 4 * t if grad_in else 0
     if "gate_up_proj" in targets:
-        total += work.lora_input(t, h, mlp_grad)
-    if mlp_grad or "gate_up_proj" in targets:
+        total += work.lora_input(t, h, grad_in)
+    if grad_in or "gate_up_proj" in targets:
         total += 3 * t * i * s
     if "down_proj" in targets:
-        total += work.lora_input(t, i, mlp_grad or "gate_up_proj" in targets)
+        total += work.lora_input(t, i, grad_in or "gate_up_proj" in targets)
     return total
 
 
@@ -262,6 +269,13 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
     layers up to the used one (their inputs are those hidden states). The backward's working set is two gradients
     of the MLP's width (the base and LoRA paths of ``down_proj`` before they are summed).
 
+    A trained tower under checkpointing adds a third phase, its backward, which runs after the language model's
+    (whose layers' inputs are freed by then; it was once summed with the recomputed language-model layer, 19-21 %
+    over the generator's measured step): the tower's kept hidden states and the pixels, the gradients arriving (at
+    the used CLIP layer's output and at the input embeddings, kept to the end of the backward), one recomputed CLIP
+    layer, and quick_gelu's backward (three tensors of the MLP's width: the gradient of ``fc2``'s input and the two
+    products of the gate's backward; the phases were located on CPU with ``torch.profiler``'s memory timeline).
+
     With gradient checkpointing the language model keeps each layer's input plus one layer recomputed (never at
     the same time as the LM head's logits and log-softmax, RCG's and the generator's: the head's backward runs and
     frees them before the first layer is recomputed), and the
@@ -297,11 +311,26 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
     final_norm = 4 * tokens * arch.hidden + 4 * tokens
     head = rows * work.lm_head_tokens * arch.vocab * (s + 4 + 4)  # logits, their fp32 copy, log-softmax
     backward = 2 * tokens * arch.intermediate * s
-    if work.checkpointing:  # the head's backward frees its logits before any checkpointed layer is recomputed
-        lm_phase = kept - max(layers) + projection + final_norm + max(head, max(layers) + max(backward, recompute_clip))
+    top = max(layers)
+    if work.attention == "eager":  # after the MLP's backward: the probabilities' and the scores' gradients
+        length = tokens // rows
+        attention_backward = rows * arch.heads * length * length * (4 + 4 + (s if s != 4 else 0))
+        mlp = lm_mlp_bytes(arch, work, lm_targets, tokens, True)
+        recomputed = max(top + backward, top - mlp + attention_backward)
     else:
-        lm_phase = kept + projection + final_norm + head + max(backward, recompute_clip)
-    return {"vision tower forward (one chunk)": clip_phase, "language model backward (one chunk)": lm_phase}
+        recomputed = top + backward
+    if work.checkpointing:  # the head's backward frees its logits before any checkpointed layer is recomputed
+        lm_phase = kept - top + projection + final_norm + max(head, recomputed)
+    else:
+        lm_phase = kept - top + projection + final_norm + head + recomputed
+    lm_phase += rows * work.crops * 3 * arch.crop_size**2 * 4  # the chunk's fp32 pixels, alive until its end
+    phases = {"vision tower forward (one chunk)": clip_phase, "language model backward (one chunk)": lm_phase}
+    if recompute_clip:  # after the language model's backward has freed its layers' inputs
+        arriving = clip_tokens * arch.clip_hidden * s + tokens * arch.hidden * s
+        clip_backward = 3 * clip_tokens * arch.clip_intermediate * s
+        phases["vision tower backward (one chunk, a recomputed layer)"] = (
+            kept_clip + pixels + arriving + recompute_clip + clip_backward)
+    return phases
 
 
 def estimate(arch: Architecture, params: Parameters, work: Workload) -> Estimate:
@@ -356,15 +385,18 @@ class Measurement:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+def noise_pages(count: int, size: tuple[int, int] = (850, 1100), seed: int = 0) -> list[Image.Image]:
+    """``count`` seeded random-noise RGB pages of ``size`` (width, height)."""
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)) for _ in range(count)]
+
+
 def random_pages(count: int, size: tuple[int, int] = (850, 1100), seed: int = 0) -> Any:
     """A :class:`~hkrag.data.opendocvqa.Corpus` of ``count`` random-noise pages ``page-<i>``."""
-
-
-    rng = np.random.default_rng(seed)
     rows: dict[str, list] = {"doc_id": [], "image": []}
-    for index in range(count):
+    for index, image in enumerate(noise_pages(count, size, seed)):
         buffer = io.BytesIO()
-        Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buffer, format="PNG")
+        image.save(buffer, format="PNG")
         rows["doc_id"].append(f"page-{index}")
         rows["image"].append({"bytes": buffer.getvalue(), "path": None})
     return Corpus(datasets.Dataset.from_dict(rows, features=CORPUS_FEATURES), name="preflight")
@@ -525,6 +557,90 @@ def measure_generator_step(
         trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
         page_tokens=int(batch["attention_mask"][0].sum()), malloc_pinned=_malloc_pinned(),
         adapter_bytes=adapter_bytes, adapter_round_trip=round_trip,
+    )
+
+
+@dataclass(frozen=True)
+class InferenceMeasurement:
+    """Figures of one measured inference path on CPU (bytes, seconds): one encoding batch of the retriever or
+    one query of the agentic generator. ``page_tokens``: LM tokens of one page (its encoding prompt, or its
+    image tokens in the generator's prompt); ``prompt_tokens``: of one query (encoding) or of all the query's
+    prompts (generation); ``detail``: the path's own counts (calls, route, generated tokens, seconds by part)."""
+
+    weights: int
+    step_peak: int
+    seconds: float
+    parameters: int
+    page_tokens: int
+    prompt_tokens: int
+    malloc_pinned: bool
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def measure_encoding(config: Phi3VConfig, processor: Any, pages: int, queries: int, query: str,
+                     page_size: tuple[int, int], device: str = "cpu") -> InferenceMeasurement:
+    """One encoding batch of the retriever as ``task=retrieval`` runs it (:meth:`Phi3VRetriever.encode_documents`
+    over ``pages`` random-noise pages of ``page_size``, then :meth:`~Phi3VRetriever.encode_queries` over
+    ``queries`` copies of ``query``; no gradient) on random weights: the frozen model's bytes, the peak above
+    them and the seconds of each part (measured as :func:`measure_step` does)."""
+    cuda = device == "cuda"
+    start = _allocated(cuda)
+    retriever = Phi3VRetriever.wrap(_random_model(config, device), processor).eval()
+    weights = _allocated(cuda) - start
+    images = noise_pages(pages, page_size)
+    texts = [query] * queries
+    with torch.no_grad():  # one-time allocations (thread pools, oneDNN) before the baseline
+        retriever.encode_queries(texts[:1])
+    seconds: dict[str, float] = {}
+
+    def encode() -> float:
+        started = time.perf_counter()
+        retriever.encode_documents(images, batch_size=pages)
+        seconds["documents_s"] = time.perf_counter() - started
+        started = time.perf_counter()
+        retriever.encode_queries(texts, batch_size=queries)
+        seconds["queries_s"] = time.perf_counter() - started
+        return 0.0
+
+    peak, total, _ = _peak_of_steps(encode, 1, cuda)
+    page_batch, query_batch = retriever.document_inputs(images[:1]), retriever.query_inputs(texts[:1])
+    return InferenceMeasurement(
+        weights=weights, step_peak=peak, seconds=total, parameters=sum(p.numel() for p in retriever.parameters()),
+        page_tokens=int(page_batch["attention_mask"][0].sum()),
+        prompt_tokens=int(query_batch["attention_mask"][0].sum()),
+        malloc_pinned=_malloc_pinned(), detail={**seconds, "pages": pages, "queries": queries},
+    )
+
+
+def measure_query(config: Phi3VConfig, processor: Any, backend_settings: dict[str, Any], page: Image.Image,
+                  answer: Callable[[Any], Any], device: str = "cpu") -> InferenceMeasurement:
+    """One query of the agentic generator through the local backend (:class:`~hkrag.lvlm.phi3v.Phi3VBackend`
+    over the random-weight model of ``config`` with ``processor``'s tokenizer and crops, its caches as
+    ``backend_settings``): ``answer(backend)`` runs it (the preflight passes the RAG task's own loop) and returns
+    its :class:`~hkrag.rag.records.QueryOutcome`; ``page``: one of its pages, whose image tokens are counted.
+    Measured as :func:`measure_step` does; the outcome's calls, route and tokens go to ``detail``."""
+    cuda = device == "cuda"
+    start = _allocated(cuda)
+    backend = Phi3VBackend.from_model(_random_model(config, device), processor, "preflight (random weights)",
+                                      **backend_settings)
+    weights = _allocated(cuda) - start
+    outcomes: list[Any] = []
+
+    def run() -> float:
+        outcomes.append(answer(backend))
+        return 0.0
+
+    peak, seconds, _ = _peak_of_steps(run, 1, cuda)
+    outcome = outcomes[0]
+    page_tokens = int(processor.image_processor([page])["num_img_tokens"][0])
+    return InferenceMeasurement(
+        weights=weights, step_peak=peak, seconds=seconds, parameters=sum(p.numel() for p in backend.lm.parameters()),
+        page_tokens=page_tokens, prompt_tokens=outcome.prompt_tokens, malloc_pinned=_malloc_pinned(),
+        detail={"calls": outcome.num_calls, "route": outcome.route, "completion_tokens": outcome.completion_tokens,
+                "failed": outcome.failed, "failure": outcome.failure, "context_length": backend.context_length},
     )
 
 
