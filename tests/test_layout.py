@@ -234,3 +234,39 @@ def test_stitch_joins_unit_text_in_reading_order(corpus, tmp_path, capsys):
     with pytest.raises(SystemExit):
         region_corpus_main([*args[:5], "ocr_text", *args[6:]])
     assert "has no column ['ocr_text']" in capsys.readouterr().err
+
+
+def test_region_corpus_build_takes_the_boxes_from_layout_settings(corpus, detector, tmp_path, capsys):
+    source = corpus / "corpus"
+    build = ["build", str(source), "--mode", "all-box", "--config", "all", "--out"]
+    assert region_corpus_main([*build, str(tmp_path / "det"), f"layout.model={detector}", "layout.threshold=0"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"all/test": len(load_corpus(tmp_path / "det", "all", "test"))}
+    # the same units as detect, then build --regions
+    write_regions(source, tmp_path / "regions", detector, SelectionSettings(threshold=0), configs=["all"])
+    build_region_corpus(source, tmp_path / "two", "all-box", regions=tmp_path / "regions", configs=["all"])
+    columns = ["doc_id", "page_id", "label", "box"]
+    one, two = (load_corpus(tmp_path / name, "all", "test").dataset.select_columns(columns).to_list()
+                for name in ("det", "two"))
+    assert one == two
+    report = json.loads((tmp_path / "det" / ".layout" / "layout_report.json").read_text())
+    assert (report["detected"], report["threshold"]) == (4, 0.0)
+    assert region_corpus_main([*build, str(tmp_path / "det"), f"layout.model={detector}", "layout.threshold=0"]) == 0
+    report = json.loads((tmp_path / "det" / ".layout" / "layout_report.json").read_text())
+    assert (report["detected"], report["cached"]) == (0, 4)  # a rerun detects nothing again
+    # layout=gold: the corpus's own boxes, as --gold
+    assert region_corpus_main([*build, str(tmp_path / "gold"), "layout=gold", f"layout.root={corpus}"]) == 0
+    build_region_corpus(source, tmp_path / "gold2", "all-box", gold=corpus, configs=["all"])
+    assert (load_corpus(tmp_path / "gold", "all", "test").dataset.select_columns(columns).to_list()
+            == load_corpus(tmp_path / "gold2", "all", "test").dataset.select_columns(columns).to_list())
+    capsys.readouterr()
+    for settings, message in ((f"layout.model={tmp_path}", f"error: {tmp_path} is not a detector folder"),
+                              (f"layout.model={detector} layout.threshold=1.01",
+                               "page(s) have no box, e.g. '"),
+                              ("layout.bogus=1", "error: Could not override 'layout.bogus'")):
+        with pytest.raises(SystemExit) as exit_info:
+            region_corpus_main([*build, str(tmp_path / "bad"), *settings.split()])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        region_corpus_main([*build, str(tmp_path / "bad"), "--gold", str(corpus), "layout=gold"])
+    assert "settings ['layout=gold'] apply only without --regions or --gold" in capsys.readouterr().err

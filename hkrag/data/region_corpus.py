@@ -4,6 +4,8 @@
         --mode all-box --out data/units_det_all-box                          # detected boxes (layout detect)
     python -m hkrag.data.region_corpus build data/synthetic/corpus --gold data/synthetic \\
         --mode concatenation --out data/units_gold_concatenation             # the built-in corpus's own boxes
+    python -m hkrag.data.region_corpus build data/synthetic/corpus --mode all-box --out data/units \\
+        layout.model=runs/layout/model                                       # detect and cut in one command
     python -m hkrag.data.ocr data/units_det_all-box --out data/units_det_all-box_ocr --column ocr_text
     python -m hkrag.data.region_corpus stitch data/synthetic/corpus --units data/units_det_all-box_ocr \\
         --column ocr_text --out data/synthetic_region_ocr                    # page text from its units' text
@@ -19,6 +21,12 @@ by upper-left corner (top, then left), as SCAN orders regions. The three modes a
 - ``semantic_box-only``: only semantic boxes are units.
 - ``concatenation``: one unit per semantic box, the page's global crops appended below it (stacked top to bottom,
   left-aligned on white).
+
+Without ``--regions`` or ``--gold``, the boxes come from Hydra settings given after the arguments
+(``conf/region_units.yaml``): ``layout=rtdetr`` (the default) runs the detector ``layout.model`` (a ``transformers``
+``save_pretrained`` folder) with SCAN's selection (``layout.threshold``, ``layout.alpha``, ``layout.beta``) into
+``<out>/.layout`` (as ``python -m hkrag.data.layout detect`` does, cached by page and detector, so a rerun detects
+nothing again), then cuts the units; ``layout=gold layout.root=<built-in corpus>`` takes the corpus's own boxes.
 
 A page with no unit in the chosen mode (no selected box, or no semantic box for the last two) raises a DataError
 naming it: a page without units could never be retrieved. Page-level metrics map a unit's score back to its
@@ -39,9 +47,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import datasets
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from PIL import Image
 
-from hkrag.data.layout import LayoutError, gold_pages
+from hkrag.data.layout import LayoutError, SelectionSettings, gold_pages, write_regions
 from hkrag.data.ocr import _check_column, _features, corpus_splits
 from hkrag.data.opendocvqa import (
     CORPUS_FEATURES,
@@ -57,6 +67,9 @@ from hkrag.data.synthetic import TextItem
 from hkrag.data.writer import declare_text_columns, save_split
 
 MODES = ("all-box", "semantic_box-only", "concatenation")
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+DETECTIONS_DIR = ".layout"
+"""Where ``build`` run with ``layout.model`` writes its detections (and their cache), inside ``--out``."""
 PAGE_COLUMN = "page_id"
 """A unit's page: the column that maps region units back to the page they were cut from."""
 UNIT_FEATURES = datasets.Features({**CORPUS_FEATURES, PAGE_COLUMN: datasets.Value("string"),
@@ -215,12 +228,35 @@ def stitch_text(
     return counts
 
 
+def layout_boxes(
+    source: str | Path, out: str | Path, overrides: Sequence[str], configs: Sequence[str] | None = None,
+    splits: Sequence[str] | None = None,
+) -> tuple[Path | None, Path | None]:
+    """``(regions, gold)`` for :func:`build_region_corpus` from the Hydra settings ``overrides`` (module docstring):
+    a detector's regions written into ``<out>/.layout``, or a built-in corpus's folder."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        layout = compose("region_units", list(overrides)).layout
+    if layout.model is None:
+        if not layout.get("root"):
+            raise ValueError("layout.model=null takes the built-in corpus's own boxes: give layout.root (layout=gold)")
+        return None, Path(layout.root)
+    detections = Path(out) / DETECTIONS_DIR
+    settings = SelectionSettings(layout.threshold, layout.alpha, layout.beta)
+    report = write_regions(source, detections, layout.model, settings, configs, splits)
+    if report["failed"]:
+        first = report["failed"][0]
+        raise DataError(f"layout.model={layout.model}: {len(report['failed'])} page(s) have no box, e.g. "
+                        f"{first['doc_id']!r} of {first['config']}/{first['split']}: {first['error']} (listed in "
+                        f"{detections / 'layout_failures.json'}; a rerun retries them)")
+    return detections, None
+
+
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="a corpus of region crops")
     build.add_argument("--mode", required=True, choices=MODES)
-    boxes = build.add_mutually_exclusive_group(required=True)
+    boxes = build.add_mutually_exclusive_group()
     boxes.add_argument("--regions", type=Path, help="folder written by python -m hkrag.data.layout detect")
     boxes.add_argument("--gold", type=Path, help="built-in corpus folder: its own boxes (the ceiling)")
     build.add_argument("--margin", type=int, default=0,
@@ -234,14 +270,24 @@ def main(argv: Iterable[str] | None = None) -> int:
         command.add_argument("--out", required=True, type=Path, help="corpus folder to write")
         command.add_argument("--config", action="append", dest="configs", help="config (repeat; default: all)")
         command.add_argument("--split", action="append", dest="splits", help="split (repeat; default: all)")
-    args = parser.parse_args(argv)
+    parser.epilog = ("build without --regions or --gold takes Hydra settings of the boxes after its arguments "
+                     "(conf/region_units.yaml), e.g. layout.model=runs/layout/model or layout=gold")
+    args, extra = parser.parse_known_args(argv)
+    args.overrides = [item for item in extra if "=" in item and not item.startswith("-")]
+    if len(args.overrides) < len(extra) or (args.overrides and args.command != "build"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "build":
-            counts = build_region_corpus(args.source, args.out, args.mode, args.regions, args.gold, args.configs,
+            regions, gold = args.regions, args.gold
+            if regions is None and gold is None:
+                regions, gold = layout_boxes(args.source, args.out, args.overrides, args.configs, args.splits)
+            elif args.overrides:
+                raise ValueError(f"settings {args.overrides} apply only without --regions or --gold")
+            counts = build_region_corpus(args.source, args.out, args.mode, regions, gold, args.configs,
                                          args.splits, args.margin)
         else:
             counts = stitch_text(args.source, args.units, args.out, args.column, args.configs, args.splits)
-    except (DataError, LayoutError, FileNotFoundError, ValueError) as error:
+    except (DataError, LayoutError, FileNotFoundError, ValueError, HydraException) as error:
         parser.exit(2, f"error: {error}\n")
     print(json.dumps(counts))
     return 0
