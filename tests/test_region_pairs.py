@@ -3,6 +3,8 @@ out of training and forming the validation pools."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hkrag.data.opendocvqa import DataError, QAExample, format_query, load_corpus, load_qa
@@ -10,6 +12,9 @@ from hkrag.data.region_corpus import build_region_corpus
 from hkrag.data.region_pairs import gold_units, main, write_region_training
 from hkrag.data.splits import ValidationSplit
 from hkrag.data.synthetic import SyntheticConfig, generate
+from hkrag.io import write_json
+from hkrag.retrieval.metrics import chance_ndcg
+from hkrag.tasks.seeds import main as seeds_main
 
 UNITS = {"p": [("p#0", "title", "SALES"), ("p#1", "semantic_box", "43%\nBLUE"),
                ("p#2", "footer", "SOURCE: ALPHA / 2021\nREF Z6  P.9")],
@@ -101,3 +106,22 @@ def test_errors_name_the_input(workspace, tmp_path, capsys):
     with pytest.raises(SystemExit):  # a page corpus as the units: no text, no page_id
         main([str(root), "--units", str(root / "corpus"), "--out", str(tmp_path / "o")])
     assert "has no 'page_id' column" in capsys.readouterr().err
+
+
+def test_seed_table_reads_eval_and_train_folders(workspace, tmp_path, capsys):
+    root, _ = workspace
+    scores = ({"a": 1.0, "b": 0.0}, {"a": 0.5, "b": 0.5})
+    folders = [tmp_path / "eval_s0", tmp_path / "train_s1" / "eval-after"]
+    for folder, by_query in zip(folders, scores):
+        write_json(folder / "per_query.json", {"synchart": {"single": {
+            q: {"evidence": "salient", "ndcg@5": v} for q, v in by_query.items()}}})
+    seeds_main([str(tmp_path / "eval_s0"), str(tmp_path / "train_s1"), "--corpus", str(root / "corpus"),
+                "--out", str(tmp_path / "table")])
+    (row,) = json.loads((tmp_path / "table.json").read_text())["rows"]
+    assert (row["dataset"], row["pool"], row["mean"], row["seeds"]) == ("synchart", "single", 0.5, [0.5, 0.5])
+    assert row["chance"] == chance_ndcg(len(load_corpus(root / "corpus", "synchart", "test")))
+    assert 0 <= row["low"] <= 0.5 <= row["high"] <= 1
+    assert "| synchart | single |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        seeds_main([str(tmp_path / "gone"), "--corpus", str(root / "corpus")])
+    assert f"no such evaluation folder: {tmp_path / 'gone'}" in capsys.readouterr().err
