@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -68,6 +69,8 @@ from hkrag.data.writer import declare_text_columns, save_split
 
 MODES = ("all-box", "semantic_box-only", "concatenation")
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+OVERRIDE = re.compile(r"^[+~]{0,2}[A-Za-z_][\w.]*=")
+"""A Hydra setting among ``build``'s arguments (``layout.model=...``; no option of this parser takes one)."""
 DETECTIONS_DIR = ".layout"
 """Where ``build`` run with ``layout.model`` writes its detections (and their cache), inside ``--out``."""
 PAGE_COLUMN = "page_id"
@@ -272,10 +275,12 @@ def main(argv: Iterable[str] | None = None) -> int:
         command.add_argument("--split", action="append", dest="splits", help="split (repeat; default: all)")
     parser.epilog = ("build without --regions or --gold takes Hydra settings of the boxes after its arguments "
                      "(conf/region_units.yaml), e.g. layout.model=runs/layout/model or layout=gold")
-    args, extra = parser.parse_known_args(argv)
-    args.overrides = [item for item in extra if "=" in item and not item.startswith("-")]
-    if len(args.overrides) < len(extra) or (args.overrides and args.command != "build"):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = [item for item in argv if OVERRIDE.match(item)]
+    args = parser.parse_args([item for item in argv if not OVERRIDE.match(item)])
+    if overrides and args.command != "build":
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    args.overrides = overrides
     try:
         if args.command == "build":
             regions, gold = args.regions, args.gold
