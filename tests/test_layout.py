@@ -24,7 +24,7 @@ from hkrag.data.layout import (
     write_regions,
 )
 from hkrag.data.opendocvqa import DataError, load_corpus, text_kinds
-from hkrag.data.region_corpus import build_region_corpus, page_units
+from hkrag.data.region_corpus import build_region_corpus, crop, jittered, page_units
 from hkrag.data.region_corpus import main as region_corpus_main
 from hkrag.data.regions import CLASSES, Region, select
 from hkrag.data.synthetic import PageSpec, SyntheticConfig, generate, page_regions, render_page
@@ -270,3 +270,22 @@ def test_region_corpus_build_takes_the_boxes_from_layout_settings(corpus, detect
     with pytest.raises(SystemExit):
         region_corpus_main([*build, str(tmp_path / "bad"), "--gold", str(corpus), "layout=gold"])
     assert "settings ['layout=gold'] apply only without --regions or --gold" in capsys.readouterr().err
+
+
+def test_jittered_crops_widen_each_edge_within_bounds_the_same_on_every_build(corpus):
+    page = gold_pages(corpus, "test")[0]
+    image = Image.new("RGB", (224, 168))
+    # one margin per edge (left, top, right, bottom), clipped to the page
+    assert crop(image, (8, 11, 105, 26), (1, 2, 3, 4)).size == (97 + 4, 15 + 6)
+    assert crop(image, (8, 11, 105, 26), (10, 20, 0, 0)).size == (97 + 8, 15 + 11)
+    draws = [jittered(2, 5, f"u#{k}") for k in range(200)]
+    assert all(2 <= d <= 7 for edges in draws for d in edges)
+    assert {d for edges in draws for d in edges} == set(range(2, 8))  # every width drawn, edges independent
+    assert len({edges for edges in draws}) > 100
+    assert jittered(2, 5, "u#0") == draws[0]
+    first = page_units(page.doc_id, page.image, page.regions, "all-box", jitter=5)
+    again = page_units(page.doc_id, page.image, page.regions, "all-box", jitter=5)
+    for unit, twin, region in zip(first, again, page.regions):
+        assert unit["image"].tobytes() == twin["image"].tobytes()
+        expected = crop(page.image, region.box, jittered(0, 5, f"{unit['doc_id']}/0"))
+        assert unit["image"].size == expected.size and unit["box"] == list(region.box)

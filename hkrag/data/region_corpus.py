@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import re
 import sys
 from collections.abc import Iterable, Iterator, Sequence
@@ -80,12 +81,20 @@ UNIT_FEATURES = datasets.Features({**CORPUS_FEATURES, PAGE_COLUMN: datasets.Valu
                                    "box": datasets.Sequence(datasets.Value("float32"))})
 
 
-def crop(image: Image.Image, box: Sequence[float], margin: int = 0) -> Image.Image:
-    """The pixels of ``box`` (edges widened to whole pixels), with ``margin`` pixels of the page around it where the
-    page has them."""
+def crop(image: Image.Image, box: Sequence[float], margin: int | Sequence[int] = 0) -> Image.Image:
+    """The pixels of ``box`` (edges widened to whole pixels), with ``margin`` pixels of the page around it (one
+    number, or one per edge: left, top, right, bottom) where the page has them."""
     x0, y0, x1, y1 = box
-    return image.crop((max(0, math.floor(x0) - margin), max(0, math.floor(y0) - margin),
-                       min(image.width, math.ceil(x1) + margin), min(image.height, math.ceil(y1) + margin)))
+    left, top, right, bottom = (margin,) * 4 if isinstance(margin, int) else margin
+    return image.crop((max(0, math.floor(x0) - left), max(0, math.floor(y0) - top),
+                       min(image.width, math.ceil(x1) + right), min(image.height, math.ceil(y1) + bottom)))
+
+
+def jittered(margin: int, jitter: int, key: str) -> tuple[int, int, int, int]:
+    """``margin`` plus, on each edge, 0 to ``jitter`` pixels drawn from a generator seeded by ``key`` (a unit's
+    box): the same crops on every build, each edge moved independently, as a detector's boxes are."""
+    rng = random.Random(key)
+    return tuple(margin + rng.randint(0, jitter) for _ in range(4))
 
 
 def stack(images: Sequence[Image.Image]) -> Image.Image:
@@ -100,9 +109,10 @@ def stack(images: Sequence[Image.Image]) -> Image.Image:
 
 def page_units(
     doc_id: str, image: Image.Image, regions: Sequence[Region], mode: str, items: Sequence[TextItem] | None = None,
-    margin: int = 0,
+    margin: int = 0, jitter: int = 0,
 ) -> list[dict]:
-    """The unit rows of one page (module docstring), each crop with ``margin`` pixels of page around its box. With
+    """The unit rows of one page (module docstring), each crop with ``margin`` pixels of page around its box (and
+    with ``jitter``, up to that many more on each edge, :func:`jittered`). With
     the page's drawn ``items`` (built-in pages), each row also gets ``text``: the strings whose centre lies in the
     unit's box(es), box by box, each top to bottom then left to right."""
     if mode not in MODES:
@@ -119,7 +129,8 @@ def page_units(
         raise DataError(f"page {doc_id!r} has {what}: it would have no {mode} unit")
     rows = []
     for k, (label, region, members) in enumerate(units):
-        row = {"doc_id": f"{doc_id}#{k}", "image": stack([crop(image, m.box, margin) for m in members]),
+        row = {"doc_id": f"{doc_id}#{k}", "image": stack([crop(image, m.box, jittered(
+                   margin, jitter, f"{doc_id}#{k}/{i}") if jitter else margin) for i, m in enumerate(members)]),
                PAGE_COLUMN: doc_id, "label": label, "box": list(region.box)}
         if items is not None:
             row[TEXT_COLUMN] = "\n".join(item.text for m in members for item in sorted(
@@ -157,7 +168,7 @@ def detected_regions(folder: str | Path, config: str, split: str) -> dict[str, l
 
 def build_region_corpus(
     source: str | Path, out: str | Path, mode: str, regions: str | Path | None = None, gold: str | Path | None = None,
-    configs: Sequence[str] | None = None, splits: Sequence[str] | None = None, margin: int = 0,
+    configs: Sequence[str] | None = None, splits: Sequence[str] | None = None, margin: int = 0, jitter: int = 0,
 ) -> dict[str, int]:
     """Write the region corpus of ``source`` to ``out`` (module docstring) from a ``detect`` output folder
     (``regions``) or a built-in corpus's own boxes (``gold``), crops with ``margin`` pixels of page around their
@@ -177,7 +188,7 @@ def build_region_corpus(
                     raise DataError(f"page {page.doc_id!r} of {corpus.name} has no boxes in "
                                     f"{regions if gold is None else gold}")
                 items = gold_boxes[page.doc_id].items if gold_boxes is not None else None
-                yield from page_units(page.doc_id, page.image, boxes[page.doc_id], mode, items, margin)
+                yield from page_units(page.doc_id, page.image, boxes[page.doc_id], mode, items, margin, jitter)
 
         counted = [0]
 
@@ -265,6 +276,9 @@ def main(argv: Iterable[str] | None = None) -> int:
     build.add_argument("--margin", type=int, default=0,
                        help="pixels of page kept around each box (default 0, SCAN's crops; Tesseract reads tight "
                             "crops poorly, docs/data.md)")
+    build.add_argument("--jitter", type=int, default=0,
+                       help="up to this many more pixels on each edge of each crop, drawn per unit and edge "
+                            "(training crops that vary as detected boxes do; default 0)")
     stitch = commands.add_parser("stitch", help="page text stitched from a region corpus's text column")
     stitch.add_argument("--units", required=True, type=Path, help="region corpus with the text column")
     stitch.add_argument("--column", required=True, help="text column to read from the units and write")
@@ -289,7 +303,7 @@ def main(argv: Iterable[str] | None = None) -> int:
             elif args.overrides:
                 raise ValueError(f"settings {args.overrides} apply only without --regions or --gold")
             counts = build_region_corpus(args.source, args.out, args.mode, regions, gold, args.configs,
-                                         args.splits, args.margin)
+                                         args.splits, args.margin, args.jitter)
         else:
             counts = stitch_text(args.source, args.units, args.out, args.column, args.configs, args.splits)
     except (DataError, LayoutError, FileNotFoundError, ValueError, HydraException) as error:
