@@ -24,7 +24,7 @@ from hkrag.data.layout import (
     write_regions,
 )
 from hkrag.data.opendocvqa import DataError, load_corpus, text_kinds
-from hkrag.data.region_corpus import build_region_corpus, page_units
+from hkrag.data.region_corpus import build_region_corpus, crop, jittered, page_units
 from hkrag.data.region_corpus import main as region_corpus_main
 from hkrag.data.regions import CLASSES, Region, select
 from hkrag.data.synthetic import PageSpec, SyntheticConfig, generate, page_regions, render_page
@@ -234,3 +234,58 @@ def test_stitch_joins_unit_text_in_reading_order(corpus, tmp_path, capsys):
     with pytest.raises(SystemExit):
         region_corpus_main([*args[:5], "ocr_text", *args[6:]])
     assert "has no column ['ocr_text']" in capsys.readouterr().err
+
+
+def test_region_corpus_build_takes_the_boxes_from_layout_settings(corpus, detector, tmp_path, capsys):
+    source = corpus / "corpus"
+    build = ["build", str(source), "--mode", "all-box", "--config", "all", "--out"]
+    assert region_corpus_main([*build, str(tmp_path / "det"), f"layout.model={detector}", "layout.threshold=0"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"all/test": len(load_corpus(tmp_path / "det", "all", "test"))}
+    # the same units as detect, then build --regions
+    write_regions(source, tmp_path / "regions", detector, SelectionSettings(threshold=0), configs=["all"])
+    build_region_corpus(source, tmp_path / "two", "all-box", regions=tmp_path / "regions", configs=["all"])
+    columns = ["doc_id", "page_id", "label", "box"]
+    one, two = (load_corpus(tmp_path / name, "all", "test").dataset.select_columns(columns).to_list()
+                for name in ("det", "two"))
+    assert one == two
+    report = json.loads((tmp_path / "det" / ".layout" / "layout_report.json").read_text())
+    assert (report["detected"], report["threshold"]) == (4, 0.0)
+    assert region_corpus_main([*build, str(tmp_path / "det"), f"layout.model={detector}", "layout.threshold=0"]) == 0
+    report = json.loads((tmp_path / "det" / ".layout" / "layout_report.json").read_text())
+    assert (report["detected"], report["cached"]) == (0, 4)  # a rerun detects nothing again
+    # layout=gold: the corpus's own boxes, as --gold
+    assert region_corpus_main([*build, str(tmp_path / "gold"), "layout=gold", f"layout.root={corpus}"]) == 0
+    build_region_corpus(source, tmp_path / "gold2", "all-box", gold=corpus, configs=["all"])
+    assert (load_corpus(tmp_path / "gold", "all", "test").dataset.select_columns(columns).to_list()
+            == load_corpus(tmp_path / "gold2", "all", "test").dataset.select_columns(columns).to_list())
+    capsys.readouterr()
+    for settings, message in ((f"layout.model={tmp_path}", f"error: {tmp_path} is not a detector folder"),
+                              (f"layout.model={detector} layout.threshold=1.01",
+                               "page(s) have no box, e.g. '"),
+                              ("layout.bogus=1", "error: Could not override 'layout.bogus'")):
+        with pytest.raises(SystemExit) as exit_info:
+            region_corpus_main([*build, str(tmp_path / "bad"), *settings.split()])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        region_corpus_main([*build, str(tmp_path / "bad"), "--gold", str(corpus), "layout=gold"])
+    assert "settings ['layout=gold'] apply only without --regions or --gold" in capsys.readouterr().err
+
+
+def test_jittered_crops_widen_each_edge_within_bounds_the_same_on_every_build(corpus):
+    page = gold_pages(corpus, "test")[0]
+    image = Image.new("RGB", (224, 168))
+    # one margin per edge (left, top, right, bottom), clipped to the page
+    assert crop(image, (8, 11, 105, 26), (1, 2, 3, 4)).size == (97 + 4, 15 + 6)
+    assert crop(image, (8, 11, 105, 26), (10, 20, 0, 0)).size == (97 + 8, 15 + 11)
+    draws = [jittered(2, 5, f"u#{k}") for k in range(200)]
+    assert all(2 <= d <= 7 for edges in draws for d in edges)
+    assert {d for edges in draws for d in edges} == set(range(2, 8))  # every width drawn, edges independent
+    assert len({edges for edges in draws}) > 100
+    assert jittered(2, 5, "u#0") == draws[0]
+    first = page_units(page.doc_id, page.image, page.regions, "all-box", jitter=5)
+    again = page_units(page.doc_id, page.image, page.regions, "all-box", jitter=5)
+    for unit, twin, region in zip(first, again, page.regions):
+        assert unit["image"].tobytes() == twin["image"].tobytes()
+        expected = crop(page.image, region.box, jittered(0, 5, f"{unit['doc_id']}/0"))
+        assert unit["image"].size == expected.size and unit["box"] == list(region.box)

@@ -61,6 +61,10 @@ OFFLINE: tuple[tuple[str, str], ...] = (
      "resumes exactly)"),
     (r"data/synthetic_regions|units_det_", "crops of a trained detector's boxes: the test's 2-step detector selects "
      "none, which build refuses by design (tests/test_regions.py builds from detected and gold boxes)"),
+    (r"region_pairs|reader_regions|region_train|runs/(rr|test_gold)_s",
+     "the region reader's training set holds out whole documents for validation: the small corpus's one document a "
+     "style leaves a style without one, which region_pairs refuses by design (tests/test_region_pairs.py builds one; "
+     "the reader's runs and evaluations follow from it)"),
     (r"runs/(index|corpus)", "a user's own index and embeddings under runs/ (tests/test_index_tuning.py, "
      "tests/test_retrieval_budget.py run the same code)"),
 )

@@ -4,6 +4,8 @@
         --mode all-box --out data/units_det_all-box                          # detected boxes (layout detect)
     python -m hkrag.data.region_corpus build data/synthetic/corpus --gold data/synthetic \\
         --mode concatenation --out data/units_gold_concatenation             # the built-in corpus's own boxes
+    python -m hkrag.data.region_corpus build data/synthetic/corpus --mode all-box --out data/units \\
+        layout.model=runs/layout/model                                       # detect and cut in one command
     python -m hkrag.data.ocr data/units_det_all-box --out data/units_det_all-box_ocr --column ocr_text
     python -m hkrag.data.region_corpus stitch data/synthetic/corpus --units data/units_det_all-box_ocr \\
         --column ocr_text --out data/synthetic_region_ocr                    # page text from its units' text
@@ -20,6 +22,12 @@ by upper-left corner (top, then left), as SCAN orders regions. The three modes a
 - ``concatenation``: one unit per semantic box, the page's global crops appended below it (stacked top to bottom,
   left-aligned on white).
 
+Without ``--regions`` or ``--gold``, the boxes come from Hydra settings given after the arguments
+(``conf/region_units.yaml``): ``layout=rtdetr`` (the default) runs the detector ``layout.model`` (a ``transformers``
+``save_pretrained`` folder) with SCAN's selection (``layout.threshold``, ``layout.alpha``, ``layout.beta``) into
+``<out>/.layout`` (as ``python -m hkrag.data.layout detect`` does, cached by page and detector, so a rerun detects
+nothing again), then cuts the units; ``layout=gold layout.root=<built-in corpus>`` takes the corpus's own boxes.
+
 A page with no unit in the chosen mode (no selected box, or no semantic box for the last two) raises a DataError
 naming it: a page without units could never be retrieved. Page-level metrics map a unit's score back to its
 page by the maximum over the page's units (:func:`hkrag.data.regions.page_ranking`).
@@ -34,14 +42,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
+import re
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import datasets
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from PIL import Image
 
-from hkrag.data.layout import LayoutError, gold_pages
+from hkrag.data.layout import LayoutError, SelectionSettings, gold_pages, write_regions
 from hkrag.data.ocr import _check_column, _features, corpus_splits
 from hkrag.data.opendocvqa import (
     CORPUS_FEATURES,
@@ -57,6 +69,11 @@ from hkrag.data.synthetic import TextItem
 from hkrag.data.writer import declare_text_columns, save_split
 
 MODES = ("all-box", "semantic_box-only", "concatenation")
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+OVERRIDE = re.compile(r"^[+~]{0,2}[A-Za-z_][\w.]*=")
+"""A Hydra setting among ``build``'s arguments (``layout.model=...``; no option of this parser takes one)."""
+DETECTIONS_DIR = ".layout"
+"""Where ``build`` run with ``layout.model`` writes its detections (and their cache), inside ``--out``."""
 PAGE_COLUMN = "page_id"
 """A unit's page: the column that maps region units back to the page they were cut from."""
 UNIT_FEATURES = datasets.Features({**CORPUS_FEATURES, PAGE_COLUMN: datasets.Value("string"),
@@ -64,12 +81,20 @@ UNIT_FEATURES = datasets.Features({**CORPUS_FEATURES, PAGE_COLUMN: datasets.Valu
                                    "box": datasets.Sequence(datasets.Value("float32"))})
 
 
-def crop(image: Image.Image, box: Sequence[float], margin: int = 0) -> Image.Image:
-    """The pixels of ``box`` (edges widened to whole pixels), with ``margin`` pixels of the page around it where the
-    page has them."""
+def crop(image: Image.Image, box: Sequence[float], margin: int | Sequence[int] = 0) -> Image.Image:
+    """The pixels of ``box`` (edges widened to whole pixels), with ``margin`` pixels of the page around it (one
+    number, or one per edge: left, top, right, bottom) where the page has them."""
     x0, y0, x1, y1 = box
-    return image.crop((max(0, math.floor(x0) - margin), max(0, math.floor(y0) - margin),
-                       min(image.width, math.ceil(x1) + margin), min(image.height, math.ceil(y1) + margin)))
+    left, top, right, bottom = (margin,) * 4 if isinstance(margin, int) else margin
+    return image.crop((max(0, math.floor(x0) - left), max(0, math.floor(y0) - top),
+                       min(image.width, math.ceil(x1) + right), min(image.height, math.ceil(y1) + bottom)))
+
+
+def jittered(margin: int, jitter: int, key: str) -> tuple[int, int, int, int]:
+    """``margin`` plus, on each edge, 0 to ``jitter`` pixels drawn from a generator seeded by ``key`` (a unit's
+    box): the same crops on every build, each edge moved independently, as a detector's boxes are."""
+    rng = random.Random(key)
+    return tuple(margin + rng.randint(0, jitter) for _ in range(4))
 
 
 def stack(images: Sequence[Image.Image]) -> Image.Image:
@@ -84,9 +109,10 @@ def stack(images: Sequence[Image.Image]) -> Image.Image:
 
 def page_units(
     doc_id: str, image: Image.Image, regions: Sequence[Region], mode: str, items: Sequence[TextItem] | None = None,
-    margin: int = 0,
+    margin: int = 0, jitter: int = 0,
 ) -> list[dict]:
-    """The unit rows of one page (module docstring), each crop with ``margin`` pixels of page around its box. With
+    """The unit rows of one page (module docstring), each crop with ``margin`` pixels of page around its box (and
+    with ``jitter``, up to that many more on each edge, :func:`jittered`). With
     the page's drawn ``items`` (built-in pages), each row also gets ``text``: the strings whose centre lies in the
     unit's box(es), box by box, each top to bottom then left to right."""
     if mode not in MODES:
@@ -103,7 +129,8 @@ def page_units(
         raise DataError(f"page {doc_id!r} has {what}: it would have no {mode} unit")
     rows = []
     for k, (label, region, members) in enumerate(units):
-        row = {"doc_id": f"{doc_id}#{k}", "image": stack([crop(image, m.box, margin) for m in members]),
+        row = {"doc_id": f"{doc_id}#{k}", "image": stack([crop(image, m.box, jittered(
+                   margin, jitter, f"{doc_id}#{k}/{i}") if jitter else margin) for i, m in enumerate(members)]),
                PAGE_COLUMN: doc_id, "label": label, "box": list(region.box)}
         if items is not None:
             row[TEXT_COLUMN] = "\n".join(item.text for m in members for item in sorted(
@@ -141,7 +168,7 @@ def detected_regions(folder: str | Path, config: str, split: str) -> dict[str, l
 
 def build_region_corpus(
     source: str | Path, out: str | Path, mode: str, regions: str | Path | None = None, gold: str | Path | None = None,
-    configs: Sequence[str] | None = None, splits: Sequence[str] | None = None, margin: int = 0,
+    configs: Sequence[str] | None = None, splits: Sequence[str] | None = None, margin: int = 0, jitter: int = 0,
 ) -> dict[str, int]:
     """Write the region corpus of ``source`` to ``out`` (module docstring) from a ``detect`` output folder
     (``regions``) or a built-in corpus's own boxes (``gold``), crops with ``margin`` pixels of page around their
@@ -161,7 +188,7 @@ def build_region_corpus(
                     raise DataError(f"page {page.doc_id!r} of {corpus.name} has no boxes in "
                                     f"{regions if gold is None else gold}")
                 items = gold_boxes[page.doc_id].items if gold_boxes is not None else None
-                yield from page_units(page.doc_id, page.image, boxes[page.doc_id], mode, items, margin)
+                yield from page_units(page.doc_id, page.image, boxes[page.doc_id], mode, items, margin, jitter)
 
         counted = [0]
 
@@ -215,17 +242,43 @@ def stitch_text(
     return counts
 
 
+def layout_boxes(
+    source: str | Path, out: str | Path, overrides: Sequence[str], configs: Sequence[str] | None = None,
+    splits: Sequence[str] | None = None,
+) -> tuple[Path | None, Path | None]:
+    """``(regions, gold)`` for :func:`build_region_corpus` from the Hydra settings ``overrides`` (module docstring):
+    a detector's regions written into ``<out>/.layout``, or a built-in corpus's folder."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        layout = compose("region_units", list(overrides)).layout
+    if layout.model is None:
+        if not layout.get("root"):
+            raise ValueError("layout.model=null takes the built-in corpus's own boxes: give layout.root (layout=gold)")
+        return None, Path(layout.root)
+    detections = Path(out) / DETECTIONS_DIR
+    settings = SelectionSettings(layout.threshold, layout.alpha, layout.beta)
+    report = write_regions(source, detections, layout.model, settings, configs, splits)
+    if report["failed"]:
+        first = report["failed"][0]
+        raise DataError(f"layout.model={layout.model}: {len(report['failed'])} page(s) have no box, e.g. "
+                        f"{first['doc_id']!r} of {first['config']}/{first['split']}: {first['error']} (listed in "
+                        f"{detections / 'layout_failures.json'}; a rerun retries them)")
+    return detections, None
+
+
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="a corpus of region crops")
     build.add_argument("--mode", required=True, choices=MODES)
-    boxes = build.add_mutually_exclusive_group(required=True)
+    boxes = build.add_mutually_exclusive_group()
     boxes.add_argument("--regions", type=Path, help="folder written by python -m hkrag.data.layout detect")
     boxes.add_argument("--gold", type=Path, help="built-in corpus folder: its own boxes (the ceiling)")
     build.add_argument("--margin", type=int, default=0,
                        help="pixels of page kept around each box (default 0, SCAN's crops; Tesseract reads tight "
                             "crops poorly, docs/data.md)")
+    build.add_argument("--jitter", type=int, default=0,
+                       help="up to this many more pixels on each edge of each crop, drawn per unit and edge "
+                            "(training crops that vary as detected boxes do; default 0)")
     stitch = commands.add_parser("stitch", help="page text stitched from a region corpus's text column")
     stitch.add_argument("--units", required=True, type=Path, help="region corpus with the text column")
     stitch.add_argument("--column", required=True, help="text column to read from the units and write")
@@ -234,14 +287,26 @@ def main(argv: Iterable[str] | None = None) -> int:
         command.add_argument("--out", required=True, type=Path, help="corpus folder to write")
         command.add_argument("--config", action="append", dest="configs", help="config (repeat; default: all)")
         command.add_argument("--split", action="append", dest="splits", help="split (repeat; default: all)")
-    args = parser.parse_args(argv)
+    parser.epilog = ("build without --regions or --gold takes Hydra settings of the boxes after its arguments "
+                     "(conf/region_units.yaml), e.g. layout.model=runs/layout/model or layout=gold")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = [item for item in argv if OVERRIDE.match(item)]
+    args = parser.parse_args([item for item in argv if not OVERRIDE.match(item)])
+    if overrides and args.command != "build":
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    args.overrides = overrides
     try:
         if args.command == "build":
-            counts = build_region_corpus(args.source, args.out, args.mode, args.regions, args.gold, args.configs,
-                                         args.splits, args.margin)
+            regions, gold = args.regions, args.gold
+            if regions is None and gold is None:
+                regions, gold = layout_boxes(args.source, args.out, args.overrides, args.configs, args.splits)
+            elif args.overrides:
+                raise ValueError(f"settings {args.overrides} apply only without --regions or --gold")
+            counts = build_region_corpus(args.source, args.out, args.mode, regions, gold, args.configs,
+                                         args.splits, args.margin, args.jitter)
         else:
             counts = stitch_text(args.source, args.units, args.out, args.column, args.configs, args.splits)
-    except (DataError, LayoutError, FileNotFoundError, ValueError) as error:
+    except (DataError, LayoutError, FileNotFoundError, ValueError, HydraException) as error:
         parser.exit(2, f"error: {error}\n")
     print(json.dumps(counts))
     return 0

@@ -5,15 +5,16 @@ A region corpus (:mod:`hkrag.data.region_corpus`) holds one row per unit with th
 ranker given as ``inner``, e.g. BM25 over the units' text, ``retriever=regions_bm25``) rank the units, then gives
 each page the maximum score over its units (:func:`hkrag.data.regions.page_ranking`) and keeps the top ``depth``
 pages with the pages tied at the cut, so the run, qrels and metrics stay page-level and Table 2's layout compares
-page units and region units side by side (``data.corpus_source=<region corpus>``). See docs/data.md, "Region
-units (SCAN)".
+page units and region units side by side (``data.corpus_source=<region corpus>``). The units' own ranking is kept
+(:meth:`RegionRanker.unit_runs`), so ``eval.py task=rag`` hands the generator the top crops, SCAN's visual RAG,
+while its retrieval metrics stay page-level. See docs/data.md, "Region units (SCAN)".
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hkrag.data.opendocvqa import Corpus, QAExample
+from hkrag.data.opendocvqa import Corpus, QAExample, pools
 from hkrag.data.region_corpus import unit_pages
 from hkrag.data.regions import page_ranking
 from hkrag.retrieval.evaluation import Ranker, Run
@@ -32,10 +33,19 @@ class RegionRanker:
             raise ValueError(f"unit_depth must be >= 1, got {unit_depth}")
         self.inner: Ranker = inner if inner is not None else dense
         self.name, self.unit_depth = name, unit_depth
+        self.ranked_units: dict[str, Run] = {}
+        """Each ranked query's units and their scores, by corpus key (config): what :meth:`unit_runs` reads."""
 
     def rank(self, qa: Sequence[QAExample], corpus: Corpus, depth: int, corpus_key: str) -> Run:
         page_of = unit_pages(corpus)
         run = self.inner.rank(qa, corpus, max(depth, self.unit_depth), corpus_key)
+        self.ranked_units.setdefault(corpus_key, {}).update(run)
         pages = {query: dict(page_ranking(sorted(units.items(), key=lambda item: -item[1]), page_of))
                  for query, units in run.items()}
         return cut_with_ties(pages, depth)
+
+    def unit_runs(self, runs: dict[str, dict[str, Run]]) -> dict[str, dict[str, Run]]:
+        """``runs[dataset][pool][query]`` of pages (as :func:`~hkrag.retrieval.evaluation.evaluate_ranker` returns
+        them) as the same queries' ranked units: what a generator reading the retrieved crops gets."""
+        return {dataset: {pool: {query: self.ranked_units[pools(dataset)[pool]][query] for query in run}
+                          for pool, run in by_pool.items()} for dataset, by_pool in runs.items()}

@@ -185,22 +185,24 @@ def run_chain(config: ChainConfig) -> dict[str, Any]:
 
 
 def retrieval_scores(run: Path) -> dict[str, dict[str, dict[str, float]]]:
-    """``{dataset: {pool: {query_id: ndcg@5}}}`` of a ``train.py`` run's evaluation after training."""
-    scores = json.loads((run / AFTER_TRAINING_DIR / PER_QUERY_FILE).read_text())
+    """``{dataset: {pool: {query_id: ndcg@5}}}`` of a ``train.py`` run's evaluation after training, or of an
+    ``eval.py task=retrieval`` output folder (its own ``per_query.json``)."""
+    trained = run / AFTER_TRAINING_DIR / PER_QUERY_FILE
+    scores = json.loads((trained if trained.is_file() else run / PER_QUERY_FILE).read_text())
     return {dataset: {pool: {query: row["ndcg@5"] for query, row in queries.items()}
                       for pool, queries in by_pool.items()}
             for dataset, by_pool in scores.items()}
 
 
-def retrieval_rows(runs: Sequence[Path], corpus: Path) -> list[dict[str, Any]]:
-    """One row per data set and pool: chance, the mean [crossed interval] over ``runs`` (one per seed) and
-    queries, and each seed's mean."""
+def retrieval_rows(runs: Sequence[Path], corpus: Path, split: str = "test") -> list[dict[str, Any]]:
+    """One row per data set and pool: chance (over the pages of ``corpus``'s pool), the mean [crossed interval]
+    over ``runs`` (one per seed) and queries, and each seed's mean."""
     scores = [retrieval_scores(run) for run in runs]
     rows = []
     for dataset, by_pool in scores[0].items():
         for pool, queries in by_pool.items():
             matrix = [[run[dataset][pool][query] for query in queries] for run in scores]
-            chance = chance_ndcg(len(load_corpus(corpus, pools(dataset)[pool], "test")))
+            chance = chance_ndcg(len(load_corpus(corpus, pools(dataset)[pool], split)))
             rows.append({"dataset": dataset, "pool": pool, "chance": chance,
                          **_interval_row(matrix)})
     return rows

@@ -61,6 +61,7 @@ from hkrag.rag.report import (
 )
 from hkrag.rag.trace import MERGED_FILE, PARTS_DIR, TraceWriter, merge
 from hkrag.retrieval.evaluation import PER_QUERY_FILE, TABLE_FILE, evaluate_ranker
+from hkrag.retrieval.regions import RegionRanker
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
     check_pools,
@@ -211,7 +212,9 @@ def ranked(scores: dict[str, float], k: int) -> list[str]:
 
 def retrieve(cfg: DictConfig, accelerator, output_dir: Path) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
     """Rank every query's pages with the ``retriever`` config (``dense``: all ranks encode, rank 0 searches;
-    ``bm25``, ``hybrid``: as ``task=retrieval`` ranks); broadcast the runs."""
+    ``bm25``, ``hybrid``: as ``task=retrieval`` ranks); broadcast the runs. A region ranker (``retriever=regions_*``
+    over a region corpus) gives each query's ranked units instead: the generator reads the top crops, while the
+    retrieval table stays page-level."""
     factory = instantiate(cfg.retriever)
     model = VisualModel(cfg, accelerator.device) if isinstance(factory, functools.partial) else None
     retrieval_cfg = eval_config(cfg)
@@ -221,7 +224,8 @@ def retrieve(cfg: DictConfig, accelerator, output_dir: Path) -> dict[str, dict[s
     result = evaluate_ranker(retriever, retrieval_cfg, output_dir / "retrieval")
     if accelerator.is_main_process:
         write_text(output_dir / TABLE_FILE, result["table"] + "\n")
-    runs = [result.get("runs")]
+    runs = [retriever.unit_runs(result["runs"]) if isinstance(retriever, RegionRanker) and "runs" in result
+            else result.get("runs")]
     if accelerator.num_processes > 1:
         runs = broadcast_object_list(runs, from_process=0)
     del retriever

@@ -1,0 +1,127 @@
+"""A reader's training data on region units (hkrag.data.region_pairs): gold units by hand, held-out documents kept
+out of training and forming the validation pools."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hkrag.data.opendocvqa import DataError, QAExample, format_query, load_corpus, load_qa
+from hkrag.data.region_corpus import build_region_corpus
+from hkrag.data.region_pairs import gold_units, main, write_region_training
+from hkrag.data.splits import ValidationSplit
+from hkrag.data.synthetic import SyntheticConfig, generate
+from hkrag.io import write_json
+from hkrag.retrieval.metrics import chance_ndcg
+from hkrag.tasks.seeds import main as seeds_main
+
+UNITS = {"p": [("p#0", "title", "SALES"), ("p#1", "semantic_box", "43%\nBLUE"),
+               ("p#2", "footer", "SOURCE: ALPHA / 2021\nREF Z6  P.9")],
+         "q": [("q#0", "title", "SALES"), ("q#1", "semantic_box", "43%\nRED")]}
+
+
+def ask(question: str, *pages: str) -> QAExample:
+    return QAExample("x", format_query(question), (), pages or ("p",))
+
+
+def test_gold_units_by_hand():
+    assert gold_units(ask("What is the BLUE value on the SALES chart?"), UNITS) == ("p#1",)
+    assert gold_units(ask("Which colour shows 43% on the SALES chart?"), UNITS) == ("p#1",)  # "43" of "43%"
+    assert gold_units(ask("What is the reference code of the SALES chart sourced from ALPHA?"), UNITS) == ("p#2",)
+    # the footer holds three of the question's words, the semantic box one
+    assert gold_units(ask("Which page has reference Z6 from ALPHA, 43?"), UNITS) == ("p#2",)
+    # the title box never counts (its words are every page's of the document): nothing named, every unit ties
+    assert gold_units(ask("Which page is the SALES chart?"), UNITS) == ("p#0", "p#1", "p#2")
+    # a question on two pages gets each page's best units
+    assert gold_units(ask("Where is 43% shown?", "p", "q"), UNITS) == ("p#1", "q#1")
+    with pytest.raises(DataError, match="question 'x': its page 'gone' has no units"):
+        gold_units(ask("What is BLUE?", "gone"), UNITS)
+
+
+CONFIG = SyntheticConfig(seed=3, n_train=32, n_test=8, train_groups_per_style=2, test_groups_per_style=1,
+                         group_size=2, train_fine_groups=2, test_fine_groups=1)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = generate(tmp_path_factory.mktemp("synthetic"), CONFIG).root
+    units = tmp_path_factory.mktemp("units")
+    build_region_corpus(root / "corpus", units, "all-box", gold=root, splits=["train"])
+    return root, units
+
+
+def held_seed(fraction: float, configs: list[str]) -> int:
+    """A seed holding out a document of each config but not every document (found, not assumed)."""
+    for seed in range(100):
+        split = ValidationSplit(fraction, seed)
+        held = {c: [split.held_out(f"{c}-train-d{g:03d}-p1") for g in range(2)] for c in configs}
+        if all(any(h) for h in held.values()) and not all(all(h) for h in held.values()):
+            return seed
+    raise AssertionError("no seed")
+
+
+def test_training_set_keeps_held_out_documents_apart(workspace, tmp_path):
+    root, units = workspace
+    configs = ["synchart", "synfine"]
+    seed = held_seed(0.5, configs)
+    split = ValidationSplit(0.5, seed)
+    counts = write_region_training(root, units, tmp_path, 0.5, seed, configs)
+    train = load_qa(tmp_path / "qa", "default", "train")
+    unit_corpus = load_corpus(tmp_path / "units", "default", "train")
+    page_of = dict(zip(unit_corpus.doc_ids, unit_corpus.dataset["page_id"][:]))
+    labels = dict(zip(unit_corpus.doc_ids, unit_corpus.dataset["label"][:]))
+    original = {e.query_id: e for e in load_qa(root / "qa", "default", "train")}
+    assert counts["qa/default/train"] == len(train) > 0
+    for example in train:
+        pages = {page_of[u] for u in example.relevant_doc_ids}  # every gold unit is a kept training unit
+        assert pages == set(original[example.query_id].relevant_doc_ids)
+        assert not any(split.held_out(p) for p in pages)
+        # the built-in questions: salient ones on the semantic box, fine-print ones on the footer
+        assert [labels[u] for u in example.relevant_doc_ids] == [
+            "semantic_box" if example.evidence == "salient" else "footer"]
+    assert not any(split.held_out(p) for p in page_of.values())
+    held_pages = set()
+    for config in configs:
+        validation = load_qa(tmp_path / "qa", config, "validation")
+        pool = load_corpus(tmp_path / "pages", config, "validation").doc_ids
+        pool_units = load_corpus(tmp_path / "units", config, "validation")
+        assert validation and all(split.held_out(p) for e in validation for p in e.relevant_doc_ids)
+        assert {p for e in validation for p in e.relevant_doc_ids} <= set(pool)
+        assert all(p.startswith(config) and split.held_out(p) for p in pool)
+        assert set(pool_units.dataset["page_id"][:]) == set(pool)
+        assert len(pool_units) == 3 * len(pool)
+        held_pages |= set(pool)
+    assert set(load_corpus(tmp_path / "pages", "all", "validation").doc_ids) == held_pages
+    assert counts["units/all/validation"] == 3 * len(held_pages)
+
+
+def test_errors_name_the_input(workspace, tmp_path, capsys):
+    root, units = workspace
+    with pytest.raises(SystemExit) as exit_info:  # no document held out at fraction 0
+        main([str(root), "--units", str(units), "--out", str(tmp_path / "o"), "--fraction", "0",
+              "--config", "synchart"])
+    assert exit_info.value.code == 2
+    assert "qa[synchart/train] has no question in a held-out document (--fraction 0.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a page corpus as the units: no text, no page_id
+        main([str(root), "--units", str(root / "corpus"), "--out", str(tmp_path / "o")])
+    assert "has no 'page_id' column" in capsys.readouterr().err
+
+
+def test_seed_table_reads_eval_and_train_folders(workspace, tmp_path, capsys):
+    root, _ = workspace
+    scores = ({"a": 1.0, "b": 0.0}, {"a": 0.5, "b": 0.5})
+    folders = [tmp_path / "eval_s0", tmp_path / "train_s1" / "eval-after"]
+    for folder, by_query in zip(folders, scores):
+        write_json(folder / "per_query.json", {"synchart": {"single": {
+            q: {"evidence": "salient", "ndcg@5": v} for q, v in by_query.items()}}})
+    seeds_main([str(tmp_path / "eval_s0"), str(tmp_path / "train_s1"), "--corpus", str(root / "corpus"),
+                "--out", str(tmp_path / "table")])
+    (row,) = json.loads((tmp_path / "table.json").read_text())["rows"]
+    assert (row["dataset"], row["pool"], row["mean"], row["seeds"]) == ("synchart", "single", 0.5, [0.5, 0.5])
+    assert row["chance"] == chance_ndcg(len(load_corpus(root / "corpus", "synchart", "test")))
+    assert 0 <= row["low"] <= 0.5 <= row["high"] <= 1
+    assert "| synchart | single |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        seeds_main([str(tmp_path / "gone"), "--corpus", str(root / "corpus")])
+    assert f"no such evaluation folder: {tmp_path / 'gone'}" in capsys.readouterr().err
