@@ -129,6 +129,10 @@ def test_cli_builds_tunes_and_writes_parameters(corpus, tmp_path, capsys):
     main([*args, "--mmap"])  # re-tune the saved index in place, its stored vectors mapped: only index.json changes
     assert DocumentIndex.load(tmp_path / "ix", use_gpu=False).tuning["target"] == 0.9
     assert "recall@5" in capsys.readouterr().out
+    main([*args[:2], "--shards", str(tmp_path / "docs"), "--queries", str(tmp_path / "queries"), "--target", "0.9",
+          "--cpu", "--select", "IVF16,SQ8", "HNSW16,SQ8", "--cost", "distances_per_query"])
+    assert "selected faiss:" in capsys.readouterr().out
+    assert DocumentIndex.load(tmp_path / "ix", use_gpu=False).spec.factory in ("IVF16,SQ8", "HNSW16,SQ8")
 
 
 def test_embedding_like_generator_has_the_measured_structure():

@@ -13,8 +13,11 @@ target with 95% confidence (``--confidence``: the tuning queries are a sample) a
     python -m hkrag.index.tuning --index runs/index --shards runs/corpus --queries runs/tuning-queries \\
         --spec "faiss:PCA384,IVF2048,PQ96x4fs,Refine(PCA384,SQ8)" --target 0.95 --k 5
 
-Without ``--spec`` the index already saved in ``--index`` is tuned and only its ``index.json`` is rewritten;
-``--mmap`` then opens it with its stored vectors mapped from disk (an index larger than memory, re-ranked from disk).
+``--select auto`` (or ``--select FACTORY ...``) builds and tunes each candidate of the search space (inverted
+lists and graph indexes, :func:`hkrag.index.spec.search_space`) and keeps the cheapest meeting the target
+(:func:`select`). Without ``--spec`` the index already saved in ``--index`` is tuned and only its ``index.json``
+is rewritten; ``--mmap`` then opens it with its stored vectors mapped from disk (an index larger than memory,
+re-ranked from disk).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from tqdm import tqdm
 
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import load_shards, read_manifest
-from hkrag.index.spec import META_FILE
+from hkrag.index.spec import META_FILE, search_space
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +220,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--shards", required=True, help="shard directory of the indexed document embeddings")
     parser.add_argument("--queries", required=True, help="shard directory of held-out tuning query embeddings")
     parser.add_argument("--spec", help="build this index over --shards first (e.g. faiss:...)")
+    parser.add_argument(
+        "--select",
+        nargs="+",
+        metavar="FACTORY",
+        help="build and tune each factory string, keep the cheapest meeting the target (select); 'auto': "
+        "spec.search_space (IVF, HNSW32, IVF_HNSW32 over SQ8) for the corpus size",
+    )
+    parser.add_argument("--max-ram", type=float, help="with --select: largest index memory, a fraction of flat")
+    parser.add_argument("--cost", choices=COSTS, default="ms_per_query", help="what --select minimises")
     parser.add_argument("--target", type=float, default=0.95, help="recall@k against exact search to reach")
     parser.add_argument(
         "--confidence",
@@ -236,6 +248,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     doc_ids, docs = load_shards(args.shards)
     _, queries = load_shards(args.queries, expect={"dim": docs.shape[1], "model": read_manifest(args.shards)["model"]})
     use_gpu = False if args.cpu else None
+    if args.select:
+        specs = search_space(*docs.shape) if args.select == ["auto"] else args.select
+        _, exact = exact_neighbours(queries, _chunks(docs, args.chunk), args.k)
+        index, records = select(doc_ids, docs, queries, exact, specs, target=args.target, confidence=args.confidence,
+                                max_ram=args.max_ram, cost=args.cost, use_gpu=use_gpu)
+        for record in records:
+            log.info("%s", record)
+        index.save(args.index)
+        print(f"selected {index.spec} among {len(specs)}; written to {Path(args.index) / META_FILE}")
+        return
     if args.spec:
         start = time.perf_counter()
         index = DocumentIndex.build(doc_ids, docs, args.spec, use_gpu=use_gpu)
