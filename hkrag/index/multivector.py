@@ -472,5 +472,9 @@ class MultiVectorIndex:
                 f"{len(index.codes)} codes, {stage_count} rows in the candidate stage (expected {stage_rows}); "
                 f"manifest {manifest['pages']} pages, {manifest['vectors']} vectors"
             )
+        if index.full is not None and not (len(index.full[1]) == len(index.offsets) and
+                                           index.full[1][-1] == len(index.full[0])):
+            raise ValueError(f"{directory}: vectors.npy holds {len(index.full[0])} vectors and vector_offsets.npy "
+                             f"{len(index.full[1]) - 1} pages ending at {index.full[1][-1]}; index: {len(index)}")
         index._apply_stage_params()
         return index
