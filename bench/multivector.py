@@ -6,7 +6,8 @@ topic structure; the relevant page of a query is the page it was drawn from). Fo
 (and their fraction of exact MaxSim's float16 vectors + offsets), recall@k against exact MaxSim's top-k,
 nDCG@k against the constructed qrels beside exact MaxSim's, single-query p50/p99 (``--single`` queries, one
 FAISS/BLAS thread) and the machine. ``--split val`` reads the validation queries (choose settings there),
-``--split test`` the held-out test queries.
+``--split test`` the held-out test queries (``--split val test``: both, from one build). ``--vary`` re-searches
+each built index with other search-time settings (candidates, stage parameters, rerank depth).
 
     OMP_NUM_THREADS=1 nice -n 10 python bench/multivector.py --pages 10000 --split val \\
         --specs "codec=PQ16x6" "codec=PQ16x6;rerank=20"
@@ -34,12 +35,32 @@ def ndcg_at_k(rows: np.ndarray, relevant: np.ndarray, k: int) -> float:
     return float((hits / np.log2(np.arange(2, k + 2))).sum(axis=1).mean())
 
 
+def measure(index: MultiVectorIndex, queries, query_offsets, relevant, exact, exact_bytes: float, args) -> str:
+    """The table cells after the setting: bytes, single-query latency (one thread), recall and nDCG."""
+    _, rows = index.search(queries, query_offsets, args.k)
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    latencies = []
+    for q in range(min(args.single, len(query_offsets) - 1)):
+        a, b = query_offsets[q], query_offsets[q + 1]
+        start = time.perf_counter()
+        index.search(queries[a:b], np.array([0, b - a]), args.k)
+        latencies.append(time.perf_counter() - start)
+    faiss.omp_set_num_threads(threads)
+    ram, disk = index.bytes_per_page(), index.disk_bytes_per_page()
+    return (f"{ram:,.0f} | 1/{exact_bytes / ram:.1f} | {disk:,.0f} | {1000 * np.percentile(latencies, 50):.1f} "
+            f"| {1000 * np.percentile(latencies, 99):.1f} | {recall_at_k(rows, exact):.3f} "
+            f"| {ndcg_at_k(rows, relevant, args.k):.4f} | {ndcg_at_k(exact, relevant, args.k):.4f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pages", type=int, default=10_000)
     parser.add_argument("--queries", type=int, default=300, help="queries searched as one batch")
     parser.add_argument("--single", type=int, default=100, help="queries timed one by one")
-    parser.add_argument("--split", choices=("val", "test"), default="val")
+    parser.add_argument("--split", nargs="+", choices=("val", "test"), default=["val"])
+    parser.add_argument("--vary", nargs="+", help="search-time settings tried on each built index "
+                        "(MultiVectorIndex.set_search), e.g. 'candidates=128;stage_params=nprobe=16'")
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--specs", nargs="+", required=True)
     parser.add_argument("--seed", type=int, default=0)
@@ -52,39 +73,33 @@ def main() -> None:
     vectors, offsets, topics = data.corpus(args.pages)
     print(f"data: {data.settings}; {args.pages:,} pages, {len(vectors):,} vectors "
           f"({time.perf_counter() - start:.0f} s to generate)", flush=True)
-    stream = TUNING_STREAM if args.split == "val" else QUERY_STREAM
-    queries, query_offsets, relevant = data.queries(vectors, offsets, topics, args.queries, stream)
-    start = time.perf_counter()
-    _, exact = exact_search(queries, query_offsets, vectors, offsets, args.k)
-    exact_s = time.perf_counter() - start
+    splits = {}
+    for split in args.split:
+        stream = TUNING_STREAM if split == "val" else QUERY_STREAM
+        queries, query_offsets, relevant = data.queries(vectors, offsets, topics, args.queries, stream)
+        start = time.perf_counter()
+        _, exact = exact_search(queries, query_offsets, vectors, offsets, args.k)
+        exact_s = time.perf_counter() - start
+        splits[split] = queries, query_offsets, relevant, exact
+        print(f"exact MaxSim (batched, {split} queries): {1000 * exact_s / args.queries:.1f} ms/query, "
+              f"nDCG@{args.k} {ndcg_at_k(exact, relevant, args.k):.4f}", flush=True)
     exact_bytes = (vectors.nbytes + offsets.nbytes) / args.pages
-    print(f"exact MaxSim (batched): {1000 * exact_s / args.queries:.1f} ms/query, {exact_bytes:,.0f} B/page, "
-          f"nDCG@{args.k} {ndcg_at_k(exact, relevant, args.k):.4f} ({args.split} queries)", flush=True)
+    print(f"exact MaxSim bytes: {exact_bytes:,.0f} B/page (float16 vectors + int64 offsets)")
     ids = [str(i) for i in range(args.pages)]
-    header = (f"| setting | build s | RAM B/page | / exact | disk B/page | p50 ms | p99 ms | recall@{args.k} "
-              f"| nDCG@{args.k} (exact {ndcg_at_k(exact, relevant, args.k):.4f}) |")
+    header = (f"| split | setting | build s | RAM B/page | / exact | disk B/page | p50 ms | p99 ms | recall@{args.k} "
+              f"| nDCG@{args.k} | exact nDCG@{args.k} |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for spec in args.specs:
         start = time.perf_counter()
         index = MultiVectorIndex.build(ids, vectors, offsets, spec)
         build_s = time.perf_counter() - start
-        _, rows = index.search(queries, query_offsets, args.k)
-        threads = faiss.omp_get_max_threads()
-        faiss.omp_set_num_threads(1)
-        latencies = []
-        for q in range(min(args.single, args.queries)):
-            a, b = query_offsets[q], query_offsets[q + 1]
-            start = time.perf_counter()
-            index.search(queries[a:b], np.array([0, b - a]), args.k)
-            latencies.append(time.perf_counter() - start)
-        faiss.omp_set_num_threads(threads)
-        ram, disk = index.bytes_per_page(), index.disk_bytes_per_page()
-        lines.append(
-            f"| {index.spec} | {build_s:.0f} | {ram:,.0f} | 1/{exact_bytes / ram:.1f} | {disk:,.0f} "
-            f"| {1000 * np.percentile(latencies, 50):.1f} | {1000 * np.percentile(latencies, 99):.1f} "
-            f"| {recall_at_k(rows, exact):.3f} | {ndcg_at_k(rows, relevant, args.k):.4f} |"
-        )
-        print(lines[-1], flush=True)
+        for search in args.vary or [""]:
+            if search:
+                index.set_search(search)
+            for split, (queries, query_offsets, relevant, exact) in splits.items():
+                lines.append(f"| {split} | {index.spec} | {build_s:.0f} | "
+                             + measure(index, queries, query_offsets, relevant, exact, exact_bytes, args))
+                print(lines[-1], flush=True)
         del index
     print("\n" + "\n".join(lines))
     print(f"\npeak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB; "

@@ -144,3 +144,16 @@ def test_bad_input_is_named():
         MultiVectorSpec.parse("codecs=SQ8")
     with pytest.raises(ValueError, match="unknown candidate stage 'plaid'"):
         MultiVectorSpec.parse("stage=plaid")
+
+
+def test_search_settings_change_without_rebuilding(corpus):
+    vectors, offsets, ids, queries, query_offsets, _, exact = corpus
+    index = MultiVectorIndex.build(ids, vectors, offsets, "stage=tokens;stage_index=IVF32,SQ8;candidates=1")
+    few = recall(index.search(queries, query_offsets, K)[1], exact)
+    index.set_search("candidates=16;stage_params=nprobe=4")
+    assert index.spec.candidates == 16 and index.stage.nprobe == 4
+    assert few < recall(index.search(queries, query_offsets, K)[1], exact)
+    with pytest.raises(ValueError, match=r"change at search time, not \['codec'"):
+        index.set_search("codec=SQ8")
+    with pytest.raises(ValueError, match="rerank needs the vectors kept at build"):
+        index.set_search("rerank=10")

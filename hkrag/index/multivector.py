@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import faiss
@@ -348,6 +348,18 @@ class MultiVectorIndex:
             times["stage_s"] = time.perf_counter() - start
         index._apply_stage_params()
         return index
+
+    def set_search(self, settings: str) -> None:
+        """Change search-time settings without rebuilding: ``"candidates=128;stage_params=nprobe=16"`` (``rerank``
+        too where the index keeps its vectors)."""
+        changed = MultiVectorSpec.parse(settings)
+        names = {item.partition("=")[0].strip() for item in settings.split(";") if item.strip()}
+        if not names <= {"candidates", "stage_params", "rerank"}:
+            raise ValueError(f"only candidates, stage_params and rerank change at search time, not {sorted(names)}")
+        if "rerank" in names and changed.rerank and self.full is None:
+            raise ValueError("rerank needs the vectors kept at build (build with rerank > 0)")
+        self.spec = replace(self.spec, **{name: getattr(changed, name) for name in names})
+        self._apply_stage_params()
 
     def _apply_stage_params(self) -> None:
         if self.stage is not None and self.spec.stage_params:
