@@ -153,6 +153,13 @@ def test_search_settings_change_without_rebuilding(corpus):
     index.set_search("candidates=16;stage_params=nprobe=4")
     assert index.spec.candidates == 16 and index.stage.nprobe == 4
     assert few < recall(index.search(queries, query_offsets, K)[1], exact)
+    many = index.candidates(queries, query_offsets)
+    index.set_search("prune=40")  # XTR-style approximate scores from the retrieved vectors keep the 40 best pages
+    pruned = index.candidates(queries, query_offsets)
+    assert all(len(p) == min(40, len(m)) and set(p) <= set(m) for p, m in zip(pruned, many, strict=True))
+    assert np.mean([len(m) for m in many]) > 150
+    # 40 random pages of ~200 candidates would keep ~0.2 of the exact top 5 (0.91 unpruned); 0.58 measured.
+    assert recall(index.search(queries, query_offsets, K)[1], exact) > 0.4
     with pytest.raises(ValueError, match=r"change at search time, not \['codec'"):
         index.set_search("codec=SQ8")
     with pytest.raises(ValueError, match="rerank needs the vectors kept at build"):

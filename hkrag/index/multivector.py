@@ -228,6 +228,11 @@ class MultiVectorSpec:
       ``stage_index`` (e.g. ``IVF1024,PQ16x8``), each query vector's ``candidates`` nearest vectors name the
       pages to re-rank.
 
+    ``prune`` > 0 (``tokens`` stage) keeps the ``prune`` candidate pages of best approximate score before MaxSim:
+    per query vector the best similarity among the page's retrieved vectors, a page none of whose vectors was
+    retrieved for that query vector scoring the query vector's lowest retrieved similarity (XTR's missing-
+    similarity imputation, Lee et al. 2023), summed over the query's vectors.
+
     ``rerank`` > 0 keeps the vectors as given (unpooled, float16) in a file mapped from disk and re-ranks the
     first pass's ``rerank`` best pages by exact MaxSim over them (PQ/binary codes with exact re-ranking):
     :meth:`MultiVectorIndex.bytes_per_page` counts them as disk bytes, not memory.
@@ -243,6 +248,7 @@ class MultiVectorSpec:
     ksim: int = 5
     dproj: int = 16
     final: int = 0
+    prune: int = 0
     rerank: int = 0
     seed: int = 0
 
@@ -269,6 +275,7 @@ class MultiVectorSpec:
     def __str__(self) -> str:
         names = ["codec", "pool"] + (["stage", "stage_index", "stage_params", "candidates"] if self.stage else [])
         names += ["reps", "ksim", "dproj", "final"] if self.stage == "muvera" else []
+        names += ["prune"] if self.prune else []
         names += ["rerank"] if self.rerank else []
         return ";".join(f"{n}={getattr(self, n)}" for n in names if getattr(self, n) != "")
 
@@ -354,8 +361,9 @@ class MultiVectorIndex:
         too where the index keeps its vectors)."""
         changed = MultiVectorSpec.parse(settings)
         names = {item.partition("=")[0].strip() for item in settings.split(";") if item.strip()}
-        if not names <= {"candidates", "stage_params", "rerank"}:
-            raise ValueError(f"only candidates, stage_params and rerank change at search time, not {sorted(names)}")
+        if not names <= {"candidates", "stage_params", "prune", "rerank"}:
+            raise ValueError(f"only candidates, stage_params, prune and rerank change at search time, not "
+                             f"{sorted(names)}")
         if "rerank" in names and changed.rerank and self.full is None:
             raise ValueError("rerank needs the vectors kept at build (build with rerank > 0)")
         self.spec = replace(self.spec, **{name: getattr(changed, name) for name in names})
@@ -378,10 +386,19 @@ class MultiVectorIndex:
             fdes = self.muvera.encode(queries, query_offsets, query=True)
             _, pages = self.stage.search(fdes, self.spec.candidates)
             return [np.unique(p[p >= 0]) for p in pages]
-        _, tokens = self.stage.search(np.ascontiguousarray(queries, np.float32), self.spec.candidates)
+        similarities, tokens = self.stage.search(np.ascontiguousarray(queries, np.float32), self.spec.candidates)
         pages = np.searchsorted(self.offsets, tokens, side="right") - 1
-        return [np.unique(p[t >= 0]) for p, t in zip(np.split(pages, query_offsets[1:-1]),
-                                                     np.split(tokens, query_offsets[1:-1]))]
+        found = []
+        for p, t, sim in zip(*(np.split(a, query_offsets[1:-1]) for a in (pages, tokens, similarities))):
+            unique, column = np.unique(p[t >= 0], return_inverse=True)
+            if self.spec.prune and len(unique) > self.spec.prune:
+                rows = np.nonzero(t >= 0)[0]
+                lowest = sim.min(axis=1, initial=np.inf, where=t >= 0)
+                approx = np.repeat(np.where(np.isfinite(lowest), lowest, 0)[:, None], len(unique), axis=1)
+                np.maximum.at(approx, (rows, column), sim[t >= 0])
+                unique = np.sort(unique[np.argsort(-approx.sum(axis=0), kind="stable")[: self.spec.prune]])
+            found.append(unique)
+        return found
 
     def search(
         self, queries: np.ndarray, query_offsets: np.ndarray, k: int, *, memory: int = 256 << 20
