@@ -438,7 +438,8 @@ class MultiVectorIndex:
         return self.codec.sa_decode(np.ascontiguousarray(self.codes[tokens]))
 
     def bytes_per_page(self) -> float:
-        """Memory a search holds per page: stored codes, offsets and the candidate stage's index (serialized)."""
+        """Memory a search holds per page: stored codes, offsets and the candidate stage's index (serialized); the
+        codec's codebooks (a fixed size, e.g. 128 KB for ``PQ8x8``) are left out."""
         stage = len(_serialized(self.stage)) if self.stage is not None else 0
         return (self.codes.nbytes + self.offsets.nbytes + stage) / max(1, len(self))
 
