@@ -6,7 +6,7 @@ import pytest
 
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import encode_corpus
-from hkrag.index.spec import IndexSpec
+from hkrag.index.spec import IndexSpec, search_space
 from hkrag.index.synthetic_embeddings import (
     QUERY_STREAM,
     TUNING_STREAM,
@@ -14,7 +14,7 @@ from hkrag.index.synthetic_embeddings import (
     IsotropicMixture,
     embedding_stats,
 )
-from hkrag.index.tuning import exact_neighbours, main, recall_at_k, recall_lower_bound, tune
+from hkrag.index.tuning import exact_neighbours, main, recall_at_k, recall_lower_bound, select, tune
 
 K = 5
 SPEC = "faiss:PCA32,IVF16,PQ8x4fs,Refine(SQ8)"
@@ -129,6 +129,10 @@ def test_cli_builds_tunes_and_writes_parameters(corpus, tmp_path, capsys):
     main([*args, "--mmap"])  # re-tune the saved index in place, its stored vectors mapped: only index.json changes
     assert DocumentIndex.load(tmp_path / "ix", use_gpu=False).tuning["target"] == 0.9
     assert "recall@5" in capsys.readouterr().out
+    main([*args[:2], "--shards", str(tmp_path / "docs"), "--queries", str(tmp_path / "queries"), "--target", "0.9",
+          "--cpu", "--select", "IVF16,SQ8", "HNSW16,SQ8", "--cost", "distances_per_query"])
+    assert "selected faiss:" in capsys.readouterr().out
+    assert DocumentIndex.load(tmp_path / "ix", use_gpu=False).spec.factory in ("IVF16,SQ8", "HNSW16,SQ8")
 
 
 def test_embedding_like_generator_has_the_measured_structure():
@@ -161,3 +165,40 @@ def test_tuning_asks_the_lower_bound_to_reach_the_target(tuned):
     cheaper = [m for m in record["measured"] if m["ms_per_query"] < record["ms_per_query"]]
     assert all(m["recall_lower"] < record["target"] for m in cheaper)
     assert all(m["recall_lower"] <= m["recall"] for m in record["measured"])
+
+
+def _clustered(topics: int, spread: float, n: int = 20000, dim: int = 32):
+    data = EmbeddingLike(dim=dim, rank=dim, topics=topics, topic_spread=spread, duplicates=0, seed=1)
+    docs = np.vstack([chunk for _, chunk in data.chunks(n, 10000)])
+    queries = data.sample(200, stream=TUNING_STREAM)
+    return [str(i) for i in range(n)], docs, queries, exact_neighbours(queries, [docs], K)[1]
+
+
+def test_search_space_holds_inverted_lists_and_graphs():
+    assert search_space(20000, 32) == ["IVF512,SQ8", "HNSW32,SQ8"]
+    assert search_space(10**6, 768, prefix="PCA256,", suffix=",Refine(SQfp16)") == [
+        "PCA256,IVF4096,SQ8,Refine(SQfp16)", "PCA256,HNSW32,SQ8,Refine(SQfp16)",
+        "PCA256,IVF16384_HNSW32,SQ8,Refine(SQfp16)"]
+
+
+def test_tuner_picks_a_graph_index_on_weakly_clustered_data():
+    """Weakly clustered (a topic per vector, wide spread): IVF must probe many lists, a graph walks few nodes.
+    Cost is FAISS's count of distances per query, so the choice does not hang on a shared machine's timing."""
+    faiss.omp_set_num_threads(1)  # a graph built by one thread is deterministic
+    weak = _clustered(topics=20000, spread=1.5)
+    index, records = select(*weak, search_space(20000, 32, codes="Flat"), target=0.9, cost="distances_per_query",
+                            repeats=1)
+    ivf, graph = records
+    assert index.spec.factory == "HNSW32,Flat" and graph["eligible"]
+    assert graph["distances_per_query"] * 2 < ivf["distances_per_query"]  # 669 vs 2675 measured
+    strong_ivf = select(*_clustered(topics=30, spread=0.2), ["IVF512,Flat"], target=0.9,
+                        cost="distances_per_query", repeats=1)[1][0]
+    assert strong_ivf["distances_per_query"] * 4 < ivf["distances_per_query"]  # nprobe 8 vs 64 measured
+    # A memory budget rules the graph out (its links cost more than the float32 vectors at dim 32).
+    index, records = select(*weak, search_space(20000, 32, codes="Flat"), target=0.9, max_ram=2.0,
+                            cost="distances_per_query", repeats=1)
+    assert index.spec.factory == "IVF512,Flat" and not records[1]["eligible"] and records[1]["ram_fraction"] > 2
+    with pytest.raises(ValueError, match="no spec reaches recall@5 0.9 .* within 0.5 of flat's memory"):
+        select(*weak, ["IVF512,Flat"], target=0.9, max_ram=0.5, repeats=1)
+    with pytest.raises(ValueError, match="cost must be one of"):
+        select(*weak, ["IVF512,Flat"], cost="seconds")

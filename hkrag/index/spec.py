@@ -125,6 +125,21 @@ class IndexSpec:
         return replace(self, nlist=nlist)
 
 
+def search_space(n: int, dim: int, *, prefix: str = "", codes: str = "SQ8", suffix: str = "") -> list[str]:
+    """Factory strings :func:`hkrag.index.tuning.select` chooses among for ``n`` vectors of ``dim``: inverted
+    lists (``IVF{nlist}``, ``nlist`` the power of two nearest ``4 sqrt(n)``), a graph over the codes
+    (``HNSW32``: Malkov & Yashunin's graph, 32 links a node) and, where there are enough vectors to train
+    ``4 x nlist`` lists (40 a list), inverted lists with a graph coarse quantizer (``IVF{4 nlist}_HNSW32``).
+    ``prefix`` (e.g. ``PCA512,``), ``codes`` and ``suffix`` (e.g. ``,Refine(SQfp16)``) are shared by all."""
+    if n < 1 or dim < 1:
+        raise ValueError(f"search_space needs n >= 1 and dim >= 1, got {n=} {dim=}")
+    nlist = 2 ** max(0, round(math.log2(4 * math.sqrt(n))))
+    specs = [f"IVF{nlist},{codes}", f"HNSW32,{codes}"]
+    if n >= 40 * 4 * nlist:
+        specs.append(f"IVF{4 * nlist}_HNSW32,{codes}")
+    return [f"{prefix}{spec}{suffix}" for spec in specs]
+
+
 def read_meta(directory: str | Path) -> dict:
     """The ``index.json`` of a saved index (spec, dim, count, tuning record)."""
     path = Path(directory) / META_FILE

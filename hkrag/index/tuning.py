@@ -13,8 +13,11 @@ target with 95% confidence (``--confidence``: the tuning queries are a sample) a
     python -m hkrag.index.tuning --index runs/index --shards runs/corpus --queries runs/tuning-queries \\
         --spec "faiss:PCA384,IVF2048,PQ96x4fs,Refine(PCA384,SQ8)" --target 0.95 --k 5
 
-Without ``--spec`` the index already saved in ``--index`` is tuned and only its ``index.json`` is rewritten;
-``--mmap`` then opens it with its stored vectors mapped from disk (an index larger than memory, re-ranked from disk).
+``--select auto`` (or ``--select FACTORY ...``) builds and tunes each candidate of the search space (inverted
+lists and graph indexes, :func:`hkrag.index.spec.search_space`) and keeps the cheapest meeting the target
+(:func:`select`). Without ``--spec`` the index already saved in ``--index`` is tuned and only its ``index.json``
+is rewritten; ``--mmap`` then opens it with its stored vectors mapped from disk (an index larger than memory,
+re-ranked from disk).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from tqdm import tqdm
 
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import load_shards, read_manifest
-from hkrag.index.spec import META_FILE
+from hkrag.index.spec import META_FILE, search_space
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +77,21 @@ def recall_summary(recalls: np.ndarray, confidence: float) -> dict[str, float]:
     return {"recall": float(recalls.mean()), "recall_lower": recall_lower_bound(recalls, confidence)}
 
 
-def _timed_search(index: faiss.Index, queries: np.ndarray, k: int, repeats: int) -> tuple[float, np.ndarray]:
-    """Fastest of ``repeats`` batched searches (the least disturbed run on a shared machine) and its rows."""
+def _timed_search(index: faiss.Index, queries: np.ndarray, k: int, repeats: int) -> tuple[float, int, np.ndarray]:
+    """Fastest of ``repeats`` batched searches (the least disturbed run on a shared machine), the distances one
+    search computed (FAISS's IVF and HNSW counters: codes scanned in inverted lists, graph nodes and coarse
+    centroids visited) and its rows."""
     best = float("inf")
     for _ in range(repeats):
+        faiss.cvar.indexIVF_stats.reset()
+        faiss.cvar.hnsw_stats.reset()
         start = time.perf_counter()
         _, rows = index.search(queries, k)
         best = min(best, time.perf_counter() - start)
-    return best, rows
+    return best, faiss.cvar.indexIVF_stats.ndis + faiss.cvar.hnsw_stats.ndis, rows
+
+
+COSTS = ("ms_per_query", "distances_per_query")
 
 
 def tune(
@@ -92,6 +102,7 @@ def tune(
     target: float = 0.95,
     confidence: float = 0.95,
     repeats: int = 3,
+    cost: str = "ms_per_query",
 ) -> dict:
     """Set the fastest parameters of ``index`` whose recall@k (k = ``exact.shape[1]``) on ``queries`` reaches
     ``target`` with the given ``confidence`` (:func:`recall_lower_bound`); return the tuning record also stored
@@ -100,11 +111,14 @@ def tune(
     Every combination of the ranges ``faiss.ParameterSpace.initialize`` gives the index (powers of two for
     ``nprobe``, ``k_factor_rf``, ``efSearch``...) is measured: recall is not monotone in them with 4-bit PQ
     (more probed lists bring more candidates that can push true neighbours out of the refine list), so the
-    autotuner's pruning could skip the cheapest good point. Time is the fastest of ``repeats`` batched searches.
+    autotuner's pruning could skip the cheapest good point. Time is the fastest of ``repeats`` batched searches;
+    ``cost`` (:data:`COSTS`) is what "cheapest" means: batched time or distances computed per query.
     When no combination reaches the target, the most accurate is set and the record says ``met: False``.
     """
     if index.spec.kind != "faiss":
         raise ValueError(f"only faiss: specs have tunable search parameters, not {index.spec}")
+    if cost not in COSTS:
+        raise ValueError(f"cost must be one of {COSTS}, got {cost!r}")
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     k = exact.shape[1]
     space = faiss.GpuParameterSpace() if index.on_gpu else faiss.ParameterSpace()
@@ -116,14 +130,13 @@ def tune(
     for combination in tqdm(range(space.n_combinations()), desc="tuning", leave=False):
         key = space.combination_name(combination)
         space.set_index_parameters(index.faiss_index, key)
-        seconds, rows = _timed_search(index.faiss_index, queries, k, repeats)
+        seconds, distances, rows = _timed_search(index.faiss_index, queries, k, repeats)
         recalls = query_recalls(rows, exact)
         points.add(float(recalls.mean()), seconds, key)
-        measured.append(
-            {"params": key, **recall_summary(recalls, confidence), "ms_per_query": 1000 * seconds / len(queries)}
-        )
+        per_query = {"ms_per_query": 1000 * seconds / len(queries), "distances_per_query": distances / len(queries)}
+        measured.append({"params": key, **recall_summary(recalls, confidence), **per_query})
     meeting = [m for m in measured if m["recall_lower"] >= target]
-    best = min(meeting, key=lambda m: m["ms_per_query"]) if meeting else max(measured, key=lambda m: m["recall"])
+    best = min(meeting, key=lambda m: m[cost]) if meeting else max(measured, key=lambda m: m["recall"])
     index.search_params = best["params"]
     optimal = {points.optimal_pts.at(i).key for i in range(points.optimal_pts.size())}
     index.tuning = {
@@ -150,6 +163,53 @@ def tune(
     return index.tuning
 
 
+def select(
+    ids: Sequence[str],
+    docs: np.ndarray,
+    queries: np.ndarray,
+    exact: np.ndarray,
+    specs: Sequence[str],
+    *,
+    target: float = 0.95,
+    confidence: float = 0.95,
+    max_ram: float | None = None,
+    cost: str = "ms_per_query",
+    repeats: int = 3,
+    use_gpu: bool | None = False,
+) -> tuple[DocumentIndex, list[dict]]:
+    """Build and :func:`tune` every factory string of ``specs`` (e.g. :func:`hkrag.index.spec.search_space`:
+    IVF and graph indexes) and keep the cheapest whose tuned recall bound reaches ``target`` and whose memory
+    is at most ``max_ram`` of a flat float32 index; return it and one record per spec.
+
+    ``cost`` is the tuned point's ``ms_per_query`` (batched wall time: what a deployment pays) or
+    ``distances_per_query`` (codes compared, counted by FAISS: machine-independent, so a choice a shared or
+    noisy machine cannot flip). IVF scans ``nprobe`` whole lists, a graph walks ``efSearch`` neighbourhoods: on
+    weakly clustered data IVF needs many lists per query and a graph wins (bench/RESULTS.md).
+    """
+    if not specs:
+        raise ValueError("select needs at least one spec")
+    flat_bytes = 4 * docs.shape[0] * docs.shape[1]
+    records, best, best_index = [], None, None
+    for spec in specs:
+        index = DocumentIndex.build(ids, docs, f"faiss:{spec}", use_gpu=use_gpu)
+        tuned = tune(index, queries, exact, target=target, confidence=confidence, repeats=repeats, cost=cost)
+        record = {"spec": spec, "ram_fraction": index.nbytes() / flat_bytes,
+                  **{key: tuned[key] for key in ("params", "recall", "recall_lower", "met", *COSTS)}}
+        record["eligible"] = record["met"] and (max_ram is None or record["ram_fraction"] <= max_ram)
+        records.append(record)
+        if record["eligible"] and (best is None or record[cost] < best[cost]):
+            best, best_index = record, index
+        del index
+    if best is None:
+        raise ValueError(
+            f"no spec reaches recall@{exact.shape[1]} {target} (confidence {confidence})"
+            + (f" within {max_ram} of flat's memory" if max_ram is not None else "")
+            + ": " + "; ".join(f"{r['spec']}: recall {r['recall']:.3f}, RAM {r['ram_fraction']:.2f}" for r in records)
+        )
+    log.info("selected %s (%s %.4g) among %d specs", best["spec"], cost, best[cost], len(specs))
+    return best_index, records
+
+
 def _chunks(vectors: np.ndarray, size: int) -> Iterable[np.ndarray]:
     return (vectors[i : i + size] for i in range(0, len(vectors), size))
 
@@ -160,6 +220,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--shards", required=True, help="shard directory of the indexed document embeddings")
     parser.add_argument("--queries", required=True, help="shard directory of held-out tuning query embeddings")
     parser.add_argument("--spec", help="build this index over --shards first (e.g. faiss:...)")
+    parser.add_argument(
+        "--select",
+        nargs="+",
+        metavar="FACTORY",
+        help="build and tune each factory string, keep the cheapest meeting the target (select); 'auto': "
+        "spec.search_space (IVF, HNSW32, IVF_HNSW32 over SQ8) for the corpus size",
+    )
+    parser.add_argument("--max-ram", type=float, help="with --select: largest index memory, a fraction of flat")
+    parser.add_argument("--cost", choices=COSTS, default="ms_per_query", help="what --select minimises")
     parser.add_argument("--target", type=float, default=0.95, help="recall@k against exact search to reach")
     parser.add_argument(
         "--confidence",
@@ -179,6 +248,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     doc_ids, docs = load_shards(args.shards)
     _, queries = load_shards(args.queries, expect={"dim": docs.shape[1], "model": read_manifest(args.shards)["model"]})
     use_gpu = False if args.cpu else None
+    if args.select:
+        specs = search_space(*docs.shape) if args.select == ["auto"] else args.select
+        _, exact = exact_neighbours(queries, _chunks(docs, args.chunk), args.k)
+        index, records = select(doc_ids, docs, queries, exact, specs, target=args.target, confidence=args.confidence,
+                                max_ram=args.max_ram, cost=args.cost, use_gpu=use_gpu)
+        for record in records:
+            log.info("%s", record)
+        index.save(args.index)
+        print(f"selected {index.spec} among {len(specs)}; written to {Path(args.index) / META_FILE}")
+        return
     if args.spec:
         start = time.perf_counter()
         index = DocumentIndex.build(doc_ids, docs, args.spec, use_gpu=use_gpu)

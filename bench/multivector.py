@@ -1,0 +1,110 @@
+"""Benchmark multi-vector index settings against exact MaxSim on synthetic late-interaction pages (not a test).
+
+Pages and queries come from ``hkrag.index.synthetic_embeddings.MultiVectorPages`` (128-d vectors, ~64 a page,
+topic structure; the relevant page of a query is the page it was drawn from). For every ``--specs`` setting
+(``hkrag.index.multivector.MultiVectorSpec`` strings) it prints build time, memory and disk bytes per page
+(and their fraction of exact MaxSim's float16 vectors + offsets), recall@k against exact MaxSim's top-k,
+nDCG@k against the constructed qrels beside exact MaxSim's, single-query p50/p99 (``--single`` queries, one
+FAISS/BLAS thread) and the machine. ``--split val`` reads the validation queries (choose settings there),
+``--split test`` the held-out test queries (``--split val test``: both, from one build). ``--vary`` re-searches
+each built index with other search-time settings (candidates, stage parameters, rerank depth).
+
+    OMP_NUM_THREADS=1 nice -n 10 python bench/multivector.py --pages 10000 --split val \\
+        --specs "codec=PQ16x6" "codec=PQ16x6;rerank=20"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import time
+
+import faiss
+import numpy as np
+
+from hkrag.environment import cpu_model
+from hkrag.index.multivector import MultiVectorIndex, exact_search
+from hkrag.index.synthetic_embeddings import QUERY_STREAM, TUNING_STREAM, MultiVectorPages
+from hkrag.index.tuning import recall_at_k
+
+
+def ndcg_at_k(rows: np.ndarray, relevant: np.ndarray, k: int) -> float:
+    """Mean nDCG@k with one relevant page per query (ideal DCG 1): 1 / log2(rank + 1) where it is found."""
+    hits = rows[:, :k] == relevant[:, None]
+    return float((hits / np.log2(np.arange(2, k + 2))).sum(axis=1).mean())
+
+
+def measure(index: MultiVectorIndex, queries, query_offsets, relevant, exact, exact_bytes: float, args) -> str:
+    """The table cells after the setting: bytes, single-query latency (one thread), recall and nDCG."""
+    _, rows = index.search(queries, query_offsets, args.k)
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    latencies = []
+    for q in range(min(args.single, len(query_offsets) - 1)):
+        a, b = query_offsets[q], query_offsets[q + 1]
+        start = time.perf_counter()
+        index.search(queries[a:b], np.array([0, b - a]), args.k)
+        latencies.append(time.perf_counter() - start)
+    faiss.omp_set_num_threads(threads)
+    ram, disk = index.bytes_per_page(), index.disk_bytes_per_page()
+    return (f"{ram:,.0f} | 1/{exact_bytes / ram:.1f} | {disk:,.0f} | {1000 * np.percentile(latencies, 50):.1f} "
+            f"| {1000 * np.percentile(latencies, 99):.1f} | {recall_at_k(rows, exact):.3f} "
+            f"| {ndcg_at_k(rows, relevant, args.k):.4f} | {ndcg_at_k(exact, relevant, args.k):.4f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pages", type=int, default=10_000)
+    parser.add_argument("--queries", type=int, default=300, help="queries searched as one batch")
+    parser.add_argument("--single", type=int, default=100, help="queries timed one by one")
+    parser.add_argument("--split", nargs="+", choices=("val", "test"), default=["val"])
+    parser.add_argument("--vary", nargs="+", help="search-time settings tried on each built index "
+                        "(MultiVectorIndex.set_search), e.g. 'candidates=128;stage_params=nprobe=16'")
+    parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--specs", nargs="+", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, FAISS threads {faiss.omp_get_max_threads()}, "
+          f"load average at start {os.getloadavg()[0]:.1f}; faiss {faiss.__version__}; numpy {np.__version__}")
+    data = MultiVectorPages(seed=args.seed)
+    start = time.perf_counter()
+    vectors, offsets, topics = data.corpus(args.pages)
+    print(f"data: {data.settings}; {args.pages:,} pages, {len(vectors):,} vectors "
+          f"({time.perf_counter() - start:.0f} s to generate)", flush=True)
+    splits = {}
+    for split in args.split:
+        stream = TUNING_STREAM if split == "val" else QUERY_STREAM
+        queries, query_offsets, relevant = data.queries(vectors, offsets, topics, args.queries, stream)
+        start = time.perf_counter()
+        _, exact = exact_search(queries, query_offsets, vectors, offsets, args.k)
+        exact_s = time.perf_counter() - start
+        splits[split] = queries, query_offsets, relevant, exact
+        print(f"exact MaxSim (batched, {split} queries): {1000 * exact_s / args.queries:.1f} ms/query, "
+              f"nDCG@{args.k} {ndcg_at_k(exact, relevant, args.k):.4f}", flush=True)
+    exact_bytes = (vectors.nbytes + offsets.nbytes) / args.pages
+    print(f"exact MaxSim bytes: {exact_bytes:,.0f} B/page (float16 vectors + int64 offsets)")
+    ids = [str(i) for i in range(args.pages)]
+    header = (f"| split | setting | build s | RAM B/page | / exact | disk B/page | p50 ms | p99 ms | recall@{args.k} "
+              f"| nDCG@{args.k} | exact nDCG@{args.k} |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for spec in args.specs:
+        start = time.perf_counter()
+        index = MultiVectorIndex.build(ids, vectors, offsets, spec)
+        build_s = time.perf_counter() - start
+        for search in args.vary or [""]:
+            if search:
+                index.set_search(search)
+            for split, (queries, query_offsets, relevant, exact) in splits.items():
+                lines.append(f"| {split} | {index.spec} | {build_s:.0f} | "
+                             + measure(index, queries, query_offsets, relevant, exact, exact_bytes, args))
+                print(lines[-1], flush=True)
+        del index
+    print("\n" + "\n".join(lines))
+    print(f"\npeak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB; "
+          f"load average at end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

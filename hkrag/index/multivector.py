@@ -1,0 +1,510 @@
+"""A multi-vector (late-interaction) page index: exact MaxSim, token pooling, compressed token codes, MUVERA.
+
+Pages are given as the multi-vector shard format: ``vectors`` [total_tokens, dim] (float16 in shards),
+``offsets`` int64 [n_pages + 1] (page ``i`` is ``vectors[offsets[i]:offsets[i + 1]]``) and ``ids``; queries the
+same way. The score is ColBERT's late interaction (Khattab & Zaharia 2020, Eq. 3; ColPali's MaxSim)::
+
+    s(q, d) = sum_i max_j q_i . d_j
+
+:func:`exact_search` computes it over every page in batches (the reference for recall). :class:`MultiVectorIndex`
+stores each page's vectors, optionally merged by token pooling (:func:`pool_tokens`, hierarchical clustering,
+Clavié 2024 / colpali-engine's ``HierarchicalTokenPooler``) and compressed by a FAISS standalone codec (``SQfp16``
+as given, ``SQ8``, ``PQ{m}x8``, ``RaBitQ``), and either scores every page by MaxSim over the decoded codes or
+first finds ``candidates`` pages by MUVERA fixed-dimensional encodings (:class:`Muvera`, Dhulipala et al. 2024)
+in a FAISS index and re-ranks them by MaxSim. :meth:`MultiVectorIndex.bytes_per_page` counts everything a search
+reads (codes, offsets, FDE index); docs/index.md and bench/RESULTS.md give the measured settings.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from hkrag.io import atomic_write, write_json
+
+MANIFEST = "multivector.json"
+FORMAT = 1
+
+
+def check_multivectors(
+    vectors: np.ndarray, offsets: np.ndarray, *, name: str = "pages", dim: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(vectors, offsets)`` checked as the shard format, with an error naming ``name`` and the bad row."""
+    vectors, offsets = np.asarray(vectors), np.asarray(offsets)
+    if vectors.ndim != 2 or not np.issubdtype(vectors.dtype, np.floating):
+        raise ValueError(f"{name}: vectors must be a float [tokens, dim] array, got {vectors.dtype} {vectors.shape}")
+    if dim is not None and vectors.shape[1] != dim:
+        raise ValueError(f"{name}: vectors have dim {vectors.shape[1]}, expected {dim} (dim mismatch)")
+    if offsets.ndim != 1 or len(offsets) < 2 or not np.issubdtype(offsets.dtype, np.integer):
+        raise ValueError(f"{name}: offsets must be an integer [n_pages + 1] array, got {offsets.dtype} {offsets.shape}")
+    if offsets[0] != 0 or offsets[-1] != len(vectors):
+        raise ValueError(
+            f"{name}: offsets must run from 0 to the {len(vectors)} vectors, got {offsets[0]}..{offsets[-1]}"
+        )
+    ragged = np.flatnonzero(np.diff(offsets) <= 0)
+    if len(ragged):
+        row = int(ragged[0])
+        raise ValueError(
+            f"{name}: offsets must increase strictly (every page holds a vector); page {row} spans "
+            f"offsets[{row}]={offsets[row]}..offsets[{row + 1}]={offsets[row + 1]}"
+        )
+    return vectors, offsets.astype(np.int64, copy=False)
+
+
+def maxsim(queries: np.ndarray, query_offsets: np.ndarray, pages: np.ndarray, page_offsets: np.ndarray) -> np.ndarray:
+    """MaxSim scores [n_queries, n_pages]: per query vector its best page vector's inner product, summed (Eq. 3)."""
+    sim = np.asarray(queries, np.float32) @ np.asarray(pages, np.float32).T
+    best = np.maximum.reduceat(sim, page_offsets[:-1] - page_offsets[0], axis=1)
+    return np.add.reduceat(best, query_offsets[:-1] - query_offsets[0], axis=0)
+
+
+def _page_chunks(offsets: np.ndarray, max_tokens: int) -> Iterator[tuple[int, int]]:
+    """Consecutive page ranges ``[a, b)`` of at most ``max_tokens`` vectors (at least one page each)."""
+    a, n = 0, len(offsets) - 1
+    while a < n:
+        b = max(a + 1, int(np.searchsorted(offsets, offsets[a] + max_tokens, side="right")) - 1)
+        yield a, min(b, n)
+        a = min(b, n)
+
+
+def _merge_top_k(best: tuple[np.ndarray, np.ndarray], scores: np.ndarray, rows: np.ndarray, k: int):
+    """The top ``k`` of the running ``best`` (scores, rows) and new candidates, best first."""
+    s, r = np.hstack([best[0], scores]), np.hstack([best[1], rows])
+    keep = np.argsort(-s, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(s, keep, 1), np.take_along_axis(r, keep, 1)
+
+
+def _scan(
+    queries: np.ndarray,
+    query_offsets: np.ndarray,
+    page_offsets: np.ndarray,
+    fetch: Callable[[int, int], np.ndarray],
+    k: int,
+    memory: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Top-``k`` MaxSim over every page, reading page vectors ``fetch(first token, end token)`` in chunks whose
+    similarity matrix stays within ``memory`` bytes."""
+    n_queries = len(query_offsets) - 1
+    best = (np.full((n_queries, 0), -np.inf, np.float32), np.zeros((n_queries, 0), np.int64))
+    max_tokens = max(1, memory // (4 * len(queries)))
+    for a, b in _page_chunks(page_offsets, max_tokens):
+        scores = maxsim(queries, query_offsets, fetch(page_offsets[a], page_offsets[b]), page_offsets[a : b + 1])
+        top = min(k, b - a)
+        part = np.argpartition(-scores, top - 1, axis=1)[:, :top]
+        best = _merge_top_k(best, np.take_along_axis(scores, part, 1), part + a, k)
+    return best
+
+
+def exact_search(
+    queries: np.ndarray,
+    query_offsets: np.ndarray,
+    pages: np.ndarray,
+    page_offsets: np.ndarray,
+    k: int,
+    *,
+    memory: int = 256 << 20,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact MaxSim top-``k`` of every query over every page: (scores, page rows) [n_queries, k], best first.
+
+    Batched: all query vectors against a chunk of pages at a time (one matrix product), the similarity matrix
+    bounded by ``memory`` bytes; float16 pages are widened chunk by chunk.
+    """
+    queries, query_offsets = check_multivectors(queries, query_offsets, name="queries")
+    pages, page_offsets = check_multivectors(pages, page_offsets, name="pages", dim=queries.shape[1])
+    return _scan(queries, query_offsets, page_offsets, lambda a, b: pages[a:b], k, memory)
+
+
+def pool_tokens(vectors: np.ndarray, offsets: np.ndarray, factor: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token pooling (Clavié 2024; colpali-engine ``HierarchicalTokenPooler``): each page's vectors clustered by
+    Ward hierarchical clustering into ``ceil(len / factor)`` clusters, each replaced by its mean (not
+    renormalised, as the reference). ``factor`` 1 returns the input."""
+    from scipy.cluster.hierarchy import fcluster, linkage
+
+    if factor < 1:
+        raise ValueError(f"pool factor must be >= 1, got {factor}")
+    if factor == 1:
+        return vectors, offsets
+    pooled, lengths = [], []
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        page = np.asarray(vectors[a:b], np.float32)
+        target = -(-len(page) // factor)
+        if target >= len(page):
+            labels = np.arange(len(page))
+        else:
+            labels = fcluster(linkage(page, method="ward"), t=target, criterion="maxclust") - 1
+        count = labels.max() + 1
+        sums = np.zeros((count, page.shape[1]), np.float32)
+        np.add.at(sums, labels, page)
+        pooled.append(sums / np.bincount(labels, minlength=count)[:, None])
+        lengths.append(count)
+    return np.vstack(pooled), np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+class Muvera:
+    """MUVERA fixed-dimensional encodings (Dhulipala et al. 2024, §2): one vector per page or query whose inner
+    product approximates MaxSim, so a single-vector index can find candidates.
+
+    Per repetition ``r`` of ``reps``: ``ksim`` random hyperplanes split the space into ``2**ksim`` SimHash
+    partitions; each vector is projected to ``dproj`` dimensions by a random ±1/sqrt(dproj) matrix (the inner
+    projection); a page's block ``k`` is the mean of its projected vectors in partition ``k``, an empty partition
+    taking the page vector nearest to it in Hamming distance of SimHash codes (``fill_empty_partitions``); a
+    query's block is the sum (no fill). The blocks of all repetitions are concatenated (``reps * 2**ksim * dproj``
+    dimensions) and, with ``final > 0``, count-sketched to ``final`` dimensions (the final projection).
+    """
+
+    def __init__(self, dim: int, reps: int, ksim: int, dproj: int, final: int = 0, seed: int = 0) -> None:
+        if min(reps, ksim, dproj) < 1 or final < 0:
+            raise ValueError(f"muvera: reps, ksim, dproj >= 1, final >= 0, got {reps} {ksim} {dproj} {final}")
+        rng = np.random.default_rng([seed, 7])
+        self.planes = rng.standard_normal((reps, dim, ksim), dtype=np.float32)
+        self.projections = (rng.integers(0, 2, (reps, dim, dproj)) * 2 - 1).astype(np.float32) / np.sqrt(dproj)
+        self.parts = 2**ksim
+        self.raw_dim = reps * self.parts * dproj
+        self.dim = final or self.raw_dim
+        self.sketch = None
+        if final:
+            sketch = np.zeros((self.raw_dim, final), np.float32)
+            sketch[np.arange(self.raw_dim), rng.integers(final, size=self.raw_dim)] = rng.choice([-1, 1], self.raw_dim)
+            self.sketch = sketch
+        self.center = np.zeros(dim, np.float32)
+        bits = np.arange(self.parts)
+        self.hamming = np.array([[bin(a ^ b).count("1") for b in bits] for a in bits], np.int64)
+
+    def encode(self, vectors: np.ndarray, offsets: np.ndarray, *, query: bool, chunk: int = 4096) -> np.ndarray:
+        """FDEs [n, dim] of the pages (``query=False``) or queries given as ``(vectors, offsets)``."""
+        out = [self._encode(vectors, offsets[a : b + 1], query) for a, b in _page_chunks(offsets, chunk * 64)]
+        return np.vstack(out)
+
+    def _encode(self, vectors: np.ndarray, offsets: np.ndarray, query: bool) -> np.ndarray:
+        x = np.asarray(vectors[offsets[0] : offsets[-1]], np.float32)
+        lengths = np.diff(offsets)
+        n, parts = len(lengths), self.parts
+        page = np.repeat(np.arange(n), lengths)
+        weights = 2 ** np.arange(self.planes.shape[2])
+        blocks = []
+        for planes, projection in zip(self.planes, self.projections):
+            part = (((x - self.center) @ planes) > 0).astype(np.int64) @ weights
+            projected = x @ projection
+            key = page * parts + part
+            sums = np.stack([np.bincount(key, w, minlength=n * parts) for w in projected.T], axis=1)
+            if not query:
+                counts = np.bincount(key, minlength=n * parts)
+                sums /= np.maximum(counts, 1)[:, None]
+                empty = np.flatnonzero(counts == 0)
+                if len(empty):
+                    longest = int(lengths.max())
+                    position = np.arange(len(x)) - np.repeat(offsets[:-1] - offsets[0], lengths)
+                    ranked = self.hamming[part] * longest + position[:, None]  # nearest partition, then first vector
+                    nearest = np.minimum.reduceat(ranked, offsets[:-1] - offsets[0])
+                    rows = offsets[empty // parts] - offsets[0] + nearest[empty // parts, empty % parts] % longest
+                    sums[empty] = projected[rows]
+            blocks.append(sums.reshape(n, -1))
+        fde = np.hstack(blocks)
+        return fde @ self.sketch if self.sketch is not None else fde
+
+
+STAGES = ("", "muvera", "tokens")
+
+
+@dataclass(frozen=True)
+class MultiVectorSpec:
+    """How a :class:`MultiVectorIndex` stores and searches pages; written ``key=value;key=value``.
+
+    ``codec``: FAISS standalone codec (``sa_encode``) of the stored vectors, ``SQfp16`` keeping float16 shards
+    exactly; ``pool``: token pooling factor (1: none). ``stage`` picks the candidate stage before MaxSim
+    re-ranking over the stored codes:
+
+    - ``""``: none, every page is scored;
+    - ``muvera``: page FDEs (``reps``, ``ksim``, ``dproj``, ``final`` as :class:`Muvera`) in the FAISS
+      inner-product index ``stage_index`` (factory string, searched with ``stage_params``, e.g. ``efSearch=128``);
+      the ``candidates`` best pages are re-ranked;
+    - ``tokens``: ColBERT's end-to-end retrieval (Khattab & Zaharia 2020, §3.6): every stored vector in
+      ``stage_index`` (e.g. ``IVF1024,PQ16x8``), each query vector's ``candidates`` nearest vectors name the
+      pages to re-rank.
+
+    ``prune`` > 0 (``tokens`` stage) keeps the ``prune`` candidate pages of best approximate score before MaxSim:
+    per query vector the best similarity among the page's retrieved vectors, a page none of whose vectors was
+    retrieved for that query vector scoring the query vector's lowest retrieved similarity (XTR's missing-
+    similarity imputation, Lee et al. 2023), summed over the query's vectors.
+
+    ``rerank`` > 0 keeps the vectors as given (unpooled, float16) in a file mapped from disk and re-ranks the
+    first pass's ``rerank`` best pages by exact MaxSim over them (PQ/binary codes with exact re-ranking):
+    :meth:`MultiVectorIndex.bytes_per_page` counts them as disk bytes, not memory.
+    """
+
+    codec: str = "SQfp16"
+    pool: int = 1
+    stage: str = ""
+    stage_index: str = "Flat"
+    stage_params: str = ""
+    candidates: int = 100
+    reps: int = 20
+    ksim: int = 5
+    dproj: int = 16
+    final: int = 0
+    prune: int = 0
+    rerank: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(f"unknown candidate stage {self.stage!r}; expected one of {STAGES}")
+        if self.pool < 1 or self.candidates < 1:
+            raise ValueError(f"pool and candidates must be >= 1, got pool={self.pool} candidates={self.candidates}")
+
+    @classmethod
+    def parse(cls, text: str | MultiVectorSpec) -> MultiVectorSpec:
+        """``"codec=PQ16x8;pool=2;stage=muvera;candidates=200"`` (unnamed settings keep their defaults)."""
+        if isinstance(text, MultiVectorSpec):
+            return text
+        types = {f.name: f.type for f in fields(cls)}
+        values: dict[str, object] = {}
+        for item in filter(None, (part.strip() for part in text.split(";"))):
+            key, sep, value = item.partition("=")
+            if not sep or key.strip() not in types:
+                raise ValueError(f"bad multi-vector index setting {item!r} in {text!r}; known: {sorted(types)}")
+            values[key.strip()] = value.strip() if types[key.strip()] == "str" else int(value)
+        return cls(**values)
+
+    def __str__(self) -> str:
+        names = ["codec", "pool"] + (["stage", "stage_index", "stage_params", "candidates"] if self.stage else [])
+        names += ["reps", "ksim", "dproj", "final"] if self.stage == "muvera" else []
+        names += ["prune"] if self.prune else []
+        names += ["rerank"] if self.rerank else []
+        return ";".join(f"{n}={getattr(self, n)}" for n in names if getattr(self, n) != "")
+
+
+def _serialized(index: faiss.Index) -> np.ndarray:
+    return faiss.serialize_index(index)
+
+
+def _gather(offsets: np.ndarray, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Token rows of ``pages`` (concatenated) and their offsets within that selection."""
+    lengths = offsets[pages + 1] - offsets[pages]
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    return np.repeat(offsets[pages] - starts[:-1], lengths) + np.arange(starts[-1]), starts
+
+
+class MultiVectorIndex:
+    """Pages as stored token codes (+ an optional candidate stage), searched by MaxSim.
+
+    Build with :meth:`build`, search with :meth:`search` (queries as ``(vectors, offsets)``), persist with
+    :meth:`save` / :meth:`load` (a directory: ``multivector.json`` manifest, codes, offsets, ids, codec, stage).
+    """
+
+    def __init__(self, dim: int, spec: MultiVectorSpec | str) -> None:
+        self.dim = dim
+        self.spec = s = MultiVectorSpec.parse(spec)
+        self.codec = faiss.index_factory(dim, s.codec, faiss.METRIC_INNER_PRODUCT)
+        self.muvera = Muvera(dim, s.reps, s.ksim, s.dproj, s.final, s.seed) if s.stage == "muvera" else None
+        stage_dim = self.muvera.dim if self.muvera is not None else dim
+        self.stage = faiss.index_factory(stage_dim, s.stage_index, faiss.METRIC_INNER_PRODUCT) if s.stage else None
+        self.ids: list[str] = []
+        self.codes = np.zeros((0, self.codec.sa_code_size()), np.uint8)
+        self.offsets = np.zeros(1, np.int64)
+        self.full: tuple[np.ndarray, np.ndarray] | None = None  # (float16 vectors, offsets) for exact re-ranking
+        self.build_seconds: dict[str, float] = {}
+
+    @classmethod
+    def build(
+        cls,
+        ids: Sequence[str],
+        vectors: np.ndarray,
+        offsets: np.ndarray,
+        spec: MultiVectorSpec | str = "",
+        *,
+        max_train: int = 65_536,
+    ) -> MultiVectorIndex:
+        """Pool, train the codec (and the stage's index) on a sample of at most ``max_train`` rows, encode, add."""
+        vectors, offsets = check_multivectors(vectors, offsets)
+        if len(ids) != len(offsets) - 1:
+            raise ValueError(f"pages: {len(ids)} ids for {len(offsets) - 1} pages (offsets)")
+        index = cls(vectors.shape[1], spec)
+        s, times = index.spec, index.build_seconds
+        if s.rerank:
+            index.full = (np.asarray(vectors, np.float16), offsets)
+        start = time.perf_counter()
+        vectors, offsets = pool_tokens(vectors, offsets, s.pool)
+        times["pool_s"] = time.perf_counter() - start
+        rng = np.random.default_rng(s.seed)
+        start = time.perf_counter()
+        sample = np.asarray(vectors[np.sort(rng.choice(len(vectors), min(max_train, len(vectors)), replace=False))],
+                            np.float32)
+        index.codec.train(sample)
+        index.codes = np.vstack([index.codec.sa_encode(np.asarray(vectors[i : i + 65536], np.float32))
+                                 for i in range(0, len(vectors), 65536)])
+        index.offsets, index.ids = offsets, [str(i) for i in ids]
+        times["encode_s"] = time.perf_counter() - start
+        if index.stage is not None:
+            start = time.perf_counter()
+            if index.muvera is not None:
+                index.muvera.center = sample.mean(axis=0)
+                rows = index.muvera.encode(vectors, offsets, query=False)
+                train = rows[np.sort(rng.choice(len(rows), min(max_train, len(rows)), replace=False))]
+            else:
+                rows, train = vectors, sample
+            index.stage.train(train)
+            for i in range(0, len(rows), 65536):
+                index.stage.add(np.asarray(rows[i : i + 65536], np.float32))
+            times["stage_s"] = time.perf_counter() - start
+        index._apply_stage_params()
+        return index
+
+    def set_search(self, settings: str) -> None:
+        """Change search-time settings without rebuilding: ``"candidates=128;stage_params=nprobe=16"`` (``rerank``
+        too where the index keeps its vectors)."""
+        changed = MultiVectorSpec.parse(settings)
+        names = {item.partition("=")[0].strip() for item in settings.split(";") if item.strip()}
+        if not names <= {"candidates", "stage_params", "prune", "rerank"}:
+            raise ValueError(f"only candidates, stage_params, prune and rerank change at search time, not "
+                             f"{sorted(names)}")
+        if "rerank" in names and changed.rerank and self.full is None:
+            raise ValueError("rerank needs the vectors kept at build (build with rerank > 0)")
+        self.spec = replace(self.spec, **{name: getattr(changed, name) for name in names})
+        self._apply_stage_params()
+
+    def _apply_stage_params(self) -> None:
+        if self.stage is not None and self.spec.stage_params:
+            faiss.ParameterSpace().set_index_parameters(self.stage, self.spec.stage_params)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def decode(self, first: int, end: int) -> np.ndarray:
+        """Stored vectors ``[first, end)`` (token rows), decoded to float32."""
+        return self.codec.sa_decode(np.ascontiguousarray(self.codes[first:end]))
+
+    def candidates(self, queries: np.ndarray, query_offsets: np.ndarray) -> list[np.ndarray]:
+        """The candidate stage's page rows for each query (sorted, unique)."""
+        if self.muvera is not None:
+            fdes = self.muvera.encode(queries, query_offsets, query=True)
+            _, pages = self.stage.search(fdes, self.spec.candidates)
+            return [np.unique(p[p >= 0]) for p in pages]
+        similarities, tokens = self.stage.search(np.ascontiguousarray(queries, np.float32), self.spec.candidates)
+        pages = np.searchsorted(self.offsets, tokens, side="right") - 1
+        found = []
+        for p, t, sim in zip(*(np.split(a, query_offsets[1:-1]) for a in (pages, tokens, similarities))):
+            unique, column = np.unique(p[t >= 0], return_inverse=True)
+            if self.spec.prune and len(unique) > self.spec.prune:
+                rows = np.nonzero(t >= 0)[0]
+                lowest = sim.min(axis=1, initial=np.inf, where=t >= 0)
+                approx = np.repeat(np.where(np.isfinite(lowest), lowest, 0)[:, None], len(unique), axis=1)
+                np.maximum.at(approx, (rows, column), sim[t >= 0])
+                unique = np.sort(unique[np.argsort(-approx.sum(axis=0), kind="stable")[: self.spec.prune]])
+            found.append(unique)
+        return found
+
+    def search(
+        self, queries: np.ndarray, query_offsets: np.ndarray, k: int, *, memory: int = 256 << 20
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` pages of every query: (MaxSim scores, page rows) [n_queries, k], best first.
+
+        Without a candidate stage every page is scored over the stored codes (:func:`exact_search`'s batching);
+        with one, each query's candidates are. With ``rerank`` the ``rerank`` best are then re-scored over the
+        vectors on disk. Fewer than ``k`` candidates leave rows ``-1`` (score ``-inf``)."""
+        queries, query_offsets = check_multivectors(queries, query_offsets, name="queries", dim=self.dim)
+        queries = np.asarray(queries, np.float32)
+        if not self.spec.rerank:
+            return self._first_pass(queries, query_offsets, k, memory)
+        _, first = self._first_pass(queries, query_offsets, max(k, self.spec.rerank), memory)
+        return self._rerank(queries, query_offsets, first, k, lambda tokens: self.full[0][tokens], self.full[1])
+
+    def _rerank(self, queries, query_offsets, candidates, k, fetch, offsets) -> tuple[np.ndarray, np.ndarray]:
+        """Each query's ``candidates`` (page rows, -1 for none) re-scored by MaxSim over ``fetch(token rows)``."""
+        scores = np.full((len(query_offsets) - 1, k), -np.inf, np.float32)
+        rows = np.full((len(query_offsets) - 1, k), -1, np.int64)
+        for q, pages in enumerate(candidates):
+            pages = np.unique(pages[pages >= 0])
+            tokens, page_offsets = _gather(offsets, pages)
+            a, b = query_offsets[q], query_offsets[q + 1]
+            found = maxsim(queries[a:b], np.array([0, b - a]), fetch(tokens), page_offsets)[0]
+            order = np.argsort(-found, kind="stable")[:k]
+            scores[q, : len(order)], rows[q, : len(order)] = found[order], pages[order]
+        return scores, rows
+
+    def _first_pass(self, queries, query_offsets, k, memory) -> tuple[np.ndarray, np.ndarray]:
+        if self.stage is None:
+            return _scan(queries, query_offsets, self.offsets, self.decode, k, memory)
+        candidates = self.candidates(queries, query_offsets)
+        return self._rerank(queries, query_offsets, candidates, k, self._decode_rows, self.offsets)
+
+    def _decode_rows(self, tokens: np.ndarray) -> np.ndarray:
+        return self.codec.sa_decode(np.ascontiguousarray(self.codes[tokens]))
+
+    def bytes_per_page(self) -> float:
+        """Memory a search holds per page: stored codes, offsets and the candidate stage's index (serialized); the
+        codec's codebooks (a fixed size, e.g. 128 KB for ``PQ8x8``) are left out."""
+        stage = len(_serialized(self.stage)) if self.stage is not None else 0
+        return (self.codes.nbytes + self.offsets.nbytes + stage) / max(1, len(self))
+
+    def disk_bytes_per_page(self) -> float:
+        """Bytes per page read from disk at search (the vectors kept for ``rerank``; 0 without)."""
+        return 0.0 if self.full is None else (self.full[0].nbytes + self.full[1].nbytes) / max(1, len(self))
+
+    def save(self, directory: str | Path) -> Path:
+        """Write codes, offsets, ids, codec and stage index, then the manifest (last: a directory without it is
+        incomplete and :meth:`load` refuses it)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        arrays = {"codes.npy": self.codes, "offsets.npy": self.offsets}
+        if self.full is not None:
+            arrays |= {"vectors.npy": self.full[0], "vector_offsets.npy": self.full[1]}
+        if self.muvera is not None:
+            arrays["center.npy"] = self.muvera.center
+        for name, array in arrays.items():
+            atomic_write(directory / name, lambda f, a=array: np.save(f, a), "wb")
+        parts = {"codec.faiss": self.codec, "stage.faiss": self.stage}
+        for name, part in parts.items():
+            if part is not None:
+                atomic_write(directory / name, lambda f, p=part: f.write(_serialized(p).tobytes()), "wb")
+        write_json(directory / "ids.json", self.ids, indent=None)
+        manifest = {"format": FORMAT, "spec": asdict(self.spec), "dim": self.dim, "pages": len(self),
+                    "vectors": len(self.codes), "bytes_per_page": self.bytes_per_page(),
+                    "disk_bytes_per_page": self.disk_bytes_per_page(), "build": self.build_seconds}
+        write_json(directory / MANIFEST, manifest)
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path, *, mmap: bool = False) -> MultiVectorIndex:
+        """An index written by :meth:`save` (``mmap``: codes mapped from disk), its parts checked to agree."""
+        directory = Path(directory)
+        path = directory / MANIFEST
+        if not path.is_file():
+            raise FileNotFoundError(f"no multi-vector index at {directory} ({path} is missing)")
+        manifest = json.loads(path.read_text())
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"{path}: format {manifest.get('format')!r}, this code reads {FORMAT}")
+        index = cls(manifest["dim"], MultiVectorSpec(**manifest["spec"]))
+        index.codec = faiss.deserialize_index(np.fromfile(directory / "codec.faiss", np.uint8))
+        if index.stage is not None:
+            index.stage = faiss.deserialize_index(np.fromfile(directory / "stage.faiss", np.uint8))
+        if index.muvera is not None:
+            index.muvera.center = np.load(directory / "center.npy")
+        index.codes = np.load(directory / "codes.npy", mmap_mode="r" if mmap else None)
+        index.offsets = np.load(directory / "offsets.npy")
+        if index.spec.rerank:
+            index.full = (np.load(directory / "vectors.npy", mmap_mode="r"), np.load(directory / "vector_offsets.npy"))
+        index.ids = json.loads((directory / "ids.json").read_text())
+        index.build_seconds = manifest.get("build", {})
+        stage_rows = {None: len(index.ids), "muvera": len(index.ids), "tokens": len(index.codes)}[
+            index.spec.stage or None]
+        stage_count = index.stage.ntotal if index.stage is not None else stage_rows
+        if not (len(index.ids) == len(index.offsets) - 1 == manifest["pages"] and stage_count == stage_rows
+                and index.offsets[-1] == len(index.codes) == manifest["vectors"]):
+            raise ValueError(
+                f"{directory}: parts disagree: {len(index.ids)} ids, {len(index.offsets) - 1} pages in offsets, "
+                f"{len(index.codes)} codes, {stage_count} rows in the candidate stage (expected {stage_rows}); "
+                f"manifest {manifest['pages']} pages, {manifest['vectors']} vectors"
+            )
+        if index.full is not None and not (len(index.full[1]) == len(index.offsets) and
+                                           index.full[1][-1] == len(index.full[0])):
+            raise ValueError(f"{directory}: vectors.npy holds {len(index.full[0])} vectors and vector_offsets.npy "
+                             f"{len(index.full[1]) - 1} pages ending at {index.full[1][-1]}; index: {len(index)}")
+        index._apply_stage_params()
+        return index
