@@ -205,7 +205,11 @@ def check_script(script: str, args: list[str]) -> str:
         raise AssertionError(f"{script} does not exist")
     spec = importlib.util.spec_from_file_location(path.stem, path)
     loaded = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loaded)
+    sys.path.insert(0, str(path.parent))  # as `python path/to/script.py` puts the script's folder first
+    try:
+        spec.loader.exec_module(loaded)
+    finally:
+        sys.path.remove(str(path.parent))
     takes_argv = loaded.main.__code__.co_argcount > 0
     parse_with_argparse(loaded.main, args, takes_argv)
     return f"{script}'s argparse parser accepts the arguments"
