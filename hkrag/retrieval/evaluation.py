@@ -32,7 +32,8 @@ from hkrag.data.opendocvqa import Corpus, QAExample, load_corpus, load_qa, pools
 from hkrag.data.region_corpus import corpus_pages
 from hkrag.distributed import is_main, rank, world_size
 from hkrag.index.faiss_index import DocumentIndex
-from hkrag.index.shards import config_hash, encode_corpus, load_shards
+from hkrag.index.maxsim import MaxSimIndex
+from hkrag.index.shards import config_hash, encode_corpus, load_multi_vector_shards, load_shards
 from hkrag.io import atomic_directory, write_json
 from hkrag.retrieval.metrics import (
     Run,
@@ -90,15 +91,19 @@ def barrier() -> None:
 
 def embed_corpus(
     retriever: Phi3VRetriever, corpus: Corpus, out_dir: Path, cfg: RetrievalEvalConfig, identity: dict[str, Any]
-) -> tuple[list[str], np.ndarray]:
-    """Embed a corpus into ``out_dir`` shards (every rank its share) and read them back.
+) -> tuple[list[str], np.ndarray | list[np.ndarray]]:
+    """Embed a corpus into ``out_dir`` shards (every rank its share) and read them back: ``(n, dim)`` vectors, or
+    under the late-interaction head one ``(tokens, dim)`` array per page (multi-vector shards).
 
     A page the model's processor refuses (e.g. a 500x2 strip's aspect ratio) raises :class:`ImageError`
     naming its ``doc_id``.
     """
     encode_shards(retriever, corpus, out_dir, cfg, identity, rank(), world_size())
     barrier()
-    return load_shards(out_dir)
+    if not retriever.late_interaction:
+        return load_shards(out_dir)
+    ids, vectors, offsets = load_multi_vector_shards(out_dir)
+    return ids, np.split(vectors, offsets[1:-1])
 
 
 def encode_shards(
@@ -120,6 +125,7 @@ def encode_shards(
     return encode_corpus(
         corpus, embed, out_dir, shard_size=cfg.shard_size, manifest=manifest, dtype=cfg.dtype,
         batch_size=cfg.doc_batch_size, rank=part, world_size=parts, progress=is_main(),
+        multi_vector=retriever.late_interaction,
     )
 
 
@@ -155,8 +161,9 @@ def pool_embeddings(
     cfg: RetrievalEvalConfig,
     identity: dict[str, Any],
     cache: EmbeddingCache,
-) -> np.ndarray:
-    """Embeddings of ``corpus`` in row order, reusing ``cache`` where the stored image is the same.
+) -> np.ndarray | list[np.ndarray]:
+    """Embeddings of ``corpus`` in row order (a list of per-page token arrays under late interaction), reusing
+    ``cache`` where the stored image is the same.
 
     The cache serves a pool only if every page is in it with the same image bytes; otherwise the pool
     is embedded into ``out_dir`` and its pages join the cache (first pool seen wins on conflicts).
@@ -164,7 +171,7 @@ def pool_embeddings(
     prints = cache.fingerprints(corpus)
     known = [cache.vectors.get(doc_id) for doc_id in corpus.doc_ids]
     if all(k is not None and k[0] == p for k, p in zip(known, prints)):
-        return np.stack([k[1] for k in known])
+        return _rows([k[1] for k in known], retriever)
     conflicts = [d for d, k, p in zip(corpus.doc_ids, known, prints) if k is not None and k[0] != p]
     if conflicts:
         logger.warning("%s: %d doc_id(s) hold other images than in a pool evaluated before (e.g. %s); "
@@ -173,7 +180,12 @@ def pool_embeddings(
     by_id = dict(zip(ids, vectors))
     for doc_id, fingerprint in zip(corpus.doc_ids, prints):
         cache.vectors.setdefault(doc_id, (fingerprint, by_id[doc_id]))
-    return np.stack([by_id[doc_id] for doc_id in corpus.doc_ids])
+    return _rows([by_id[doc_id] for doc_id in corpus.doc_ids], retriever)
+
+
+def _rows(vectors: list[np.ndarray], retriever: Phi3VRetriever) -> np.ndarray | list[np.ndarray]:
+    """Per-page vectors as one ``(n, dim)`` matrix (dense) or the list of token arrays (late interaction)."""
+    return vectors if retriever.late_interaction else np.stack(vectors)
 
 
 def score(run: dict, qa: Sequence[QAExample]) -> dict[str, Any]:
@@ -223,7 +235,8 @@ class Ranker(Protocol):
 
 
 class DenseRanker:
-    """The visual retriever searched with FAISS (``cfg.index``): page embeddings in resumable shards under
+    """The visual retriever searched with FAISS (``cfg.index``), or under the late-interaction head by exact MaxSim
+    (:class:`~hkrag.index.maxsim.MaxSimIndex`, multi-vector shards): page embeddings in resumable shards under
     ``<work_dir>/embeddings-<corpus_key>`` (shared across pools, :class:`EmbeddingCache`), query embeddings once
     per query set. Every rank embeds its share; rank 0 searches (other ranks return ``{}``) and writes the
     queries' embeddings and qrels for the storage-budget study (:func:`save_queries`).
@@ -249,22 +262,30 @@ class DenseRanker:
                                       self.identity, self.embeddings)
         if not is_main():
             return {}
+        query_ids = [ex.query_id for ex in qa]
+        if self.retriever.late_interaction:
+            if self.cfg.index != "flat":
+                raise ValueError(f"eval.index={self.cfg.index!r}: the late-interaction head is searched by exact "
+                                 "MaxSim here; set eval.index=flat")
+            index = MaxSimIndex.from_pages(corpus.doc_ids, vectors)
+            return search_with_ties(index, query_ids, [q.float().numpy() for q in queries], depth)
         index = DocumentIndex.build(corpus.doc_ids, vectors, self.cfg.index, use_gpu=self.cfg.use_gpu)
-        return search_with_ties(index, [ex.query_id for ex in qa], queries.numpy(), depth)
+        return search_with_ties(index, query_ids, queries.numpy(), depth)
 
-    def encode_queries(self, qa: Sequence[QAExample]) -> torch.Tensor:
+    def encode_queries(self, qa: Sequence[QAExample]) -> torch.Tensor | list[torch.Tensor]:
         """The embeddings of ``qa`` (encoded once per query set; a new set is saved with the others)."""
         key = tuple(ex.query_id for ex in qa)
         if key not in self.queries:
             self.queries[key] = self.retriever.encode_queries(
                 [ex.query for ex in qa], batch_size=self.cfg.query_batch_size, ids=list(key))
-            self.queried += zip(qa, self.queries[key].float().numpy())
+            self.queried += zip(qa, [q.float().numpy() for q in self.queries[key]])
             if is_main():
                 save_queries(self.queried, self.work_dir, self.identity)
         return self.queries[key]
 
 
-def search_with_ties(index: DocumentIndex, query_ids: Sequence[str], queries: np.ndarray, depth: int) -> Run:
+def search_with_ties(index: DocumentIndex | MaxSimIndex, query_ids: Sequence[str], queries: np.ndarray | list,
+                     depth: int) -> Run:
     """``index``'s run at ``depth`` holding, for each query, every page tied with its ``depth``-th score
     (:func:`~hkrag.retrieval.metrics.cut_with_ties`; FAISS alone cuts a tie group by its internal order): searched
     deeper, doubling, until each query's list ends below its cut or holds every page the index returns."""
@@ -342,9 +363,14 @@ def save_queries(queries: Sequence[tuple[QAExample, np.ndarray]], work_dir: Path
     if not queries:
         return
     rows = [{"query_id": ex.query_id, "vector": vector} for ex, vector in queries]
+    multi = rows[0]["vector"].ndim == 2  # late interaction: each query's token vectors, as multi-vector shards
+
+    def vectors(batch: list[dict[str, Any]]) -> np.ndarray | list[np.ndarray]:
+        return [row["vector"] for row in batch] if multi else np.stack([row["vector"] for row in batch])
+
     with atomic_directory(work_dir / QUERIES_DIR) as out:  # replaced whole: the evaluated queries may change
-        encode_corpus(rows, lambda batch: np.stack([row["vector"] for row in batch]), out, shard_size=len(rows),
-                      manifest=identity, dtype="float32", id_key="query_id", progress=False)
+        encode_corpus(rows, vectors, out, shard_size=len(rows), manifest=identity, dtype="float32",
+                      id_key="query_id", progress=False, multi_vector=multi)
     write_json(work_dir / QRELS_FILE, qrels([ex for ex, _ in queries]))
 
 

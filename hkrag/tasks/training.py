@@ -24,6 +24,7 @@ from hkrag.data.pairs import TrainingPair, pretraining_pairs, training_pairs
 from hkrag.environment import describe, environment
 from hkrag.index.shards import config_hash
 from hkrag.io import write_json, write_text
+from hkrag.late_interaction import LateInteractionLoss
 from hkrag.losses import HybridMaskLoss, PretrainingLoss
 from hkrag.retrieval.evaluation import (
     AFTER_TRAINING_DIR,
@@ -33,7 +34,7 @@ from hkrag.retrieval.evaluation import (
     TABLE_FILE,
     evaluate_retrieval,
 )
-from hkrag.retriever import Phi3VRetriever
+from hkrag.retriever import HeadSettings, Phi3VRetriever
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
     BASE_DIR,
@@ -42,6 +43,7 @@ from hkrag.tasks.common import (
     eval_config,
     flat_metrics,
     flat_summary,
+    head_settings,
     make_accelerator,
     prepare_data,
     shared_output_dir,
@@ -69,7 +71,7 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
         prepare_data(cfg.data)
     accelerator.wait_for_everyone()
 
-    loss_fn = make_loss(cfg.loss)
+    loss_fn = make_loss(cfg.loss, head_settings(cfg.model))
     pairs, corpus, vocabulary = training_data(cfg, pretraining=isinstance(loss_fn, PretrainingLoss))
     evaluate = cfg.eval_before_after and cfg.get("eval") is not None
     if evaluate:
@@ -119,10 +121,23 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     return report
 
 
-def make_loss(loss_cfg: DictConfig) -> HybridMaskLoss | PretrainingLoss:
+def make_loss(loss_cfg: DictConfig, head: HeadSettings | None = None) -> HybridMaskLoss | PretrainingLoss:
     """The ``loss`` group's objective: its ``_target_`` (``hkrag.losses.PretrainingLoss``, conf/loss/pretrain.yaml),
-    else :class:`HybridMaskLoss` with its values."""
-    return instantiate(loss_cfg) if "_target_" in loss_cfg else HybridMaskLoss(**loss_cfg)
+    else :class:`HybridMaskLoss` with its values, over MaxSim (:class:`LateInteractionLoss`) under the
+    late-interaction head. ``loss.pairwise`` (colpali-engine's pairwise loss) needs that head."""
+    late = head is not None and head.late_interaction
+    if "_target_" in loss_cfg:
+        if late:
+            raise ValueError(f"model.head=late_interaction trains with the contrastive losses (loss=infonce, hkrag, "
+                             f"...), not {loss_cfg._target_}")
+        return instantiate(loss_cfg)
+    settings = OmegaConf.to_container(loss_cfg, resolve=True)
+    if late:
+        return LateInteractionLoss(**settings)
+    if settings.pop("pairwise", False):
+        raise ValueError("loss.pairwise=true is colpali-engine's pairwise loss over MaxSim: it needs "
+                         "model.head=late_interaction")
+    return HybridMaskLoss(**settings)
 
 
 def training_data(cfg: DictConfig, pretraining: bool) -> tuple[list[TrainingPair], Corpus, list[str]]:
@@ -156,6 +171,8 @@ RUN_MODEL_KEYS = ("kind", "base", "adapter", "seed", "config", "num_crops", "dty
 def run_settings(cfg: DictConfig) -> dict[str, Any]:
     """Config values a resumed run must share with its checkpoint, beyond what the trainer derives itself."""
     model = {f"model.{k}": cfg.model.get(k) for k in RUN_MODEL_KEYS if k in cfg.model}
+    if head_settings(cfg.model).late_interaction:  # absent for the dense head: its runs keep their identity
+        model.update({"model.head": cfg.model.head, "model.late_interaction": cfg.model.late_interaction})
     data = {k: cfg.data.get(k) for k in ("synthetic", "train")}  # the content itself is fingerprinted by the trainer
     return {**_flatten(model), **_flatten(data, "data."), "trainer.precision": cfg.trainer.get("precision")}
 
