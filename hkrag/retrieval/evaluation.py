@@ -250,6 +250,8 @@ class DenseRanker:
     def __init__(self, retriever: Phi3VRetriever, cfg: RetrievalEvalConfig, work_dir: str | Path,
                  identity: dict[str, Any]):
         self.retriever, self.cfg, self.work_dir = retriever, cfg, Path(work_dir)
+        if retriever.late_interaction:
+            self.name = "late_interaction"
         self.identity = shard_identity(retriever, identity)
         self.embeddings = EmbeddingCache()
         self.queries: dict[tuple[str, ...], torch.Tensor] = {}
