@@ -84,6 +84,11 @@ class RetrievalEvalConfig:
     use_gpu: bool | None = None
 
 
+def late_interaction(retriever: Phi3VRetriever) -> bool:
+    """Whether ``retriever`` embeds one vector per token (a stand-in without the attribute embeds one per page)."""
+    return bool(getattr(retriever, "late_interaction", False))
+
+
 def barrier() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -100,7 +105,7 @@ def embed_corpus(
     """
     encode_shards(retriever, corpus, out_dir, cfg, identity, rank(), world_size())
     barrier()
-    if not retriever.late_interaction:
+    if not late_interaction(retriever):
         return load_shards(out_dir)
     ids, vectors, offsets = load_multi_vector_shards(out_dir)
     return ids, np.split(vectors, offsets[1:-1])
@@ -125,7 +130,7 @@ def encode_shards(
     return encode_corpus(
         corpus, embed, out_dir, shard_size=cfg.shard_size, manifest=manifest, dtype=cfg.dtype,
         batch_size=cfg.doc_batch_size, rank=part, world_size=parts, progress=is_main(),
-        multi_vector=retriever.late_interaction,
+        multi_vector=late_interaction(retriever),
     )
 
 
@@ -185,7 +190,7 @@ def pool_embeddings(
 
 def _rows(vectors: list[np.ndarray], retriever: Phi3VRetriever) -> np.ndarray | list[np.ndarray]:
     """Per-page vectors as one ``(n, dim)`` matrix (dense) or the list of token arrays (late interaction)."""
-    return vectors if retriever.late_interaction else np.stack(vectors)
+    return vectors if late_interaction(retriever) else np.stack(vectors)
 
 
 def score(run: dict, qa: Sequence[QAExample]) -> dict[str, Any]:
@@ -250,7 +255,7 @@ class DenseRanker:
     def __init__(self, retriever: Phi3VRetriever, cfg: RetrievalEvalConfig, work_dir: str | Path,
                  identity: dict[str, Any]):
         self.retriever, self.cfg, self.work_dir = retriever, cfg, Path(work_dir)
-        if retriever.late_interaction:
+        if late_interaction(retriever):
             self.name = "late_interaction"
         self.identity = shard_identity(retriever, identity)
         self.embeddings = EmbeddingCache()
@@ -265,7 +270,7 @@ class DenseRanker:
         if not is_main():
             return {}
         query_ids = [ex.query_id for ex in qa]
-        if self.retriever.late_interaction:
+        if late_interaction(self.retriever):
             if self.cfg.index != "flat":
                 raise ValueError(f"eval.index={self.cfg.index!r}: the late-interaction head is searched by exact "
                                  "MaxSim here; set eval.index=flat")
