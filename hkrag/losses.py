@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
-from omegaconf import DictConfig
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -246,8 +244,38 @@ class HybridMaskLoss(nn.Module):
 
     def variant(self, **changes: Any) -> HybridMaskLoss:
         """A copy with ``changes`` to its settings (e.g. the terms a diagnostic evaluates), checked as at init."""
-        current = {name: getattr(self, name) for name in inspect.signature(HybridMaskLoss).parameters}
-        return HybridMaskLoss(**{**current, **changes})
+        names = [*inspect.signature(HybridMaskLoss).parameters, *self.extra_settings]
+        return type(self)(**{**{name: getattr(self, name) for name in names}, **changes})
+
+    # The similarity hooks: a dense embedding here; hkrag.late_interaction.LateInteractionLoss scores by MaxSim.
+    extra_settings: tuple[str, ...] = ()
+    """Constructor arguments of a subclass beyond this class's (what :meth:`variant` copies)."""
+
+    def check_batch(self, q: Tensor, d: Tensor) -> None:
+        """Refuse embeddings of another kind than this loss scores (shapes are checked by :func:`_check_batch`)."""
+        if q.dim() != 2 or d.dim() != 2:
+            raise ValueError(f"expected one vector per query and document, got q {tuple(q.shape)} and d "
+                             f"{tuple(d.shape)} (multi-vector embeddings train with model.head=late_interaction)")
+
+    def similarity(self, q: Tensor, d: Tensor) -> Tensor:
+        """Unmasked similarities ``(len(q), len(d))``: the cosine."""
+        return masked_cosine(q, d)
+
+    def plain_term(self, q: Tensor, d: Tensor, ignore: Tensor | None) -> Tensor:
+        """The unmasked term ``L_IN(q, d)`` of Eq. 3."""
+        return info_nce(self.similarity(q, d), self.tau, ignore)
+
+    def pooled(self, x: Tensor) -> Tensor:
+        """The vectors the masks of Eqs. 1-2 are computed from: the embedding itself."""
+        return x
+
+    def masked(self, q: Tensor, d: Tensor, mask: Tensor) -> Tensor:
+        """``sim(q, d ⊙ M)`` under ``loss.masked_similarity``."""
+        return MASKED_SIMILARITIES[self.masked_similarity](q, d, mask)
+
+    def chunk_rows(self, q: Tensor, d: Tensor) -> int:
+        """Query rows per chunk of the pairwise masked similarities (at most ``max_chunk_elements`` mask entries)."""
+        return max(1, self.max_chunk_elements // d.numel())
 
     def forward(
         self, q: Tensor, d: Tensor, generator: torch.Generator | None = None, ignore: Tensor | None = None
@@ -266,12 +294,13 @@ class HybridMaskLoss(nn.Module):
         document-to-query term of Eq. 4, which therefore uses ``ignore.T``.
         """
         q, d = _at_least_float32(q), _at_least_float32(d)
+        self.check_batch(q, d)
         batch = _check_batch(q, d, ignore)
-        positive_mask = hybrid_mask(q, d[:batch], self.alpha, self.eps)
+        positive_mask = hybrid_mask(self.pooled(q), self.pooled(d[:batch]), self.alpha, self.eps)
         sims = self._masked_similarities(q, d, positive_mask, generator)
         terms = {}
         if self.infonce_weight:
-            terms["infonce"] = info_nce(masked_cosine(q, d), self.tau, ignore)
+            terms["infonce"] = self.plain_term(q, d, ignore)
         if self.use_din:
             ignore_t = None if ignore is None else ignore[:, :batch].T
             backward = info_nce(sims[0][:, :batch].T, self.tau, ignore_t)
@@ -291,7 +320,8 @@ class HybridMaskLoss(nn.Module):
         """The masked similarities the loss scores, ``(K, B, len(d))``: under ``M_H`` (if DIN), then each
         sub-mask (if SIN); ``None`` without a masked term. For diagnostics (:mod:`hkrag.training.diagnostics`)."""
         q, d = _at_least_float32(q), _at_least_float32(d)
-        positive_mask = hybrid_mask(q, d[: _check_batch(q, d, None)], self.alpha, self.eps)
+        self.check_batch(q, d)
+        positive_mask = hybrid_mask(self.pooled(q), self.pooled(d[: _check_batch(q, d, None)]), self.alpha, self.eps)
         return self._masked_similarities(q, d, positive_mask, generator)
 
     def _masked_similarities(
@@ -304,7 +334,7 @@ class HybridMaskLoss(nn.Module):
         seed = int(torch.randint(2**62, (), generator=generator, device=device))
         if self.mask_positive_only:
             return self._similarities(q, d, self._document_masks(q, d, positive_mask), seed)
-        rows = max(1, self.max_chunk_elements // d.numel())
+        rows = self.chunk_rows(q, d)
         chunks = [
             checkpoint(self._pairwise_similarities, q_chunk, d, seed + k, use_reentrant=False, preserve_rng_state=False)
             for k, q_chunk in enumerate(q.split(rows))
@@ -317,10 +347,11 @@ class HybridMaskLoss(nn.Module):
             return positive_mask
         negatives_per_query = len(d) // len(q) - 1
         owners = torch.arange(len(q), device=q.device).repeat_interleave(negatives_per_query)
-        return torch.cat([positive_mask, hybrid_mask(q[owners], d[len(q) :], self.alpha, self.eps)])
+        pooled_q, pooled_d = self.pooled(q), self.pooled(d[len(q) :])
+        return torch.cat([positive_mask, hybrid_mask(pooled_q[owners], pooled_d, self.alpha, self.eps)])
 
     def _pairwise_similarities(self, q: Tensor, d: Tensor, seed: int) -> Tensor:
-        mask = hybrid_mask(q[:, None], d[None], self.alpha, self.eps)
+        mask = hybrid_mask(self.pooled(q)[:, None], self.pooled(d)[None], self.alpha, self.eps)
         return self._similarities(q, d, mask, seed)
 
     def _similarities(self, q: Tensor, d: Tensor, mask: Tensor, seed: int) -> Tensor:
@@ -328,14 +359,13 @@ class HybridMaskLoss(nn.Module):
         if self.use_sin:
             generator = _seeded_generator(seed, mask.device)
             masks += split_mask(mask, self.num_sub_masks, generator, self.balanced_split)
-        similarity = MASKED_SIMILARITIES[self.masked_similarity]
-        return torch.stack([similarity(q, d, m) for m in masks])
+        return torch.stack([self.masked(q, d, m) for m in masks])
 
 
 def _check_batch(q: Tensor, d: Tensor, ignore: Tensor | None) -> int:
     """``B``, after checking that ``d`` holds ``B`` positives and ``B·N`` negatives, ``ignore`` ``(B, len(d))``."""
     batch = len(q)
-    if q.dim() != 2 or d.dim() != 2 or q.shape[1] != d.shape[1] or batch == 0 or len(d) % batch:
+    if q.dim() != d.dim() or q.shape[-1] != d.shape[-1] or batch == 0 or len(d) % batch:
         raise ValueError(
             f"expected q of shape (B, D) and d of shape (B·(1 + N), D) (positives, then N hard negatives per "
             f"query), got q {tuple(q.shape)} and d {tuple(d.shape)}"
@@ -399,9 +429,3 @@ class PretrainingLoss(nn.Module):
         """``L_RCR + L_RCG`` for logging and the finiteness check (each term was back-propagated already)."""
         rcg = rcg.detach()
         return LossOutput(loss=rcr.loss.detach() + rcg, components={**rcr.components, "rcg": rcg}, metrics=rcr.metrics)
-
-
-def make_loss(loss_cfg: DictConfig) -> HybridMaskLoss | PretrainingLoss:
-    """The ``loss`` group's objective: its ``_target_`` (``hkrag.losses.PretrainingLoss``, conf/loss/pretrain.yaml),
-    else :class:`HybridMaskLoss` with its values."""
-    return instantiate(loss_cfg) if "_target_" in loss_cfg else HybridMaskLoss(**loss_cfg)

@@ -18,15 +18,16 @@ import logging
 import re
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 from peft.tuners.lora import LoraLayer
-from peft.utils import get_peft_model_state_dict, load_peft_weights
+from peft.utils import get_peft_model_state_dict, load_peft_weights, set_additional_trainable_modules
 from PIL import Image
 from safetensors import SafetensorError
 from torch import nn
@@ -34,6 +35,15 @@ from tqdm.auto import tqdm
 from transformers import BatchFeature
 
 from hkrag.data.collators import RetrieverCollator
+from hkrag.late_interaction import (
+    DEFAULT_DIM,
+    HEADS,
+    PROJECTION,
+    QUERY_AUGMENTATION,
+    make_projection,
+    project_tokens,
+    unpad,
+)
 from hkrag.losses import causal_lm_loss
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VModel, Phi3VProcessor
 from hkrag.models.phi3v.loading import (
@@ -89,6 +99,79 @@ def last_token_pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -
     return hidden_states[torch.arange(hidden_states.shape[0], device=hidden_states.device), last]
 
 
+@dataclass(frozen=True)
+class HeadSettings:
+    """The embedding head (config keys ``model.head`` and ``model.late_interaction``): ``dense`` (one EOS vector,
+    the paper's) or ``late_interaction`` (ColPali: a ``dim``-d projection of every token, MaxSim scoring, with
+    ``query_augmentation`` EOS tokens after each query)."""
+
+    head: str = "dense"
+    dim: int = DEFAULT_DIM
+    query_augmentation: int = QUERY_AUGMENTATION
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.head not in HEADS:
+            raise ValueError(f"model.head must be one of {list(HEADS)}, got {self.head!r}")
+        for name in ("dim", "query_augmentation", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "dim" else 0):
+                raise ValueError(f"model.late_interaction.{name} must be an integer >= {int(name == 'dim')}, "
+                                 f"got {value!r}")
+
+    @property
+    def late_interaction(self) -> bool:
+        return self.head == HEADS[1]
+
+
+def attach_head(model: Phi3VForCausalLM, head: HeadSettings) -> None:
+    """Give ``model`` the untrained ColPali projection (seeded, in the model's dtype and device) as
+    ``custom_text_proj``, before any adapter: a saved adapter then loads its trained copy over it."""
+    weight = model.get_input_embeddings().weight
+    projection = make_projection(model.config.hidden_size, head.dim, head.seed).to(weight.device, weight.dtype)
+    projection.requires_grad_(False)
+    model.add_module(PROJECTION, projection)
+    model.query_augmentation = head.query_augmentation
+
+
+def adapter_has_head(model: PeftModel) -> bool:
+    """Whether the loaded adapter holds a trained projection (``custom_text_proj`` among its saved modules)."""
+    return PROJECTION in (model.peft_config["default"].modules_to_save or [])
+
+
+def saved_head(adapter: str | Path) -> bool | None:
+    """Whether the adapter folder's ``adapter_config.json`` saves the projection; ``None`` when it cannot be read
+    here (a hub id, a broken file: :func:`load_adapter` reports those)."""
+    try:
+        config = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return PROJECTION in (config.get("modules_to_save") or []) if isinstance(config, dict) else None
+
+
+def check_head(adapter: str | Path, head: HeadSettings | None, trainable: bool) -> None:
+    """The adapter and ``model.head`` agree, else :class:`AdapterMismatchError` says which head to use: a dense
+    head takes no adapter with a projection; the late-interaction head takes one with a trained projection, or a
+    dense one when ``trainable`` (a warm start: the projection is added, :func:`train_head`)."""
+    late = head is not None and head.late_interaction
+    has_head = saved_head(adapter)
+    if has_head and not late:
+        raise AdapterMismatchError(f"the adapter {str(adapter)!r} was trained with the late-interaction head (it holds "
+                                   f"{PROJECTION}): evaluate it with model.head=late_interaction")
+    if late and has_head is False and not trainable:
+        raise AdapterMismatchError(
+            f"the adapter {str(adapter)!r} has no late-interaction projection ({PROJECTION}): it was trained with "
+            "model.head=dense; evaluate it with model.head=dense, or train a late-interaction head from it")
+
+
+def train_head(model: PeftModel) -> None:
+    """Add the projection to the adapter's ``modules_to_save`` (trainable, saved with the adapter from now on)."""
+    config = model.peft_config["default"]
+    config.modules_to_save = [*(config.modules_to_save or []), PROJECTION]
+    only_new = SimpleNamespace(modules_to_save=[PROJECTION], inference_mode=False)  # the others keep their copies
+    set_additional_trainable_modules(model, only_new, model.config, "default")
+
+
 @dataclass
 class LoraSettings:
     """LoRA hyper-parameters (config group ``model.lora``)."""
@@ -124,19 +207,35 @@ class Phi3VRetriever(nn.Module):
         self.processor = processor
         context = getattr(self.backbone.config, "max_position_embeddings", None)
         self.collator = RetrieverCollator(processor, max_query_length=context)
+        if self.late_interaction:
+            self.collator.query_augmentation = getattr(self.causal_lm, "query_augmentation", QUERY_AUGMENTATION)
+
+    @property
+    def causal_lm(self) -> Phi3VForCausalLM:
+        """The causal LM under the peft wrapper (if any)."""
+        return self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+
+    @property
+    def late_interaction(self) -> bool:
+        """Whether this retriever embeds one projected vector per token (``model.head=late_interaction``)."""
+        return hasattr(self.causal_lm, PROJECTION)
+
+    @property
+    def head(self) -> str:
+        return HEADS[1] if self.late_interaction else HEADS[0]
 
     @property
     def backbone(self) -> Phi3VModel:
         """The base Phi3VModel (LoRA layers, if any, are injected in place)."""
-        lm = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
-        return lm.model
+        return self.causal_lm.model
 
     @property
     def device(self) -> torch.device:
         return self.backbone.embed_tokens.weight.device
 
     def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
-        """Embeddings (B, hidden) in float32, L2-normalised, from a processor batch.
+        """Embeddings (B, hidden) in float32, L2-normalised, from a processor batch; under the late-interaction
+        head (B, L, dim) token vectors, each L2-normalised, the padding rows zero (:mod:`hkrag.late_interaction`).
 
         A batch with ``labels`` (VDocRAG pre-training's RCG batch) gives :meth:`generation_loss` instead, so
         both passes go through the (possibly DDP-wrapped) module call.
@@ -144,6 +243,9 @@ class Phi3VRetriever(nn.Module):
         if "labels" in inputs:
             return self.generation_loss(**inputs)
         outputs = self.backbone(**inputs, use_cache=False)
+        if self.late_interaction:
+            projection = getattr(self.causal_lm, PROJECTION)
+            return project_tokens(projection, outputs.last_hidden_state, inputs["attention_mask"])
         pooled = last_token_pool(outputs.last_hidden_state, inputs["attention_mask"])
         return F.normalize(pooled.float(), dim=-1)
 
@@ -190,8 +292,9 @@ class Phi3VRetriever(nn.Module):
     @torch.no_grad()
     def encode_queries(
         self, texts: Sequence[str], batch_size: int = 32, progress: bool = False, ids: Sequence[str] | None = None
-    ) -> torch.Tensor:
-        """Query embeddings; ``ids`` (one per text) name a query in warnings. Queries cut to the model's context are
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """Query embeddings (late interaction: one ``(tokens, dim)`` tensor per query); ``ids`` (one per text) name a
+        query in warnings. Queries cut to the model's context are
         counted in one warning per call (the first one cut is also named, :class:`RetrieverCollator`)."""
         before = self.collator.truncated
         if ids is None:
@@ -207,12 +310,15 @@ class Phi3VRetriever(nn.Module):
     @torch.no_grad()
     def encode_documents(
         self, images: Sequence[Image.Image], batch_size: int = 8, progress: bool = False
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """Page embeddings ``(n, hidden)``; under the late-interaction head one ``(tokens, dim)`` tensor per page."""
         return self._encode(images, self.document_inputs, batch_size, progress)
 
-    def _encode(self, items, make_inputs, batch_size: int, progress: bool) -> torch.Tensor:
+    def _encode(self, items, make_inputs, batch_size: int, progress: bool) -> torch.Tensor | list[torch.Tensor]:
         chunks = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
         out = [self(**make_inputs(chunk).to(self.device)).cpu() for chunk in tqdm(chunks, disable=not progress)]
+        if self.late_interaction:
+            return [tokens for chunk in out for tokens in unpad(chunk)]
         return torch.cat(out) if out else torch.empty(0, self.backbone.config.hidden_size)
 
     def save(self, directory: str | Path) -> None:
@@ -231,6 +337,7 @@ class Phi3VRetriever(nn.Module):
         dtype: torch.dtype | str = torch.bfloat16,
         attn_implementation: str | None = None,
         gradient_checkpointing: bool = False,
+        head: HeadSettings | None = None,
         **kwargs: Any,
     ) -> Phi3VRetriever:
         """Base checkpoint + optional existing adapter (e.g. VDocRAG's) + optional new LoRA.
@@ -240,7 +347,7 @@ class Phi3VRetriever(nn.Module):
         (they load the processor without ``num_crops``).
         """
         model = load_phi3v(base, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
-        return cls.wrap(model, load_processor(base, num_crops), adapter, lora, trainable, gradient_checkpointing)
+        return cls.wrap(model, load_processor(base, num_crops), adapter, lora, trainable, gradient_checkpointing, head)
 
     @classmethod
     def tiny(
@@ -249,11 +356,12 @@ class Phi3VRetriever(nn.Module):
         num_crops: int = 4,
         seed: int = 0,
         texts: Sequence[str] = (),
+        head: HeadSettings | None = None,
         **config_overrides: Any,
     ) -> Phi3VRetriever:
         """A random-initialised tiny retriever with an offline tokenizer (tests, demo, CPU bench)."""
         model, processor = tiny_phi3v(texts=texts, num_crops=num_crops, seed=seed, **config_overrides)
-        return cls.wrap(model, processor, lora=lora, trainable=lora is not None)
+        return cls.wrap(model, processor, lora=lora, trainable=lora is not None, head=head)
 
     @classmethod
     def wrap(
@@ -264,12 +372,26 @@ class Phi3VRetriever(nn.Module):
         lora: LoraSettings | None = None,
         trainable: bool = False,
         gradient_checkpointing: bool = False,
+        head: HeadSettings | None = None,
     ) -> Phi3VRetriever:
-        """Attach an existing adapter or a new LoRA to ``model`` and freeze everything else."""
+        """Attach an existing adapter or a new LoRA to ``model`` and freeze everything else.
+
+        ``head`` (late interaction) first gives ``model`` the ColPali projection (:func:`attach_head`), which a
+        new LoRA trains and saves (``modules_to_save``); an adapter trained with it brings its weights, one trained
+        without it (a dense warm start) gets it added when ``trainable`` (:func:`train_head`). A dense head refuses
+        an adapter holding a projection and the late-interaction one refuses to evaluate an adapter without one.
+        """
         if gradient_checkpointing:
             enable_checkpointing(model)
+        if head is not None and head.late_interaction:
+            attach_head(model, head)
+            if lora is not None:
+                lora = replace(lora, modules_to_save=(*lora.modules_to_save, PROJECTION))
         if adapter is not None:
+            check_head(adapter, head, trainable)
             model = load_adapter(model, adapter, trainable)
+            if head is not None and head.late_interaction and not adapter_has_head(model):
+                train_head(model)
         elif lora is not None:
             model = get_peft_model(model, lora.peft_config())
         else:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hkrag.distributed import gather_with_grad, rank, world_size
+from hkrag.late_interaction import LateInteractionLoss, concat_padded, pad_across_ranks
 from hkrag.losses import HybridMaskLoss, LossOutput
 from hkrag.training.gradcache import grad_cache_step
 
@@ -70,6 +71,49 @@ def step(model: nn.Module, x_q: Tensor, x_d: Tensor, cached: bool, seed: int = 0
     return {"loss": out.loss.detach(), "grads": grads}
 
 
+TOKENS = 5
+LENGTHS = torch.tensor([2, 5, 1, 3, 4, 1, 2, 3])  # rank 0's rows are longer than rank 1's: ragged across ranks
+
+
+def token_data() -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Late interaction: each row ``TOKENS`` token inputs of which its ``LENGTHS`` are real."""
+    generator = torch.Generator().manual_seed(0)
+    x_q = torch.randn(BATCH, TOKENS, DIM_IN, generator=generator)
+    x_d = x_q + 0.5 * torch.randn(BATCH, TOKENS, DIM_IN, generator=generator)
+    return {"x": x_q, "lengths": LENGTHS}, {"x": x_d, "lengths": LENGTHS.flip(0)}
+
+
+def encode_tokens(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
+    """Normalised token vectors cut to the chunk's longest row, padding rows zero (the head's convention)."""
+    longest = int(inputs["lengths"].max())
+    keep = torch.arange(longest)[None, :] < inputs["lengths"][:, None]
+    return F.normalize(model(inputs["x"][:, :longest]), dim=-1) * keep.unsqueeze(-1)
+
+
+def late_loss(q: Tensor, d: Tensor) -> LossOutput:
+    """MaxSim InfoNCE + the masks' terms on the gathered batch, every rank's tokens padded to the longest."""
+    loss_fn = LateInteractionLoss(tau=0.1, alpha=0.5, beta=0.7, infonce_weight=1.0)
+    q, d = pad_across_ranks(q), pad_across_ranks(d)
+    return loss_fn(gather_with_grad(q), gather_with_grad(d), torch.Generator().manual_seed(1))
+
+
+def late_step(model: nn.Module, queries: dict[str, Tensor], docs: dict[str, Tensor], cached: bool) -> dict:
+    """:func:`step` for the late-interaction scenarios (chunks of ``CHUNK`` rows)."""
+    def chunks(inputs):
+        return [{k: v[s : s + CHUNK] for k, v in inputs.items()} for s in range(0, len(inputs["x"]), CHUNK)]
+
+    encode_fn = partial(encode_tokens, model)
+    if cached:
+        no_sync = model.no_sync if isinstance(model, DistributedDataParallel) else None
+        out = grad_cache_step(encode_fn, encode_fn, chunks(queries), chunks(docs), late_loss, no_sync)
+    else:
+        q = concat_padded([encode_fn(chunk) for chunk in chunks(queries)])
+        d = concat_padded([encode_fn(chunk) for chunk in chunks(docs)])
+        out = late_loss(q, d)
+        out.loss.backward()
+    return {"loss": out.loss.detach(), "grads": torch.cat([p.grad.flatten() for p in model.parameters()])}
+
+
 def local_rows(sizes: tuple[int, ...]) -> slice:
     start = sum(sizes[: rank()])
     return slice(start, start + sizes[rank()])
@@ -86,7 +130,13 @@ def scenarios(wrap: Callable[[nn.Module], nn.Module]) -> dict[str, dict[str, Ten
         "uneven": step(wrap(encoder()), x_q[uneven], x_d[uneven], cached=False),
         "dropout": step(wrap(encoder(0.3)), x_q[even], x_d[even], cached=False, seed=rank()),
         "dropout-cached": step(wrap(encoder(0.3)), x_q[even], x_d[even], cached=True, seed=rank()),
+        "late": late_step(wrap(encoder()), *(_rows(t, even) for t in token_data()), cached=False),
+        "late-cached": late_step(wrap(encoder()), *(_rows(t, even) for t in token_data()), cached=True),
     }
+
+
+def _rows(inputs: dict[str, Tensor], rows: slice) -> dict[str, Tensor]:
+    return {key: value[rows] for key, value in inputs.items()}
 
 
 def spawned(local_rank: int, world: int, store: str, out_dir: str) -> None:

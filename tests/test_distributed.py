@@ -57,6 +57,15 @@ def test_two_ranks_match_one_process(spawned, reference, scenario):
         assert_same_step(result[scenario], reference)
 
 
+@pytest.mark.parametrize("scenario", ["late", "late-cached"])
+def test_late_interaction_over_two_ranks_matches_one_process(spawned, scenario):
+    """Ragged token counts (per chunk and per rank) padded across ranks, all-gathered, gradient-cached: the same
+    MaxSim loss and gradients as one process encoding the whole batch."""
+    expected = worker.late_step(worker.encoder(), *worker.token_data(), cached=False)
+    for result in spawned:
+        assert_same_step(result[scenario], expected)
+
+
 def test_gradient_caching_with_gather_replays_each_ranks_dropout(spawned):
     for result in spawned:
         assert_same_step(result["dropout-cached"], result["dropout"])

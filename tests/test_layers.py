@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hkrag.io", "hkrag.stats", "hkrag.run_log", "hkrag.distributed", "hkrag.environment"),
     ("hkrag", "hkrag.models"),
     ("hkrag.data",),
-    ("hkrag.lvlm", "hkrag.losses", "hkrag.retriever", "hkrag.index"),
+    ("hkrag.lvlm", "hkrag.losses", "hkrag.late_interaction", "hkrag.retriever", "hkrag.index"),
     ("hkrag.training",),
     ("hkrag.retrieval", "hkrag.rag"),
     GENERATORS,

@@ -212,3 +212,21 @@ def test_model_meta_says_what_is_known_of_phi3v_vdocretriever_and_our_runs(tmp_p
     assert (meta.license, meta.open_weights, meta.adapted_from) == (None, True, PHI3V)
     assert meta.get_training_datasets() >= {"VidoreInfoVQARetrieval"}
     assert model_meta(retriever, "hkrag/phi3v", base=PHI3V).license == "mit" == KNOWN_MODELS[PHI3V]["license"]
+
+
+@pytest.mark.slow
+def test_late_interaction_is_served_through_mtebs_maxsim(tmp_path):
+    """model.head=late_interaction: MTEB gets each text's token vectors (model type late-interaction, MaxSim) and
+    ranks as task=retrieval's exact MaxSim does."""
+    late = ("model.head=late_interaction", "model.late_interaction.dim=16")
+    ours = run_retrieval_evaluation(config(tmp_path, "retrieval", *late), tmp_path / "retrieval")
+    overrides = ("task=mteb", "benchmark=local", f"task.model_name={MODEL}", *late)
+    theirs = run_mteb(config(tmp_path, "mteb", *overrides), tmp_path / "mteb")
+    for dataset, by_pool in ours["results"].items():
+        for pool, result in by_pool.items():
+            expected = result["all"]["ndcg@5"]
+            assert theirs[f"HKRAG-{dataset}-{pool}"]["ndcg_at_5"] == pytest.approx(expected, abs=5e-6 + 1e-12)
+    assert any(0 < by["ndcg_at_5"] < 1 for by in theirs.values())
+    meta = json.loads(next((tmp_path / "mteb" / MTEB_DIR).rglob("model_meta.json")).read_text())
+    assert meta["similarity_fn_name"] == "MaxSim" and meta["model_type"] == ["late-interaction"]
+    assert meta["embed_dim"] == 16

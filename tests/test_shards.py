@@ -4,7 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from hkrag.index.shards import config_hash, encode_corpus, load_shards, read_manifest
+from hkrag.index.shards import (
+    config_hash,
+    encode_corpus,
+    iter_multi_vector_shards,
+    load_multi_vector_shards,
+    load_shards,
+    read_manifest,
+)
 
 DIM = 8
 MANIFEST = {"model": "tiny-phi3v", "adapter": None, "config_hash": config_hash({"lr": 1e-4})}
@@ -175,3 +182,93 @@ def test_bad_embeddings_and_arguments_fail_clearly(tmp_path):
         encode([], tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="no manifest.json"):
         load_shards(tmp_path / "m")
+
+
+def tokens(rows, dim=DIM):
+    """Multi-vector embeddings: 1 + seed % 4 token vectors per row, deterministic per row."""
+    return [embed([{"seed": 100 * r["seed"] + t} for t in range(1 + r["seed"] % 4)], dim) for r in rows]
+
+
+def encode_tokens(items, out, **kw):
+    return encode(items, out, **{"embed_fn": tokens, "multi_vector": True, **kw})
+
+
+def test_multi_vector_shards_round_trip(tmp_path):
+    items = corpus()
+    encode_tokens(items, tmp_path, dtype="float16")
+    assert read_manifest(tmp_path)["layout"] == "multi_vector"
+    assert np.load(tmp_path / "shard-00000.npy").dtype == np.float16
+    assert np.load(tmp_path / "shard-00000.offsets.npy").tolist() == [0, 1, 3, 6, 10, 11]  # 1, 2, 3, 4, 1 tokens
+    ids, vectors, offsets = load_multi_vector_shards(tmp_path)
+    assert ids == [r["doc_id"] for r in items] and vectors.dtype == np.float32 and offsets.dtype == np.int64
+    expected = tokens(items)
+    assert np.diff(offsets).tolist() == [len(t) for t in expected]
+    np.testing.assert_allclose(vectors, torch.cat(expected).numpy(), atol=1e-3)
+    shards = list(iter_multi_vector_shards(tmp_path))
+    assert [len(shard_ids) for shard_ids, _, _ in shards] == [5, 5, 5, 5, 3]
+    assert shards[1][1].shape == (shards[1][2][-1], DIM)  # each shard's offsets index its own vectors
+
+
+def test_killed_multi_vector_job_resumes_to_the_same_index(tmp_path):
+    items = corpus()
+    encode_tokens(items, tmp_path / "clean")
+    calls = {"n": 0}
+
+    def crashing(rows):
+        calls["n"] += 1
+        if calls["n"] > 7:
+            raise Crash("simulated kill")
+        return tokens(rows)
+
+    with pytest.raises(Crash):
+        encode_tokens(items, tmp_path / "killed", embed_fn=crashing)
+    with pytest.raises(FileNotFoundError, match="shard-00002"):
+        load_multi_vector_shards(tmp_path / "killed")
+    seen = []
+    encode_tokens(items, tmp_path / "killed", embed_fn=lambda rows: seen.append(len(rows)) or tokens(rows))
+    assert sum(seen) == 23 - 10
+    clean, resumed = load_multi_vector_shards(tmp_path / "clean"), load_multi_vector_shards(tmp_path / "killed")
+    for one, other in zip(clean, resumed, strict=True):
+        np.testing.assert_array_equal(np.asarray(one), np.asarray(other))
+
+
+def test_dense_and_multi_vector_shards_are_never_mixed(tmp_path):
+    items = corpus()
+    with pytest.raises(Crash):
+        encode(items, tmp_path / "dense", embed_fn=crashing_after(4))
+    with pytest.raises(ValueError, match=r"different run \(layout: on disk None vs now 'multi_vector'\)"):
+        encode_tokens(items, tmp_path / "dense")
+    calls = {"n": 0}
+
+    def crashing(rows):
+        calls["n"] += 1
+        if calls["n"] > 4:
+            raise Crash("simulated kill")
+        return tokens(rows)
+
+    with pytest.raises(Crash):
+        encode_tokens(items, tmp_path / "multi", embed_fn=crashing)
+    with pytest.raises(ValueError, match=r"different run \(layout: on disk 'multi_vector' vs now None\)"):
+        encode(items, tmp_path / "multi")
+    with pytest.raises(ValueError, match=r"different run \(dim: on disk 8 vs now 16\)"):
+        encode_tokens(items, tmp_path / "multi", embed_fn=lambda rows: tokens(rows, dim=2 * DIM))
+    encode_tokens(items, tmp_path / "multi")
+    encode(items, tmp_path / "dense")
+    with pytest.raises(ValueError, match="holds multi-vector embeddings, not the dense ones"):
+        load_shards(tmp_path / "multi")
+    with pytest.raises(ValueError, match="holds dense embeddings, not the multi-vector ones"):
+        load_multi_vector_shards(tmp_path / "dense")
+    with pytest.raises(ValueError, match="dim: on disk 8 vs now 128"):
+        load_multi_vector_shards(tmp_path / "multi", expect={"dim": 128})
+
+
+def test_multi_vector_shards_check_their_files(tmp_path):
+    encode_tokens(corpus(), tmp_path)
+    np.save(tmp_path / "shard-00001.offsets.npy", np.array([0, 2, 1, 3, 4, 5], dtype=np.int64))
+    with pytest.raises(ValueError, match=r"shard-00001: vectors .* offsets \(6,\) int64 with 5 ids; manifest "
+                                         r"expects 5 pages"):
+        load_multi_vector_shards(tmp_path)
+    with pytest.raises(ValueError, match="expected one \\(tokens >= 1, dim\\) array per row"):
+        encode_tokens(corpus(), tmp_path / "bad", embed_fn=lambda rows: [torch.zeros(0, DIM) for _ in rows])
+    with pytest.raises(ValueError, match="non-finite embedding for documents \\['doc000'"):
+        encode_tokens(corpus(), tmp_path / "nan", embed_fn=lambda rows: [torch.full((2, DIM), np.nan)] * len(rows))

@@ -19,9 +19,10 @@ from hkrag.data.opendocvqa import DataError, load_corpus, load_qa
 from hkrag.data.pairs import TrainingPair, field_pairs, training_pairs
 from hkrag.data.synthetic import SyntheticConfig, generate, load_page_items
 from hkrag.io import WriteError
+from hkrag.late_interaction import LateInteractionLoss
 from hkrag.losses import HybridMaskLoss, LossOutput
 from hkrag.models.phi3v.loading import load_phi3v
-from hkrag.retriever import LoraSettings, Phi3VRetriever
+from hkrag.retriever import HeadSettings, LoraSettings, Phi3VRetriever
 from hkrag.run_log import RunLogger
 from hkrag.tasks.training import run_settings
 from hkrag.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_state, resolve_resume
@@ -46,9 +47,9 @@ def train_data(synthetic_root):
     return training_pairs(qa, corpus), corpus
 
 
-def make_trainer(train_data, output_dir, loss_fn=None, lora_rank=4, **overrides):
+def make_trainer(train_data, output_dir, loss_fn=None, lora_rank=4, head=None, **overrides):
     pairs, corpus = train_data
-    retriever = Phi3VRetriever.tiny(lora=LoraSettings(r=lora_rank, dropout=0.1), num_crops=4, seed=0)
+    retriever = Phi3VRetriever.tiny(lora=LoraSettings(r=lora_rank, dropout=0.1), num_crops=4, seed=0, head=head)
     settings = dict(global_batch_size=8, chunk_size=4, epochs=2, lr=1e-3, seed=3, num_workers=0)
     settings.update(overrides)
     config = TrainerConfig(**settings)
@@ -167,6 +168,27 @@ def test_resume_reproduces_the_uninterrupted_losses(train_data, tmp_path):
     tail = losses(resumed)
     assert len(full) == 6 and head == full[:3]
     assert tail == full[3:]
+
+
+def test_a_late_interaction_run_resumes_exactly_with_its_projection(train_data, tmp_path):
+    """model.head=late_interaction: the checkpoint holds the trained projection (in the adapter and the trainable
+    tensors) and a resumed run gives the uninterrupted run's losses (gradient caching over ragged chunks)."""
+    head = HeadSettings("late_interaction", dim=16)
+
+    def trainer(folder, **overrides):
+        return make_trainer(train_data, tmp_path / folder, LateInteractionLoss(tau=0.1), head=head, max_steps=4,
+                            **overrides)
+
+    full = losses(trainer("full"))
+    first = trainer("split", save_every=2)
+    first.total_steps = 2
+    start = losses(first)
+    resumed = trainer("split")
+    resumed.resume(latest_checkpoint(tmp_path / "split"))
+    assert start + losses(resumed) == full
+    saved = json.loads((tmp_path / "split" / "checkpoints" / "step-2" / "adapter" / "adapter_config.json").read_text())
+    assert saved["modules_to_save"] == ["custom_text_proj"]
+    assert resumed.state.config["loss.head"] == "late_interaction"
 
 
 def test_training_lowers_the_loss_and_logs_components(train_data, tmp_path):

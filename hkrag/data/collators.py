@@ -53,16 +53,22 @@ class RetrieverCollator:
     max_query_length: int | None = None
     limit_name: str = "the model's context"
     truncated: int = field(default=0, repr=False)
+    query_augmentation: int = 0
+    """EOS tokens appended to every query, attended (the late-interaction head's query augmentation, ColBERT's and
+    ColPali's); they count against ``max_query_length``."""
 
     def queries(self, texts: Sequence[str], ids: Sequence[str] | None = None) -> BatchFeature:
         """Query batch; ``ids`` only name queries in the truncation warning."""
         eos = self.processor.eos_token
         tokens = [self.processor.prompt_ids(query_prompt(t, eos), []) for t in texts]
-        limit = self.max_query_length
+        extra = self.query_augmentation
+        limit = None if self.max_query_length is None else self.max_query_length - extra
         for row, seq in enumerate(tokens):
             if limit is not None and len(seq) > limit:
                 self._warn_truncated(ids[row] if ids is not None else f"#{row} of the batch", len(seq))
                 tokens[row] = seq[: limit - 1] + seq[-1:]
+        if extra:
+            tokens = [seq + seq[-1:] * extra for seq in tokens]
         return BatchFeature(self.processor.pad(tokens))
 
     def _warn_truncated(self, query_id: str, length: int) -> None:

@@ -7,6 +7,15 @@ Layout of an output directory::
     shard-00000.json         {"shard", "start", "ids", "dim", "dtype", "fingerprint"}
     ...
 
+Multi-vector (late-interaction) embeddings, ``layout: multi_vector`` in the manifest, store a shard's token vectors
+end to end and where each page's start::
+
+    shard-00000.npy          vectors [total_tokens, dim], float16/float32, the pages' tokens in row order
+    shard-00000.offsets.npy  int64 [rows + 1]: page i's vectors are rows offsets[i] .. offsets[i + 1] - 1
+
+The layout is part of the identity: a directory of one layout refuses the other (and another dimension), so dense
+and multi-vector shards are never mixed.
+
 A shard is the unit of work and of resumption: rank r of a world of size w encodes shards
 s = r, r+w, r+2w, … with no communication (so ``accelerate launch`` data parallelism just works).
 Each file is written to a temporary name and renamed (:mod:`hkrag.io`); the ``.json`` is renamed last
@@ -20,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +42,8 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 DTYPES = ("float16", "float32")
+MULTI_VECTOR = "multi_vector"
+"""The manifest's ``layout`` of multi-vector shards (absent for dense ones, so their identity is unchanged)."""
 # Manifest fields that identify what was encoded; a restart must agree on all of them.
 IDENTITY = ("model", "adapter", "weights", "config_hash", "dtype", "count", "shard_size", "num_shards", "id_key")
 
@@ -94,6 +105,26 @@ def _check_agrees(existing: Mapping[str, Any], wanted: Mapping[str, Any], where:
         )
 
 
+def identity(header: Mapping[str, Any]) -> dict[str, Any]:
+    """The identity fields of a manifest: :data:`IDENTITY`, and ``layout`` for multi-vector shards."""
+    fields = {k: header.get(k) for k in IDENTITY}
+    return {**fields, "layout": header["layout"]} if header.get("layout") else fields
+
+
+def _embed_tokens(embed_fn: EmbedFn, rows: list[Any], ids: list[str], dtype: str) -> list[np.ndarray]:
+    """One ``(tokens, dim)`` array per row from a multi-vector ``embed_fn``, checked."""
+    out = [np.asarray(t.detach().float().cpu().numpy() if hasattr(t, "detach") else t, dtype=np.float32)
+           for t in embed_fn(rows)]
+    if len(out) != len(rows) or any(t.ndim != 2 or len(t) == 0 or t.shape[1] != out[0].shape[1] for t in out):
+        shapes = [t.shape for t in out[:3]]
+        raise ValueError(f"embed_fn returned {len(out)} arrays (e.g. {shapes}) for {len(rows)} rows; expected one "
+                         "(tokens >= 1, dim) array per row, one dim")
+    bad = [i for i, t in zip(ids, out) if not np.isfinite(t).all()]
+    if bad:
+        raise ValueError(f"non-finite embedding for documents {bad[:5]}")
+    return [t.astype(dtype) for t in out]
+
+
 def _embed(embed_fn: EmbedFn, rows: list[Any], ids: list[str], dtype: str) -> np.ndarray:
     out = embed_fn(rows)
     if hasattr(out, "detach"):
@@ -120,10 +151,12 @@ def encode_corpus(
     world_size: int = 1,
     id_key: str = "doc_id",
     progress: bool = True,
+    multi_vector: bool = False,
 ) -> Path:
     """Embed ``items`` into ``out_dir`` shard by shard, skipping shards already finished.
 
-    ``embed_fn(rows) -> (n, dim)`` tensor/array of L2-normalised embeddings. ``manifest`` names
+    ``embed_fn(rows) -> (n, dim)`` tensor/array of L2-normalised embeddings; with ``multi_vector`` a list of one
+    ``(tokens, dim)`` array per row, stored as the module docstring says. ``manifest`` names
     the run (``model``, ``adapter``, ``weights`` fingerprint, ``config_hash``; any extra keys are kept).
     This rank encodes shards ``s ≡ rank (mod world_size)``. Restarting into a directory written by a different run
     (model, adapter, config hash, dtype, sizes or dimension) raises instead of mixing vectors.
@@ -149,22 +182,25 @@ def encode_corpus(
         "shard_size": shard_size,
         "num_shards": -(-count // shard_size),
         "id_key": id_key,
+        **({"layout": MULTI_VECTOR} if multi_vector else {}),
     }
     if (out / MANIFEST).is_file():
-        _check_agrees(read_manifest(out), {k: header[k] for k in IDENTITY}, out)
+        _check_agrees(read_manifest(out), {**identity(header), "layout": header.get("layout")}, out)
 
     todo = pending_shards(out, count, shard_size, rank, world_size)
     log.info("rank %d/%d: %d shard(s) to encode into %s", rank, world_size, len(todo), out)
     for shard in tqdm(todo, desc=f"encode (rank {rank})", unit="shard", disable=not progress):
         rows = [items[i] for i in range(shard * shard_size, min((shard + 1) * shard_size, count))]
         ids = [_row_id(row, id_key) for row in rows]
-        vectors = np.concatenate(
-            [
-                _embed(embed_fn, rows[b : b + batch_size], ids[b : b + batch_size], dtype)
-                for b in range(0, len(rows), batch_size)
-            ]
-        )
-        _write_shard(out, shard, ids, vectors, header)
+        embed = _embed_tokens if multi_vector else _embed
+        parts = [embed(embed_fn, rows[b : b + batch_size], ids[b : b + batch_size], dtype)
+                 for b in range(0, len(rows), batch_size)]
+        offsets = None
+        if multi_vector:
+            pages = [tokens for part in parts for tokens in part]
+            offsets = np.concatenate([[0], np.cumsum([len(t) for t in pages])]).astype(np.int64)
+            parts = pages
+        _write_shard(out, shard, ids, np.concatenate(parts), header, offsets)
     return out
 
 
@@ -174,8 +210,9 @@ def pending_shards(out_dir: str | Path, count: int, shard_size: int, rank: int =
     return [s for s in range(rank, num_shards, world_size) if not Path(out_dir, f"{shard_name(s)}.json").is_file()]
 
 
-def _write_shard(out: Path, shard: int, ids: list[str], vectors: np.ndarray, header: Mapping[str, Any]) -> None:
-    """Write one finished shard (vectors, then ids as the completion marker) and the manifest."""
+def _write_shard(out: Path, shard: int, ids: list[str], vectors: np.ndarray, header: Mapping[str, Any],
+                 offsets: np.ndarray | None = None) -> None:
+    """Write one finished shard (vectors and any offsets, then ids as the completion marker) and the manifest."""
     dim = int(vectors.shape[1])
     if (out / MANIFEST).is_file():
         _check_agrees(read_manifest(out), {"dim": dim}, out)
@@ -187,8 +224,10 @@ def _write_shard(out: Path, shard: int, ids: list[str], vectors: np.ndarray, hea
         "ids": ids,
         "dim": dim,
         "dtype": header["dtype"],
-        "fingerprint": config_hash({k: header[k] for k in IDENTITY}),
+        "fingerprint": config_hash(identity(header)),
     }
+    if offsets is not None:
+        atomic_write(out / f"{shard_name(shard)}.offsets.npy", lambda f: np.save(f, offsets), "wb")
     atomic_write(out / f"{shard_name(shard)}.npy", lambda f: np.save(f, vectors), "wb")
     write_json(out / f"{shard_name(shard)}.json", meta, indent=1)
 
@@ -204,28 +243,15 @@ def load_shards(directory: str | Path, *, expect: Mapping[str, Any] | None = Non
     manifest fields that disagree with ``expect`` (e.g. ``{"model": ..., "dim": 3072}``) raise.
     """
     directory = Path(directory)
-    manifest = read_manifest(directory)
-    if expect:
-        _check_agrees(manifest, dict(expect), directory)
-    fingerprint = config_hash({k: manifest.get(k) for k in IDENTITY})
+    manifest = _finished_manifest(directory, expect, multi_vector=False)
     num, dim, dtype = manifest["num_shards"], manifest["dim"], manifest["dtype"]
-    missing = [shard_name(s) for s in range(num) if not (directory / f"{shard_name(s)}.json").is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"{directory}: {len(missing)} of {num} shard(s) missing or unfinished: {', '.join(missing[:10])}"
-            " (re-run encode_corpus to finish them)"
-        )
     vectors = np.empty((manifest["count"], dim), dtype=np.float32)
     ids: list[str] = []
     for shard in range(num):
         name = shard_name(shard)
-        meta = _read_json(directory / f"{name}.json")
-        if not isinstance(meta, dict) or not {"fingerprint", "ids"} <= set(meta):
-            raise ShardError(f"{directory / name}.json: missing 'fingerprint' or 'ids'; delete it and re-run")
+        meta = _shard_meta(directory, manifest, shard)
         block = _read_vectors(directory / f"{name}.npy")
         rows = _shard_rows(manifest, shard)
-        if meta["fingerprint"] != fingerprint:
-            raise ShardError(f"{directory}/{name} was written by a different run than {MANIFEST} describes")
         if block.shape != (rows, dim) or str(block.dtype) != dtype or len(meta["ids"]) != rows:
             raise ShardError(
                 f"{directory}/{name}: vectors {block.shape} {block.dtype} with {len(meta['ids'])} ids; "
@@ -234,6 +260,83 @@ def load_shards(directory: str | Path, *, expect: Mapping[str, Any] | None = Non
         start = shard * manifest["shard_size"]
         vectors[start : start + rows] = block
         ids.extend(meta["ids"])
+    _check_unique(directory, ids)
+    return ids, vectors
+
+
+def _check_unique(directory: Path, ids: list[str]) -> None:
     if len(set(ids)) != len(ids):
         raise ShardError(f"{directory}: duplicate document ids across shards")
-    return ids, vectors
+
+
+def _finished_manifest(directory: Path, expect: Mapping[str, Any] | None, multi_vector: bool) -> dict[str, Any]:
+    """The manifest of a directory whose every shard is finished, in the layout asked for, agreeing with
+    ``expect``; else a :class:`ShardError` (another layout, another run) or ``FileNotFoundError`` (unfinished)."""
+    manifest = read_manifest(directory)
+    layout = manifest.get("layout")
+    if (layout == MULTI_VECTOR) != multi_vector:
+        found, wanted = ("multi-vector", "dense") if layout == MULTI_VECTOR else ("dense", "multi-vector")
+        raise ShardError(f"{directory} holds {found} embeddings, not the {wanted} ones asked for (model.head "
+                         "differs from the run that encoded it); use a fresh directory or the matching head")
+    if expect:
+        _check_agrees(manifest, dict(expect), directory)
+    num = manifest["num_shards"]
+    missing = [shard_name(s) for s in range(num) if not (directory / f"{shard_name(s)}.json").is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{directory}: {len(missing)} of {num} shard(s) missing or unfinished: {', '.join(missing[:10])}"
+            " (re-run encode_corpus to finish them)"
+        )
+    return manifest
+
+
+def _shard_meta(directory: Path, manifest: Mapping[str, Any], shard: int) -> dict[str, Any]:
+    """A finished shard's ``.json``, checked to belong to the run the manifest describes."""
+    name = shard_name(shard)
+    meta = _read_json(directory / f"{name}.json")
+    if not isinstance(meta, dict) or not {"fingerprint", "ids"} <= set(meta):
+        raise ShardError(f"{directory / name}.json: missing 'fingerprint' or 'ids'; delete it and re-run")
+    if meta["fingerprint"] != config_hash(identity(manifest)):
+        raise ShardError(f"{directory}/{name} was written by a different run than {MANIFEST} describes")
+    return meta
+
+
+def iter_multi_vector_shards(
+    directory: str | Path, *, expect: Mapping[str, Any] | None = None
+) -> Iterator[tuple[list[str], np.ndarray, np.ndarray]]:
+    """Each shard of a multi-vector directory as ``(ids, vectors, offsets)``: ``vectors`` the memory-mapped
+    ``[tokens, dim]`` array as stored, ``offsets`` int64 ``[rows + 1]`` into it. Checked as :func:`load_shards`
+    checks dense shards (a dense directory is refused); offsets must start at 0, rise and end at the row count."""
+    directory = Path(directory)
+    manifest = _finished_manifest(directory, expect, multi_vector=True)
+    dim, dtype = manifest["dim"], manifest["dtype"]
+    for shard in range(manifest["num_shards"]):
+        name = shard_name(shard)
+        meta = _shard_meta(directory, manifest, shard)
+        block = _read_vectors(directory / f"{name}.npy")
+        offsets = np.asarray(_read_vectors(directory / f"{name}.offsets.npy"))
+        rows = _shard_rows(manifest, shard)
+        valid = (offsets.shape == (rows + 1,) and offsets.dtype == np.int64 and offsets[0] == 0
+                 and (np.diff(offsets) > 0).all() and block.ndim == 2 and offsets[-1] == len(block))
+        if not valid or block.shape[1:] != (dim,) or str(block.dtype) != dtype or len(meta["ids"]) != rows:
+            raise ShardError(
+                f"{directory}/{name}: vectors {block.shape} {block.dtype}, offsets {offsets.shape} {offsets.dtype} "
+                f"with {len(meta['ids'])} ids; manifest expects {rows} pages of (tokens >= 1, {dim}) {dtype} vectors "
+                "with int64 offsets from 0 to the token count; delete the shard's files and re-run"
+            )
+        yield list(meta["ids"]), block, offsets
+
+
+def load_multi_vector_shards(
+    directory: str | Path, *, expect: Mapping[str, Any] | None = None
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Every multi-vector shard read into ``(ids, float32 vectors [tokens, dim], int64 offsets [pages + 1])``
+    (:func:`iter_multi_vector_shards`; for pools that fit in memory)."""
+    ids: list[str] = []
+    blocks, offsets = [], [np.zeros(1, dtype=np.int64)]
+    for shard_ids, block, shard_offsets in iter_multi_vector_shards(directory, expect=expect):
+        ids += shard_ids
+        offsets.append(shard_offsets[1:] + offsets[-1][-1])
+        blocks.append(np.asarray(block, dtype=np.float32))
+    _check_unique(Path(directory), ids)
+    return ids, np.concatenate(blocks), np.concatenate(offsets)

@@ -32,7 +32,8 @@ from hkrag.data.opendocvqa import Corpus, QAExample, load_corpus, load_qa, pools
 from hkrag.data.region_corpus import corpus_pages
 from hkrag.distributed import is_main, rank, world_size
 from hkrag.index.faiss_index import DocumentIndex
-from hkrag.index.shards import config_hash, encode_corpus, load_shards
+from hkrag.index.maxsim import MaxSimIndex
+from hkrag.index.shards import config_hash, encode_corpus, load_multi_vector_shards, load_shards
 from hkrag.io import atomic_directory, write_json
 from hkrag.retrieval.metrics import (
     Run,
@@ -83,6 +84,11 @@ class RetrievalEvalConfig:
     use_gpu: bool | None = None
 
 
+def late_interaction(retriever: Phi3VRetriever) -> bool:
+    """Whether ``retriever`` embeds one vector per token (a stand-in without the attribute embeds one per page)."""
+    return bool(getattr(retriever, "late_interaction", False))
+
+
 def barrier() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -90,15 +96,19 @@ def barrier() -> None:
 
 def embed_corpus(
     retriever: Phi3VRetriever, corpus: Corpus, out_dir: Path, cfg: RetrievalEvalConfig, identity: dict[str, Any]
-) -> tuple[list[str], np.ndarray]:
-    """Embed a corpus into ``out_dir`` shards (every rank its share) and read them back.
+) -> tuple[list[str], np.ndarray | list[np.ndarray]]:
+    """Embed a corpus into ``out_dir`` shards (every rank its share) and read them back: ``(n, dim)`` vectors, or
+    under the late-interaction head one ``(tokens, dim)`` array per page (multi-vector shards).
 
     A page the model's processor refuses (e.g. a 500x2 strip's aspect ratio) raises :class:`ImageError`
     naming its ``doc_id``.
     """
     encode_shards(retriever, corpus, out_dir, cfg, identity, rank(), world_size())
     barrier()
-    return load_shards(out_dir)
+    if not late_interaction(retriever):
+        return load_shards(out_dir)
+    ids, vectors, offsets = load_multi_vector_shards(out_dir)
+    return ids, np.split(vectors, offsets[1:-1])
 
 
 def encode_shards(
@@ -120,6 +130,7 @@ def encode_shards(
     return encode_corpus(
         corpus, embed, out_dir, shard_size=cfg.shard_size, manifest=manifest, dtype=cfg.dtype,
         batch_size=cfg.doc_batch_size, rank=part, world_size=parts, progress=is_main(),
+        multi_vector=late_interaction(retriever),
     )
 
 
@@ -155,8 +166,9 @@ def pool_embeddings(
     cfg: RetrievalEvalConfig,
     identity: dict[str, Any],
     cache: EmbeddingCache,
-) -> np.ndarray:
-    """Embeddings of ``corpus`` in row order, reusing ``cache`` where the stored image is the same.
+) -> np.ndarray | list[np.ndarray]:
+    """Embeddings of ``corpus`` in row order (a list of per-page token arrays under late interaction), reusing
+    ``cache`` where the stored image is the same.
 
     The cache serves a pool only if every page is in it with the same image bytes; otherwise the pool
     is embedded into ``out_dir`` and its pages join the cache (first pool seen wins on conflicts).
@@ -164,7 +176,7 @@ def pool_embeddings(
     prints = cache.fingerprints(corpus)
     known = [cache.vectors.get(doc_id) for doc_id in corpus.doc_ids]
     if all(k is not None and k[0] == p for k, p in zip(known, prints)):
-        return np.stack([k[1] for k in known])
+        return _rows([k[1] for k in known], retriever)
     conflicts = [d for d, k, p in zip(corpus.doc_ids, known, prints) if k is not None and k[0] != p]
     if conflicts:
         logger.warning("%s: %d doc_id(s) hold other images than in a pool evaluated before (e.g. %s); "
@@ -173,7 +185,12 @@ def pool_embeddings(
     by_id = dict(zip(ids, vectors))
     for doc_id, fingerprint in zip(corpus.doc_ids, prints):
         cache.vectors.setdefault(doc_id, (fingerprint, by_id[doc_id]))
-    return np.stack([by_id[doc_id] for doc_id in corpus.doc_ids])
+    return _rows([by_id[doc_id] for doc_id in corpus.doc_ids], retriever)
+
+
+def _rows(vectors: list[np.ndarray], retriever: Phi3VRetriever) -> np.ndarray | list[np.ndarray]:
+    """Per-page vectors as one ``(n, dim)`` matrix (dense) or the list of token arrays (late interaction)."""
+    return vectors if late_interaction(retriever) else np.stack(vectors)
 
 
 def score(run: dict, qa: Sequence[QAExample]) -> dict[str, Any]:
@@ -223,7 +240,8 @@ class Ranker(Protocol):
 
 
 class DenseRanker:
-    """The visual retriever searched with FAISS (``cfg.index``): page embeddings in resumable shards under
+    """The visual retriever searched with FAISS (``cfg.index``), or under the late-interaction head by exact MaxSim
+    (:class:`~hkrag.index.maxsim.MaxSimIndex`, multi-vector shards): page embeddings in resumable shards under
     ``<work_dir>/embeddings-<corpus_key>`` (shared across pools, :class:`EmbeddingCache`), query embeddings once
     per query set. Every rank embeds its share; rank 0 searches (other ranks return ``{}``) and writes the
     queries' embeddings and qrels for the storage-budget study (:func:`save_queries`).
@@ -237,6 +255,8 @@ class DenseRanker:
     def __init__(self, retriever: Phi3VRetriever, cfg: RetrievalEvalConfig, work_dir: str | Path,
                  identity: dict[str, Any]):
         self.retriever, self.cfg, self.work_dir = retriever, cfg, Path(work_dir)
+        if late_interaction(retriever):
+            self.name = "late_interaction"
         self.identity = shard_identity(retriever, identity)
         self.embeddings = EmbeddingCache()
         self.queries: dict[tuple[str, ...], torch.Tensor] = {}
@@ -249,22 +269,30 @@ class DenseRanker:
                                       self.identity, self.embeddings)
         if not is_main():
             return {}
+        query_ids = [ex.query_id for ex in qa]
+        if late_interaction(self.retriever):
+            if self.cfg.index != "flat":
+                raise ValueError(f"eval.index={self.cfg.index!r}: the late-interaction head is searched by exact "
+                                 "MaxSim here; set eval.index=flat")
+            index = MaxSimIndex.from_pages(corpus.doc_ids, vectors)
+            return search_with_ties(index, query_ids, [q.float().numpy() for q in queries], depth)
         index = DocumentIndex.build(corpus.doc_ids, vectors, self.cfg.index, use_gpu=self.cfg.use_gpu)
-        return search_with_ties(index, [ex.query_id for ex in qa], queries.numpy(), depth)
+        return search_with_ties(index, query_ids, queries.numpy(), depth)
 
-    def encode_queries(self, qa: Sequence[QAExample]) -> torch.Tensor:
+    def encode_queries(self, qa: Sequence[QAExample]) -> torch.Tensor | list[torch.Tensor]:
         """The embeddings of ``qa`` (encoded once per query set; a new set is saved with the others)."""
         key = tuple(ex.query_id for ex in qa)
         if key not in self.queries:
             self.queries[key] = self.retriever.encode_queries(
                 [ex.query for ex in qa], batch_size=self.cfg.query_batch_size, ids=list(key))
-            self.queried += zip(qa, self.queries[key].float().numpy())
+            self.queried += zip(qa, [q.float().numpy() for q in self.queries[key]])
             if is_main():
                 save_queries(self.queried, self.work_dir, self.identity)
         return self.queries[key]
 
 
-def search_with_ties(index: DocumentIndex, query_ids: Sequence[str], queries: np.ndarray, depth: int) -> Run:
+def search_with_ties(index: DocumentIndex | MaxSimIndex, query_ids: Sequence[str], queries: np.ndarray | list,
+                     depth: int) -> Run:
     """``index``'s run at ``depth`` holding, for each query, every page tied with its ``depth``-th score
     (:func:`~hkrag.retrieval.metrics.cut_with_ties`; FAISS alone cuts a tie group by its internal order): searched
     deeper, doubling, until each query's list ends below its cut or holds every page the index returns."""
@@ -342,9 +370,14 @@ def save_queries(queries: Sequence[tuple[QAExample, np.ndarray]], work_dir: Path
     if not queries:
         return
     rows = [{"query_id": ex.query_id, "vector": vector} for ex, vector in queries]
+    multi = rows[0]["vector"].ndim == 2  # late interaction: each query's token vectors, as multi-vector shards
+
+    def vectors(batch: list[dict[str, Any]]) -> np.ndarray | list[np.ndarray]:
+        return [row["vector"] for row in batch] if multi else np.stack([row["vector"] for row in batch])
+
     with atomic_directory(work_dir / QUERIES_DIR) as out:  # replaced whole: the evaluated queries may change
-        encode_corpus(rows, lambda batch: np.stack([row["vector"] for row in batch]), out, shard_size=len(rows),
-                      manifest=identity, dtype="float32", id_key="query_id", progress=False)
+        encode_corpus(rows, vectors, out, shard_size=len(rows), manifest=identity, dtype="float32",
+                      id_key="query_id", progress=False, multi_vector=multi)
     write_json(work_dir / QRELS_FILE, qrels([ex for ex, _ in queries]))
 
 

@@ -110,13 +110,17 @@ def model_meta(retriever: Phi3VRetriever, name: str, revision: str | None = None
     config = retriever.backbone.config
     facts = {"release_date": None, "license": None, "open_weights": None, "public_training_data": None,
              "reference": None, "training_datasets": None, **known_facts(base, adapter)}
+    if retriever.late_interaction:  # MTEB 2.x's late-interaction interface: token vectors scored by MaxSim
+        kind = {"embed_dim": retriever.causal_lm.custom_text_proj.out_features,
+                "similarity_fn_name": ScoringFunction.MAX_SIM, "model_type": ["late-interaction"]}
+    else:
+        kind = {"embed_dim": config.hidden_size, "similarity_fn_name": ScoringFunction.COSINE, "model_type": ["dense"]}
     return ModelMeta(
         loader=None, name=check_model_name(name), revision=revision or weights_fingerprint(retriever),
         languages=["eng-Latn"], n_parameters=sum(p.numel() for p in retriever.model.parameters()),
         memory_usage_mb=None, max_tokens=getattr(config, "max_position_embeddings", None),
-        embed_dim=config.hidden_size, public_training_code=None, framework=["PyTorch", "Transformers"],
-        similarity_fn_name=ScoringFunction.COSINE, use_instructions=True, modalities=["image", "text"],
-        model_type=["dense"], **facts,
+        public_training_code=None, framework=["PyTorch", "Transformers"], use_instructions=True,
+        modalities=["image", "text"], **kind, **facts,
     )
 
 
@@ -147,7 +151,9 @@ def run_training_datasets(adapter: Path) -> set[str] | None:
 
 class MTEBRetriever(AbsEncoder):
     """A :class:`Phi3VRetriever` as an MTEB encoder: queries are texts (our instruction added), documents are
-    page images; embeddings are L2-normalised, so MTEB's cosine similarity is our FAISS inner product.
+    page images; embeddings are L2-normalised, so MTEB's cosine similarity is our FAISS inner product. Under the
+    late-interaction head each text is a ``(tokens, dim)`` array and the encoder returns their list, which MTEB
+    scores with its ``MaxSim`` (a sum over query tokens where ours is their mean: the same ranking per query).
 
     Each query (by its text) and page (by its pixels) is encoded once per encoder: MTEB encodes every task's corpus
     anew, and the tasks of ``benchmark=local`` share their pages (a data set's own pool lies in the ``all`` pool,
@@ -168,9 +174,10 @@ class MTEBRetriever(AbsEncoder):
         prompt_type: PromptType | None = None,
         show_progress_bar: bool = True,
         **kwargs: Any,
-    ) -> np.ndarray:
+    ) -> np.ndarray | list[np.ndarray]:
         """Embeddings of the queries (``prompt_type`` query: the ``text`` column) or the pages (else: the
-        ``image`` column) of ``inputs``, one batch of MTEB's loader at a time."""
+        ``image`` column) of ``inputs``, one batch of MTEB's loader at a time (late interaction: a list of
+        per-item token arrays)."""
         column = "text" if prompt_type == PromptType.query else "image"
         if column not in inputs.dataset.column_names:
             raise ValueError(f"MTEB task {task_metadata.name} ({hf_subset}/{hf_split}): its "
@@ -183,16 +190,19 @@ class MTEBRetriever(AbsEncoder):
             out = [self._encode_once(column, batch[column]) for batch in batches]
         finally:
             self.model.train(was_training)
+        if self.model.late_interaction:
+            return [tokens for batch in out for tokens in batch]
         return np.concatenate(out) if out else np.empty((0, self.mteb_model_meta.embed_dim), np.float32)
 
-    def _encode_once(self, column: str, items: Sequence[Any]) -> np.ndarray:
+    def _encode_once(self, column: str, items: Sequence[Any]) -> np.ndarray | list[np.ndarray]:
         """Embeddings of ``items`` (texts or images), encoding only those not encoded before, each once."""
         keys = [(column, query_text(item)) if column == "text" else (column, image_key(item)) for item in items]
         todo = {key: item for key, item in zip(keys, items) if key not in self.embeddings}
         if todo:
             encode = self._queries if column == "text" else self._pages
-            self.embeddings.update(zip(todo, encode(list(todo.values())).float().numpy()))
-        return np.stack([self.embeddings[key] for key in keys])
+            self.embeddings.update(zip(todo, (e.float().numpy() for e in encode(list(todo.values())))))
+        vectors = [self.embeddings[key] for key in keys]
+        return vectors if self.model.late_interaction else np.stack(vectors)
 
     def _queries(self, texts: Sequence[str]) -> torch.Tensor:
         return self.model.encode_queries([query_text(text) for text in texts], batch_size=len(texts))

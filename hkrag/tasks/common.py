@@ -35,7 +35,7 @@ from hkrag.io import atomic_directory, write_json, write_text
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.models.phi3v.loading import save_processor, tiny_phi3v
 from hkrag.retrieval.evaluation import RetrievalEvalConfig
-from hkrag.retriever import LoraSettings, Phi3VRetriever
+from hkrag.retriever import HeadSettings, LoraSettings, Phi3VRetriever
 from hkrag.tasks import run_eval_task
 from hkrag.training.checkpoint import (
     ADAPTER_DIR,
@@ -107,19 +107,27 @@ def build_retriever(
     """
     adapter = model_cfg.get("adapter")
     lora = LoraSettings(**model_cfg.lora) if trainable and model_cfg.get("lora") and not adapter else None
+    head = head_settings(model_cfg)
     if model_cfg.kind == "tiny":
         model, processor = tiny_phi3v(texts=texts or (), num_crops=model_cfg.num_crops, seed=model_cfg.seed,
                                       **model_cfg.get("config", {}))
         if save_base_to is not None:
             save_tiny_base(model, processor, save_base_to)
-        return Phi3VRetriever.wrap(model, processor, adapter, lora, trainable)
+        return Phi3VRetriever.wrap(model, processor, adapter, lora, trainable, head=head)
     if model_cfg.kind == "phi3v":
         return Phi3VRetriever.from_pretrained(
             model_cfg.base, adapter=adapter, lora=lora, trainable=trainable, num_crops=model_cfg.num_crops,
             dtype=getattr(torch, model_cfg.dtype), attn_implementation=model_cfg.get("attn_implementation"),
-            gradient_checkpointing=trainable and model_cfg.gradient_checkpointing,
+            gradient_checkpointing=trainable and model_cfg.gradient_checkpointing, head=head,
         )
     raise ValueError(f"model.kind must be 'tiny' or 'phi3v', got {model_cfg.kind!r}")
+
+
+def head_settings(model_cfg: DictConfig) -> HeadSettings:
+    """``model.head`` and ``model.late_interaction`` as :class:`HeadSettings` (dense when a config has neither)."""
+    late = model_cfg.get("late_interaction") or {}
+    return HeadSettings(head=model_cfg.get("head", "dense"), **{k: late[k] for k in ("dim", "query_augmentation")
+                                                                if k in late})
 
 
 def save_tiny_base(model: Phi3VForCausalLM, processor: Phi3VProcessor, directory: Path) -> Path:
@@ -178,7 +186,7 @@ def trained_model_config(model_cfg: DictConfig, run_dir: str | Path) -> DictConf
     adapter = run_dir / FINAL_ADAPTER
     if not adapter.is_dir():
         raise FileNotFoundError(f"{run_dir} has no checkpoints/final/adapter: is it a finished train.py run directory?")
-    overrides = {"adapter": str(adapter)}
+    overrides = {"adapter": str(adapter), **trained_head(run_dir)}
     base = run_dir / BASE_DIR / "config.json"
     if base.is_file():
         overrides.update(kind="phi3v", base=str(base.parent), dtype="float32", num_crops=None)
@@ -194,6 +202,21 @@ def trained_model_config(model_cfg: DictConfig, run_dir: str | Path) -> DictConf
         logger.warning("%s was trained on model.base=%s; evaluating its adapter on model.base=%s", run_dir,
                        trained.get("model.base"), model_cfg.get("base"))
     return OmegaConf.merge(model_cfg, overrides)
+
+
+def trained_head(run_dir: Path) -> dict[str, Any]:
+    """The late-interaction head a run trained with (``model.head``, ``model.late_interaction``), from its final
+    checkpoint's ``state.json``, so ``run_dir=`` evaluates it with its own head; ``{}`` for a dense run (its state
+    names no head) or a checkpoint that cannot be read (then ``model.head`` is the caller's)."""
+    try:
+        trained = trained_model(run_dir)
+    except FileNotFoundError:
+        return {}
+    if trained.get("model.head") != "late_interaction":
+        return {}
+    prefix = "model.late_interaction."
+    return {"head": "late_interaction",
+            "late_interaction": {k.removeprefix(prefix): v for k, v in trained.items() if k.startswith(prefix)}}
 
 
 def trained_model(run_dir: Path) -> dict[str, Any]:

@@ -34,7 +34,6 @@ from PIL import Image
 
 from hkrag.data.collators import RetrieverCollator
 from hkrag.io import write_json
-from hkrag.losses import make_loss
 from hkrag.lvlm import PageImage
 from hkrag.models.phi3v import Phi3VConfig, load_processor, tiny_phi3v
 from hkrag.models.phi3v.loading import CheckpointNotFoundError
@@ -59,6 +58,7 @@ from hkrag.training.memory import (
     measure_step,
     noise_pages,
 )
+from hkrag.training.objective import make_loss
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 """train.py's configs (as :data:`hkrag.tasks.common.CONF_DIR`; not imported from there, which loads the retrieval

@@ -154,10 +154,12 @@ def evaluate_rows(
     settings = eval_config(cfg)
     check_pools(settings)
     results, times = {}, {}
-    for name, factory in factories.items():
-        work_dir = output_dir / name if by_row else output_dir
+    for row, factory in factories.items():
+        work_dir = output_dir / row if by_row else output_dir
         start = time.perf_counter()
-        results[name] = evaluate_ranker(bind_ranker(factory, model, settings, work_dir), settings, work_dir)
+        ranker = bind_ranker(factory, model, settings, work_dir)
+        name = ranker.name if by_row and isinstance(ranker, DenseRanker) else row  # late_interaction says so
+        results[name] = evaluate_ranker(ranker, settings, work_dir)
         times[name] = time.perf_counter() - start
         if accelerator.is_main_process:
             write_report(cfg, work_dir, results[name])

@@ -24,7 +24,7 @@ from hkrag.data.synthetic import load_page_items
 from hkrag.environment import describe, environment
 from hkrag.index.shards import config_hash
 from hkrag.io import write_json, write_text
-from hkrag.losses import PretrainingLoss, make_loss
+from hkrag.losses import PretrainingLoss
 from hkrag.retrieval.evaluation import (
     AFTER_TRAINING_DIR,
     BEFORE_TRAINING_DIR,
@@ -42,6 +42,7 @@ from hkrag.tasks.common import (
     eval_config,
     flat_metrics,
     flat_summary,
+    head_settings,
     make_accelerator,
     prepare_data,
     shared_output_dir,
@@ -49,6 +50,7 @@ from hkrag.tasks.common import (
 from hkrag.tasks.retrieval import log_retrieval
 from hkrag.tasks.validation import validate_config
 from hkrag.training.checkpoint import ADAPTER_DIR, FINAL_CHECKPOINT, resolve_resume
+from hkrag.training.objective import make_loss
 from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
 
 
@@ -69,7 +71,7 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
         prepare_data(cfg.data)
     accelerator.wait_for_everyone()
 
-    loss_fn = make_loss(cfg.loss)
+    loss_fn = make_loss(cfg.loss, head_settings(cfg.model))
     pairs, corpus, vocabulary = training_data(cfg, pretraining=isinstance(loss_fn, PretrainingLoss))
     evaluate = cfg.eval_before_after and cfg.get("eval") is not None
     if evaluate:
@@ -154,6 +156,8 @@ RUN_MODEL_KEYS = ("kind", "base", "adapter", "seed", "config", "num_crops", "dty
 def run_settings(cfg: DictConfig) -> dict[str, Any]:
     """Config values a resumed run must share with its checkpoint, beyond what the trainer derives itself."""
     model = {f"model.{k}": cfg.model.get(k) for k in RUN_MODEL_KEYS if k in cfg.model}
+    if head_settings(cfg.model).late_interaction:  # absent for the dense head: its runs keep their identity
+        model.update({"model.head": cfg.model.head, "model.late_interaction": cfg.model.late_interaction})
     data = {k: cfg.data.get(k) for k in ("synthetic", "train")}  # the content itself is fingerprinted by the trainer
     return {**_flatten(model), **_flatten(data, "data."), "trainer.precision": cfg.trainer.get("precision")}
 

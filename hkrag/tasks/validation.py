@@ -84,6 +84,8 @@ RULES: dict[str, Rule] = {
     "loss.num_sub_masks": POSITIVE,
     "loss.infonce_weight": Rule(float, low=0, nullable=True),
     "model.num_crops": OPTIONAL_POSITIVE,
+    "model.late_interaction.dim": POSITIVE,
+    "model.late_interaction.query_augmentation": Rule(int, low=0),
     "eval.top_k": POSITIVE,
     "eval.query_batch_size": POSITIVE,
     "eval.doc_batch_size": POSITIVE,
@@ -111,11 +113,12 @@ there, ``hkrag/tasks/rag.py``)."""
 CHOICES: dict[str, tuple[str, ...]] = {
     "eval.dtype": ("float16", "float32"),
     "model.kind": ("tiny", "phi3v"),
+    "model.head": ("dense", "late_interaction"),
     "retriever.fusion": ("rrf", "sum"),
     "loss.masked_similarity": ("cosine", "dot"),
 }
 
-FLAGS = ("rag.resume", "loss.balanced_split", "retriever.allow_empty", "retriever.lower")
+FLAGS = ("rag.resume", "loss.balanced_split", "loss.pairwise", "retriever.allow_empty", "retriever.lower")
 """Keys that take ``true`` or ``false`` only (a string such as ``yes`` is truthy and would be misread)."""
 
 RAG_TASKS = ("rag", "generation")

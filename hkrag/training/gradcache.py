@@ -9,7 +9,9 @@ chunk's activations at a time:
 3. re-encode each chunk with gradient under its recorded RNG state (so dropout and LoRA
    dropout draw the same masks) and backpropagate the cached gradient into the encoder.
 
-Parameter gradients equal those of one backward through the whole batch.
+Parameter gradients equal those of one backward through the whole batch. Multi-vector (late-interaction)
+embeddings ``(rows, tokens, dim)`` of chunks padded to different token counts are zero-padded to the longest for the
+loss, and each chunk's cached gradient is cut back to its own tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hkrag.late_interaction import concat_padded
 from hkrag.losses import LossOutput
 
 Encoder = Callable[[Any], Tensor]
@@ -86,7 +89,8 @@ def _encode_without_grad(encode: Encoder, chunks: Sequence[Any]) -> tuple[list[T
 def _replays(
     encode: Encoder, chunks: Sequence[Any], states: list[RngState], embeddings: list[Tensor], grad: Tensor
 ) -> list[tuple[Encoder, Any, RngState, Tensor]]:
-    grads = grad.split([len(e) for e in embeddings])
+    grads = [g[:, : e.shape[1]] if e.dim() == 3 else g for g, e in zip(grad.split([len(e) for e in embeddings]),
+                                                                         embeddings, strict=True)]
     return [(encode, *job) for job in zip(chunks, states, grads, strict=True)]
 
 
@@ -109,8 +113,8 @@ def grad_cache_step(
     queries, query_states = _encode_without_grad(encode_query, query_chunks)
     docs, doc_states = _encode_without_grad(encode_doc, doc_chunks)
 
-    q = torch.cat(queries).requires_grad_()
-    d = torch.cat(docs).requires_grad_()
+    q = concat_padded(queries).requires_grad_()
+    d = concat_padded(docs).requires_grad_()
     output = _as_output(loss_fn(q, d))
     q_grad, d_grad = torch.autograd.grad(output.loss, (q, d))
 

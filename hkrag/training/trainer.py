@@ -38,6 +38,7 @@ from hkrag.data.images import ImageError
 from hkrag.data.opendocvqa import Corpus
 from hkrag.data.pairs import TrainingPair, read_hard_negatives, with_hard_negatives
 from hkrag.distributed import gather_with_grad
+from hkrag.late_interaction import LateInteractionLoss, pad_across_ranks
 from hkrag.losses import HybridMaskLoss, LossOutput, PretrainingLoss
 from hkrag.models.phi3v.image_processing_phi3v import check_image_size
 from hkrag.retriever import Phi3VRetriever
@@ -193,6 +194,9 @@ def check_extensions(config: TrainerConfig, loss_fn: Any, num_processes: int) ->
     if (config.hard_negatives or config.diagnostics_every) and not isinstance(loss_fn, HybridMaskLoss):
         raise ValueError("trainer.hard_negatives and trainer.diagnostics_every work with the contrastive fine-tuning "
                          f"loss (HybridMaskLoss), not {type(loss_fn).__name__}")
+    if config.diagnostics_every and isinstance(loss_fn, LateInteractionLoss):
+        raise ValueError("trainer.diagnostics_every reads one vector per text: set it to 0 under "
+                         "model.head=late_interaction")
     if config.diagnostics_every and num_processes > 1:
         raise ValueError(f"trainer.diagnostics_every runs on one process, got {num_processes}: set it to 0")
 
@@ -382,6 +386,8 @@ class RetrieverTrainer:
         so the global ``d`` is all positives (in global row order), then all negatives, query-major.
         """
         generator = self.loss_generator(q.device)
+        if q.dim() == 3:  # late interaction: every rank's tokens padded to the longest of any rank
+            q, d = pad_across_ranks(q), pad_across_ranks(d)
         q = gather_with_grad(q)
         if self.config.hard_negatives:
             local = len(d) // (1 + self.config.hard_negatives)
