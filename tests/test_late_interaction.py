@@ -271,14 +271,16 @@ def test_exact_maxsim_index_ranks_by_maxsim():
 
     pages = [np.asarray(t) for t in unpad(random_batch(9, 6, 8, 2).float())]
     queries = [np.asarray(t) for t in unpad(random_batch(4, 5, 8, 3).float())]
-    index = MaxSimIndex.from_pages([f"p{i}" for i in range(9)], pages, max_elements=50)  # several page blocks
+    index = MaxSimIndex.from_pages([f"p{i}" for i in range(9)], pages, memory=4 * 5 * 12)  # several page chunks
     expected = np.array([[np.mean([max(float(t @ s) for s in page) for t in query]) for page in pages]
                          for query in queries])
     np.testing.assert_allclose(index.scores(queries), expected, rtol=1e-5)
     run = index.to_run(["a", "b", "c", "d"], queries, 3)
     assert list(run["a"]) == [f"p{j}" for j in np.argsort(-expected[0], kind="stable")[:3]]
-    with pytest.raises(ValueError, match="expected \\(tokens >= 1, 8\\)"):
+    with pytest.raises(ValueError, match="queries: vectors have dim 4, expected 8"):
         index.scores([np.zeros((2, 4), dtype=np.float32)])
+    with pytest.raises(ValueError, match="queries: offsets must increase strictly"):
+        index.scores([queries[0], np.zeros((0, 8), dtype=np.float32)])
 
 
 def test_train_encode_and_evaluate_with_the_late_interaction_head(tmp_path):

@@ -1,10 +1,10 @@
-"""Exact MaxSim search over multi-vector (late-interaction) page embeddings, for pools that fit in memory.
+"""Exact MaxSim search for the retrieval evaluation of the late-interaction head.
 
 The pages are the token vectors of :func:`hkrag.index.shards.load_multi_vector_shards` (``vectors [tokens, dim]``,
-``offsets [pages + 1]``). A query's score for a page is :func:`hkrag.late_interaction.maxsim`'s: the mean over the
-query's tokens of the best dot product with any of the page's tokens, the score training optimises. Pages are
-padded into blocks and scored in batches with torch, every page against every query: exact, the reference a
-compressed multi-vector index is measured against. Its interface is :class:`~hkrag.index.faiss_index.DocumentIndex`'s
+``offsets [pages + 1]``). The search is :func:`hkrag.index.multivector.exact_search` (every page, in chunks within a
+memory bound); scores are reported as training computes them (:func:`hkrag.late_interaction.maxsim`: the mean over
+the query's tokens of the best dot product with any of the page's tokens, i.e. the multi-vector index's sum divided
+by the query's length, which ranks alike). Its interface is :class:`~hkrag.index.faiss_index.DocumentIndex`'s
 ``to_run`` and ``len``, which :func:`hkrag.retrieval.evaluation.search_with_ties` reads.
 """
 
@@ -13,73 +13,63 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
-from hkrag.late_interaction import maxsim
-
-
-def pad_pages(vectors: np.ndarray | torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
-    """Pages ``offsets[i] .. offsets[i + 1]`` of ``vectors`` as one zero-padded ``(pages, longest, dim)`` float32
-    tensor (the padding rows zero, as :func:`~hkrag.late_interaction.maxsim` expects)."""
-    vectors = torch.as_tensor(np.asarray(vectors, dtype=np.float32))
-    lengths = np.diff(offsets)
-    out = torch.zeros(len(lengths), int(lengths.max(initial=0)), vectors.shape[1])
-    for row, (start, end) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
-        out[row, : end - start] = vectors[start:end]
-    return out
+from hkrag.index.multivector import check_multivectors, exact_search, maxsim
 
 
 class MaxSimIndex:
-    """Exact MaxSim over ``ids``' pages (token ``vectors`` with ``offsets``), searched in blocks of pages holding at
-    most ``max_elements`` token-pair scores per query batch."""
+    """Exact MaxSim over ``ids``' pages (token ``vectors`` with ``offsets``), the similarity matrix of a chunk of
+    pages held within ``memory`` bytes."""
 
-    def __init__(self, ids: Sequence[str], vectors: np.ndarray, offsets: np.ndarray, max_elements: int = 2**26):
-        offsets = np.asarray(offsets, dtype=np.int64)
-        ends = len(offsets) == len(ids) + 1 and offsets[0] == 0 and offsets[-1] == len(vectors)
-        if not ends or (np.diff(offsets) < 1).any():
-            raise ValueError(f"offsets must rise from 0 to the {len(vectors)} token vectors, one page of >= 1 token "
-                             f"per id ({len(ids)} ids, {len(offsets)} offsets)")
+    def __init__(self, ids: Sequence[str], vectors: np.ndarray, offsets: np.ndarray, memory: int = 256 << 20):
+        self.vectors, self.offsets = check_multivectors(vectors, offsets, name="pages")
+        if len(self.offsets) != len(ids) + 1:
+            raise ValueError(f"{len(ids)} page ids for {len(self.offsets) - 1} pages of vectors")
         self.ids = [str(i) for i in ids]
-        self.pages = pad_pages(vectors, offsets)
-        self.max_elements = max_elements
+        self.memory = memory
 
     @classmethod
     def from_pages(cls, ids: Sequence[str], pages: Sequence[np.ndarray], **kwargs) -> MaxSimIndex:
         """From one ``(tokens, dim)`` array per page."""
-        offsets = np.concatenate([[0], np.cumsum([len(p) for p in pages])]).astype(np.int64)
-        return cls(ids, np.concatenate([np.asarray(p, dtype=np.float32) for p in pages]), offsets, **kwargs)
+        vectors, offsets = _stacked(pages)
+        return cls(ids, vectors, offsets, **kwargs)
 
     def __len__(self) -> int:
         return len(self.ids)
 
     @property
     def dim(self) -> int:
-        return int(self.pages.shape[-1])
+        return int(self.vectors.shape[1])
 
-    def scores(self, queries: Sequence[np.ndarray | torch.Tensor]) -> np.ndarray:
+    def _queries(self, queries: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        vectors, offsets = _stacked(queries)
+        return check_multivectors(vectors, offsets, name="queries", dim=self.dim)
+
+    def scores(self, queries: Sequence[np.ndarray]) -> np.ndarray:
         """MaxSim of every query (one ``(tokens, dim)`` array each) against every page: ``(queries, pages)``."""
-        if not queries:
+        if not len(queries):
             return np.zeros((0, len(self)), dtype=np.float32)
-        rows = [torch.as_tensor(np.asarray(q, dtype=np.float32)) for q in queries]
-        bad = [i for i, q in enumerate(rows) if q.ndim != 2 or q.shape[1] != self.dim or len(q) == 0]
-        if bad:
-            raise ValueError(f"query {bad[0]} has shape {tuple(rows[bad[0]].shape)}; expected (tokens >= 1, "
-                             f"{self.dim}) like the pages")
-        padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-        per_page = padded.shape[0] * padded.shape[1] * self.pages.shape[1]
-        block = max(1, self.max_elements // max(1, per_page))
-        with torch.no_grad():
-            out = [maxsim(padded, self.pages[start : start + block]) for start in range(0, len(self), block)]
-        return torch.cat(out, dim=1).numpy()
+        vectors, offsets = self._queries(queries)
+        return maxsim(vectors, offsets, self.vectors, self.offsets) / np.diff(offsets)[:, None]
 
     def to_run(self, query_ids: Sequence[str], queries: Sequence[np.ndarray], k: int) -> dict[str, dict[str, float]]:
-        """The top ``k`` pages of each query as a TREC-style run ``{query_id: {doc_id: score}}`` (best first; ties
-        in page order, as a stable sort leaves them)."""
+        """The top ``k`` pages of each query as a TREC-style run ``{query_id: {doc_id: score}}``, best first."""
         if len(query_ids) != len(queries):
             raise ValueError(f"{len(query_ids)} query ids for {len(queries)} queries")
         if k <= 0:
             raise ValueError(f"k must be positive, got {k}")
-        scores = self.scores(queries)
-        top = np.argsort(-scores, axis=1, kind="stable")[:, : min(k, len(self))]
-        return {str(qid): {self.ids[j]: float(row[j]) for j in order}
-                for qid, row, order in zip(query_ids, scores, top, strict=True)}
+        if not len(queries):
+            return {}
+        vectors, offsets = self._queries(queries)
+        scores, rows = exact_search(vectors, offsets, self.vectors, self.offsets, min(k, len(self)),
+                                    memory=self.memory)
+        scores = scores / np.diff(offsets)[:, None]
+        return {str(qid): {self.ids[j]: float(s) for s, j in zip(row_scores, row, strict=True) if j >= 0}
+                for qid, row_scores, row in zip(query_ids, scores, rows, strict=True)}
+
+
+def _stacked(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """One ``(tokens, dim)`` float32 array per item as the shard format's ``(vectors, offsets)``."""
+    arrays = [np.asarray(a, dtype=np.float32) for a in arrays]
+    offsets = np.concatenate([[0], np.cumsum([len(a) for a in arrays])]).astype(np.int64)
+    return np.concatenate(arrays) if arrays else np.zeros((0, 0), np.float32), offsets
