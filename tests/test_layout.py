@@ -20,6 +20,7 @@ from hkrag.data.layout import (
     load_detector,
     main,
     new_detector,
+    reselect,
     train_detector,
     write_regions,
 )
@@ -142,6 +143,31 @@ def test_detect_writes_regions_resumes_and_keeps_failures(corpus, detector, tmp_
     assert [f["doc_id"] for f in failures] == [r["doc_id"] for r in rows]
     assert failures[0]["error"] == "no box at or above confidence 1.01"
     assert len((out / "all" / "test.jsonl").read_text().splitlines()) == 4
+
+
+def test_select_reruns_scans_selection_over_stored_candidates_without_the_detector(tmp_path, capsys):
+    page = [[0, 0, 100, 50, "title", 0.9], [0, 50, 100, 100, "semantic_box", 0.5], [10, 60, 40, 90, "footer", 0.45]]
+    rows = [{"doc_id": "a", "size": [100, 100], "candidates": page, "selected": [page[0]]},
+            {"doc_id": "b", "size": [100, 100], "candidates": [page[2]], "selected": [],
+             "error": "no box at or above confidence 0.5"},
+            {"doc_id": "c", "size": None, "candidates": [], "selected": [], "error": "ImageError: unreadable"}]
+    (tmp_path / "det" / "all").mkdir(parents=True)
+    (tmp_path / "det" / "all" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["select", str(tmp_path / "det"), "--out", str(tmp_path / "t04"), "--threshold", "0.4"]) == 0
+    assert json.loads(capsys.readouterr().out)["failed"] == 1  # only the unreadable page
+    again = [json.loads(line) for line in (tmp_path / "t04" / "all" / "test.jsonl").read_text().splitlines()]
+    by_hand = [[0, 0, 100, 50, "title", 0.9], [0, 50, 100, 100, "semantic_box", 0.5]]  # the footer lies inside
+    assert [r["selected"] for r in again] == [by_hand, [page[2]], []]
+    assert again[1].get("error") is None and again[2]["error"] == "ImageError: unreadable"
+    reselect(tmp_path / "det", tmp_path / "t06", SelectionSettings(threshold=0.6))
+    failures = json.loads((tmp_path / "t06" / "layout_failures.json").read_text())
+    assert [(f["doc_id"], f["error"]) for f in failures] == [("b", "no box at or above confidence 0.6"),
+                                                             ("c", "ImageError: unreadable")]
+    (tmp_path / "det" / "all" / "test.jsonl").write_text('{"doc_id": "a"}\n')
+    with pytest.raises(LayoutError, match=r"test.jsonl, line 1 is not a detect row"):
+        reselect(tmp_path / "det", tmp_path / "t07")
+    with pytest.raises(FileNotFoundError, match="holds no <config>/<split>.jsonl"):
+        reselect(tmp_path / "t04" / "all", tmp_path / "t08")
 
 
 def test_cli_errors_name_the_input(tmp_path, capsys):

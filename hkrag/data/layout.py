@@ -3,6 +3,7 @@
     python -m hkrag.data.layout train data/synthetic --out runs/layout --minutes 10        # detector on train pages
     python -m hkrag.data.layout evaluate data/synthetic --model runs/layout/model          # matching IoU, test split
     python -m hkrag.data.layout detect data/synthetic/corpus --model runs/layout/model --out data/synthetic_regions
+    python -m hkrag.data.layout select data/synthetic_regions --out data/regions_t05 --threshold 0.5   # no detector
 
 *Gold boxes* (:func:`gold_pages`) come from the built-in corpus (:mod:`hkrag.data.synthetic`): every page of
 ``pages.jsonl`` is drawn again from its recorded spec and the corpus's ``synthetic_config.json`` (the stored strings
@@ -23,6 +24,8 @@ page under ``<out>/.cache/layout``, keyed by the stored image bytes and the dete
 stored before selection, so a rerun (with any selection settings) detects nothing again and an interrupted run
 resumes. A page that cannot be read, or has no box left after
 selection, is kept (empty boxes, its ``error``), listed in the failures file and retried by the next run.
+``select`` is the selection stage on its own: it reads a ``detect`` folder's candidates and writes the same files
+with the boxes other selection settings keep, without the detector.
 See docs/data.md, "Region units (SCAN)".
 """
 
@@ -369,23 +372,64 @@ def write_regions(
                     row.update({"size": list(image.size), "candidates": [_row(r) for r in regions]})
                     write_json(cached, {"size": row["size"], "candidates": row["candidates"]}, indent=None)
                     report["detected"] += 1
-        for row in rows:
-            report["pages"] += 1
-            if "error" not in row:
-                candidates = [Region(tuple(c[:4]), c[4], c[5]) for c in row["candidates"]]
-                row["selected"] = [_row(r) for r in select(candidates, tuple(row["size"]),
-                                                           **dataclasses.asdict(settings), page=row["doc_id"])]
-                if not row["selected"]:
-                    row["error"] = f"no box at or above confidence {settings.threshold}"
-            if "error" in row:
-                report["failed"].append({"config": config, "split": split, "doc_id": row["doc_id"],
-                                         "error": row["error"]})
+        _select_rows(rows, settings, config, split, report)
         write_text(out / config / f"{split}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    return _finish(out, report)
+
+
+def _select_rows(rows: list[dict[str, Any]], settings: SelectionSettings, config: str, split: str,
+                 report: dict[str, Any]) -> None:
+    """SCAN's selection over each readable row's ``candidates`` (in place); a row unread, or with no box kept, goes
+    to ``report["failed"]`` with its ``error``."""
+    for row in rows:
+        report["pages"] += 1
+        if "error" not in row:
+            candidates = [Region(tuple(c[:4]), c[4], c[5]) for c in row["candidates"]]
+            row["selected"] = [_row(r) for r in select(candidates, tuple(row["size"]),
+                                                       **dataclasses.asdict(settings), page=row["doc_id"])]
+            if not row["selected"]:
+                row["error"] = f"no box at or above confidence {settings.threshold}"
+        if "error" in row:
+            report["failed"].append({"config": config, "split": split, "doc_id": row["doc_id"],
+                                     "error": row["error"]})
+
+
+def _finish(out: Path, report: dict[str, Any]) -> dict[str, Any]:
+    """Write the failures and the report beside the regions; warn once per failed page."""
     write_json(out / FAILURES_FILE, report["failed"])
     write_json(out / REPORT_FILE, report)
     for failure in report["failed"]:
         logger.warning("%s/%s %s: %s", failure["config"], failure["split"], failure["doc_id"], failure["error"])
     return report
+
+
+def reselect(regions: str | Path, out: str | Path, settings: SelectionSettings = SelectionSettings()) -> dict[str, Any]:
+    """SCAN's selection again, with ``settings``, over the candidates a ``detect`` run stored in ``regions``
+    (``<config>/<split>.jsonl``), written to ``out`` in the same layout; no detector is loaded. Pages ``detect``
+    could not read stay failed; a page that kept no box before is selected again."""
+    regions, out = Path(regions), Path(out)
+    if regions.resolve() == out.resolve():
+        raise LayoutError(f"--out {out} is the detect folder it reads: write the new selection elsewhere")
+    files = sorted(path for path in regions.glob("*/*.jsonl") if not path.parent.name.startswith("."))
+    if not files:
+        raise FileNotFoundError(f"{regions} holds no <config>/<split>.jsonl: run `python -m hkrag.data.layout "
+                                "detect ... --out` on the corpus first")
+    report: dict[str, Any] = {"source": str(regions), **dataclasses.asdict(settings), "pages": 0, "failed": []}
+    for path in files:
+        rows = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                row = json.loads(line)
+            except ValueError as error:
+                raise LayoutError(f"{path}, line {number} is not JSON ({error})") from None
+            if not isinstance(row, dict) or "size" not in row or not isinstance(row.get("candidates"), list):
+                raise LayoutError(f"{path}, line {number} is not a detect row (doc_id, size, candidates)")
+            if row["size"] is not None:
+                row.pop("error", None)
+            rows.append(row)
+        _select_rows(rows, settings, path.parent.name, path.stem, report)
+        write_text(out / path.parent.name / path.name, "".join(json.dumps(row) + "\n" for row in rows))
+    return _finish(out, report)
 
 
 def _settings(args: argparse.Namespace) -> SelectionSettings:
@@ -419,7 +463,10 @@ def main(argv: Iterable[str] | None = None) -> int:
     run.add_argument("--out", required=True, type=Path, help="folder for <config>/<split>.jsonl and reports")
     run.add_argument("--config", action="append", dest="configs", help="config to read (repeat; default: all)")
     run.add_argument("--split", action="append", dest="splits", help="split to read (repeat; default: all)")
-    for command in (evaluate, sheet, run):
+    again = commands.add_parser("select", help="SCAN's selection again over a detect folder's candidates")
+    again.add_argument("regions", type=Path, help="a detect --out folder")
+    again.add_argument("--out", required=True, type=Path, help="folder for the new <config>/<split>.jsonl")
+    for command in (evaluate, sheet, run, again):
         command.add_argument("--threshold", type=float, default=THRESHOLD, help=f"minimum confidence ({THRESHOLD})")
         command.add_argument("--alpha", type=float, default=ALPHA, help=f"coverage weight ({ALPHA})")
         command.add_argument("--beta", type=float, default=BETA, help=f"non-overlap weight ({BETA})")
@@ -436,7 +483,10 @@ def main(argv: Iterable[str] | None = None) -> int:
         elif args.command == "figure":
             result = {"figure": str(figure(args.corpus, args.model, args.out, args.split, _settings(args)))}
         else:
-            result = write_regions(args.source, args.out, args.model, _settings(args), args.configs, args.splits)
+            if args.command == "select":
+                result = reselect(args.regions, args.out, _settings(args))
+            else:
+                result = write_regions(args.source, args.out, args.model, _settings(args), args.configs, args.splits)
             result = {key: value for key, value in result.items() if key != "failed"} | {
                 "failed": len(result["failed"])}
     except (LayoutError, DataError, FileNotFoundError) as error:
