@@ -12,15 +12,15 @@ docs/training.md "Late interaction" record the figures.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 from common import machine
+from seed_runs import parse_seed_runs, seed_runs_parser
 
 from hkrag.stats import crossed_difference, crossed_interval
 from hkrag.tasks.chain import retrieval_scores
-from hkrag.tasks.common import REPORT_FILE, check_seeds, run_jobs
+from hkrag.tasks.common import REPORT_FILE, run_jobs
 
 HEADS = {"dense": "dense", "li": "late_interaction"}
 STYLES = ("synchart", "synslide", "syntable", "syninfo")
@@ -50,16 +50,8 @@ def table(out: Path, seeds: list[int]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("outputs/li_bench"), help="run folders <head>_s<seed>")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--workers", type=int, default=1, help="runs side by side, one process each")
-    parser.add_argument("overrides", nargs="*", help="train.py overrides for every run")
-    args = parser.parse_args()
-    try:
-        check_seeds(args.seeds, args.overrides)
-    except ValueError as error:
-        parser.error(str(error))
+    args = parse_seed_runs(seed_runs_parser(__doc__.split("\n\n")[0], "outputs/li_bench",
+                                            "run folders <head>_s<seed>"))
     start = time.perf_counter()
     jobs = [(args.out / f"{name}_s{seed}", ["experiment=reader_li_tiny", f"model.head={head}", f"trainer.seed={seed}",
                                             *args.overrides], "train", REPORT_FILE)

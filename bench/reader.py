@@ -10,28 +10,20 @@ figures; bench/RESULTS.md records them.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 from common import machine
+from seed_runs import parse_seed_runs, seed_runs_parser
 
 from hkrag.tasks.chain import retrieval_rows, retrieval_table
-from hkrag.tasks.common import REPORT_FILE, check_seeds, run_jobs
+from hkrag.tasks.common import REPORT_FILE, run_jobs
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("outputs/reader"), help="one run folder per seed: s<seed>")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--workers", type=int, default=1, help="runs side by side, one process each")
+    parser = seed_runs_parser(__doc__.split("\n\n")[0], "outputs/reader", "one run folder per seed: s<seed>")
     parser.add_argument("--corpus", type=Path, default=Path("data/synthetic/corpus"), help="the built-in corpus")
-    parser.add_argument("overrides", nargs="*", help="train.py overrides for every run")
-    args = parser.parse_args()
-    try:
-        check_seeds(args.seeds, args.overrides)
-    except ValueError as error:
-        parser.error(str(error))
+    args = parse_seed_runs(parser)
     runs = [args.out / f"s{seed}" for seed in args.seeds]
     start = time.perf_counter()
     jobs = [(run, ["experiment=reader_tiny", f"trainer.seed={seed}", *args.overrides], "train", REPORT_FILE)

@@ -42,3 +42,15 @@ def pages() -> list[Image.Image]:
         image.paste((40 * i, 200 - 30 * i, 90), (w // 4, h // 4, w // 2, h // 2))
         out.append(image)
     return out
+
+
+@pytest.fixture
+def scripted_rag_backend(monkeypatch):
+    """``task=rag``'s backend replaced by a scripted one that answers the Pruner "yes" and everything else "unknown"
+    (Phi-3's vocabulary size); its ``requests`` are what the generator sent."""
+    from hkrag.lvlm.scripted import ScriptedBackend
+    from hkrag.tasks import rag as rag_task
+
+    scripted = ScriptedBackend([("Reply with yes or no only.", "yes")], default="unknown", vocab_size=32064)
+    monkeypatch.setattr(rag_task, "build_backend", lambda _config: scripted)
+    return scripted

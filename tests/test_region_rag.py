@@ -11,7 +11,6 @@ from hydra.utils import instantiate
 
 from hkrag.data.opendocvqa import load_corpus, load_qa
 from hkrag.data.region_corpus import build_region_corpus
-from hkrag.lvlm.scripted import ScriptedBackend
 from hkrag.rag.trace import load_trace
 from hkrag.tasks import rag as rag_task
 from hkrag.tasks import run_eval_task
@@ -40,15 +39,8 @@ def units(tmp_path_factory) -> Path:
     return data_dir
 
 
-@pytest.fixture
-def backend(monkeypatch) -> ScriptedBackend:
-    scripted = ScriptedBackend([("Reply with yes or no only.", "yes")], default="unknown", vocab_size=32064)
-    monkeypatch.setattr(rag_task, "build_backend", lambda _config: scripted)
-    return scripted
-
-
 @pytest.mark.parametrize("page_input", ["image", "text"])
-def test_rag_over_region_units_hands_the_generator_the_top_crops(tmp_path, units, backend, page_input):
+def test_rag_over_region_units_hands_the_generator_the_top_crops(tmp_path, units, scripted_rag_backend, page_input):
     cfg = config(units, "retriever=regions_bm25", f"data.corpus_source={units / 'units'}",
                  f"generator.input={page_input}")
     report = run_eval_task(cfg, tmp_path / "run")
@@ -65,7 +57,7 @@ def test_rag_over_region_units_hands_the_generator_the_top_crops(tmp_path, units
     assert trace[0].calls[0].prompt.startswith("".join(f"<{kind}:{unit}>\n" for unit in trace[0].retrieved))
     if page_input == "image":  # the crops themselves reach the backend
         sizes = {corpus[u].image.size for u in trace[0].retrieved}
-        assert {image.load().size for image in backend.requests[0].images} == sizes
+        assert {image.load().size for image in scripted_rag_backend.requests[0].images} == sizes
     # the retrieval table stays page-level: pages, scored by their best unit
     table = (tmp_path / "run" / "retrieval.md").read_text()
     assert "synchart Single" in table

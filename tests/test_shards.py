@@ -31,14 +31,15 @@ class Crash(RuntimeError):
     pass
 
 
-def crashing_after(batches):
+def crashing_after(batches, embed_fn=None):
+    """An embedding function (``embed``, or ``embed_fn``) that raises after ``batches`` calls: a killed job."""
     calls = {"n": 0}
 
     def fn(rows):
         calls["n"] += 1
         if calls["n"] > batches:
             raise Crash("simulated kill")
-        return embed(rows)
+        return (embed_fn or embed)(rows)
 
     return fn
 
@@ -212,16 +213,8 @@ def test_multi_vector_shards_round_trip(tmp_path):
 def test_killed_multi_vector_job_resumes_to_the_same_index(tmp_path):
     items = corpus()
     encode_tokens(items, tmp_path / "clean")
-    calls = {"n": 0}
-
-    def crashing(rows):
-        calls["n"] += 1
-        if calls["n"] > 7:
-            raise Crash("simulated kill")
-        return tokens(rows)
-
     with pytest.raises(Crash):
-        encode_tokens(items, tmp_path / "killed", embed_fn=crashing)
+        encode_tokens(items, tmp_path / "killed", embed_fn=crashing_after(7, tokens))
     with pytest.raises(FileNotFoundError, match="shard-00002"):
         load_multi_vector_shards(tmp_path / "killed")
     seen = []
@@ -238,16 +231,8 @@ def test_dense_and_multi_vector_shards_are_never_mixed(tmp_path):
         encode(items, tmp_path / "dense", embed_fn=crashing_after(4))
     with pytest.raises(ValueError, match=r"different run \(layout: on disk None vs now 'multi_vector'\)"):
         encode_tokens(items, tmp_path / "dense")
-    calls = {"n": 0}
-
-    def crashing(rows):
-        calls["n"] += 1
-        if calls["n"] > 4:
-            raise Crash("simulated kill")
-        return tokens(rows)
-
     with pytest.raises(Crash):
-        encode_tokens(items, tmp_path / "multi", embed_fn=crashing)
+        encode_tokens(items, tmp_path / "multi", embed_fn=crashing_after(4, tokens))
     with pytest.raises(ValueError, match=r"different run \(layout: on disk 'multi_vector' vs now None\)"):
         encode(items, tmp_path / "multi")
     with pytest.raises(ValueError, match=r"different run \(dim: on disk 8 vs now 16\)"):

@@ -174,14 +174,7 @@ def data(tmp_path_factory) -> Path:
     return data_dir
 
 
-@pytest.fixture
-def backend(monkeypatch) -> ScriptedBackend:
-    scripted = ScriptedBackend([("Reply with yes or no only.", "yes")], default="unknown", vocab_size=32064)
-    monkeypatch.setattr(rag_task, "build_backend", lambda _config: scripted)
-    return scripted
-
-
-def test_generation_on_gold_page_text_sends_the_corpus_text_cut_to_the_budget(tmp_path, data, backend):
+def test_generation_on_gold_page_text_sends_the_corpus_text_cut_to_the_budget(tmp_path, data, scripted_rag_backend):
     cfg = config(data, "generator.input=text", "generator.max_page_tokens=3")
     report = run_eval_task(cfg, tmp_path / "run")
     corpus = load_corpus(cfg.data.corpus_source, "synchart", "test")
@@ -191,17 +184,17 @@ def test_generation_on_gold_page_text_sends_the_corpus_text_cut_to_the_budget(tm
     trace = load_trace(tmp_path / "run" / "trace.jsonl")
     first = trace[0].retrieved[0]
     expected = "Page 1:\n" + texts[first][: list(re.finditer(r"\S+", texts[first]))[2].end()] + "\n\n"
-    assert request_text(backend.requests[0]).startswith(expected)
-    assert all(request.images == [] for request in backend.requests)
+    assert request_text(scripted_rag_backend.requests[0]).startswith(expected)
+    assert all(request.images == [] for request in scripted_rag_backend.requests)
     assert trace[0].calls[0].prompt.startswith(f"<text:{first}>\n")
 
 
-def test_a_missing_text_column_stops_the_run_naming_it(tmp_path, data, backend):
+def test_a_missing_text_column_stops_the_run_naming_it(tmp_path, data, scripted_rag_backend):
     with pytest.raises(ConfigError, match=r"generator.text_column='ocr_text': corpus .* has no such column"):
         run_eval_task(config(data, "generator.input=text", "generator.text_column=ocr_text"), tmp_path / "run")
 
 
-def test_image_and_text_runs_never_share_a_trace(tmp_path, data, backend):
+def test_image_and_text_runs_never_share_a_trace(tmp_path, data, scripted_rag_backend):
     image, text = config(data), config(data, "generator.input=text")
     rag_task.resolve_retrieval_mode(image), rag_task.resolve_retrieval_mode(text)
     assert rag_task.run_identity(image)["generator"]["input"] == "image"
@@ -211,7 +204,7 @@ def test_image_and_text_runs_never_share_a_trace(tmp_path, data, backend):
         run_eval_task(text, tmp_path / "run")
 
 
-def test_text_rag_with_the_bm25_retriever_reads_the_pages_bm25_ranked(tmp_path, data, backend):
+def test_text_rag_with_the_bm25_retriever_reads_the_pages_bm25_ranked(tmp_path, data, scripted_rag_backend):
     cfg = config(data, "task=rag", "retriever=bm25", "generator.input=text", "rag.pools=[single]")
     report = run_eval_task(cfg, tmp_path / "run")
 
