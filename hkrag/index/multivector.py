@@ -26,35 +26,11 @@ from pathlib import Path
 import faiss
 import numpy as np
 
+from hkrag.index.shards import check_multivectors
 from hkrag.io import atomic_write, write_json
 
 MANIFEST = "multivector.json"
 FORMAT = 1
-
-
-def check_multivectors(
-    vectors: np.ndarray, offsets: np.ndarray, *, name: str = "pages", dim: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(vectors, offsets)`` checked as the shard format, with an error naming ``name`` and the bad row."""
-    vectors, offsets = np.asarray(vectors), np.asarray(offsets)
-    if vectors.ndim != 2 or not np.issubdtype(vectors.dtype, np.floating):
-        raise ValueError(f"{name}: vectors must be a float [tokens, dim] array, got {vectors.dtype} {vectors.shape}")
-    if dim is not None and vectors.shape[1] != dim:
-        raise ValueError(f"{name}: vectors have dim {vectors.shape[1]}, expected {dim} (dim mismatch)")
-    if offsets.ndim != 1 or len(offsets) < 2 or not np.issubdtype(offsets.dtype, np.integer):
-        raise ValueError(f"{name}: offsets must be an integer [n_pages + 1] array, got {offsets.dtype} {offsets.shape}")
-    if offsets[0] != 0 or offsets[-1] != len(vectors):
-        raise ValueError(
-            f"{name}: offsets must run from 0 to the {len(vectors)} vectors, got {offsets[0]}..{offsets[-1]}"
-        )
-    ragged = np.flatnonzero(np.diff(offsets) <= 0)
-    if len(ragged):
-        row = int(ragged[0])
-        raise ValueError(
-            f"{name}: offsets must increase strictly (every page holds a vector); page {row} spans "
-            f"offsets[{row}]={offsets[row]}..offsets[{row + 1}]={offsets[row + 1]}"
-        )
-    return vectors, offsets.astype(np.int64, copy=False)
 
 
 def maxsim(queries: np.ndarray, query_offsets: np.ndarray, pages: np.ndarray, page_offsets: np.ndarray) -> np.ndarray:

@@ -301,6 +301,31 @@ def _shard_meta(directory: Path, manifest: Mapping[str, Any], shard: int) -> dic
     return meta
 
 
+def check_multivectors(
+    vectors: np.ndarray, offsets: np.ndarray, *, name: str = "pages", dim: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(vectors, offsets)`` checked as the shard format, with an error naming ``name`` and the bad row."""
+    vectors, offsets = np.asarray(vectors), np.asarray(offsets)
+    if vectors.ndim != 2 or not np.issubdtype(vectors.dtype, np.floating):
+        raise ValueError(f"{name}: vectors must be a float [tokens, dim] array, got {vectors.dtype} {vectors.shape}")
+    if dim is not None and vectors.shape[1] != dim:
+        raise ValueError(f"{name}: vectors have dim {vectors.shape[1]}, expected {dim} (dim mismatch)")
+    if offsets.ndim != 1 or len(offsets) < 2 or not np.issubdtype(offsets.dtype, np.integer):
+        raise ValueError(f"{name}: offsets must be an integer [n_pages + 1] array, got {offsets.dtype} {offsets.shape}")
+    if offsets[0] != 0 or offsets[-1] != len(vectors):
+        raise ValueError(
+            f"{name}: offsets must run from 0 to the {len(vectors)} vectors, got {offsets[0]}..{offsets[-1]}"
+        )
+    ragged = np.flatnonzero(np.diff(offsets) <= 0)
+    if len(ragged):
+        row = int(ragged[0])
+        raise ValueError(
+            f"{name}: offsets must increase strictly (every page holds a vector); page {row} spans "
+            f"offsets[{row}]={offsets[row]}..offsets[{row + 1}]={offsets[row + 1]}"
+        )
+    return vectors, offsets.astype(np.int64, copy=False)
+
+
 def iter_multi_vector_shards(
     directory: str | Path, *, expect: Mapping[str, Any] | None = None
 ) -> Iterator[tuple[list[str], np.ndarray, np.ndarray]]:
@@ -316,9 +341,12 @@ def iter_multi_vector_shards(
         block = _read_vectors(directory / f"{name}.npy")
         offsets = np.asarray(_read_vectors(directory / f"{name}.offsets.npy"))
         rows = _shard_rows(manifest, shard)
-        valid = (offsets.shape == (rows + 1,) and offsets.dtype == np.int64 and offsets[0] == 0
-                 and (np.diff(offsets) > 0).all() and block.ndim == 2 and offsets[-1] == len(block))
-        if not valid or block.shape[1:] != (dim,) or str(block.dtype) != dtype or len(meta["ids"]) != rows:
+        try:
+            check_multivectors(block, offsets, name=f"{directory}/{name}", dim=dim)
+            valid = offsets.shape == (rows + 1,) and offsets.dtype == np.int64
+        except ValueError:
+            valid = False
+        if not valid or str(block.dtype) != dtype or len(meta["ids"]) != rows:
             raise ShardError(
                 f"{directory}/{name}: vectors {block.shape} {block.dtype}, offsets {offsets.shape} {offsets.dtype} "
                 f"with {len(meta['ids'])} ids; manifest expects {rows} pages of (tokens >= 1, {dim}) {dtype} vectors "
