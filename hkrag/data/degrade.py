@@ -37,7 +37,7 @@ import numpy as np
 from PIL import Image, ImageFilter
 from tqdm.auto import tqdm
 
-from hkrag.data.images import open_image
+from hkrag.data.images import open_image, page_png
 from hkrag.data.ocr import corpus_splits, local_or_hub
 from hkrag.data.opendocvqa import CORPUS_FEATURES, Corpus, DataError, load_corpus
 from hkrag.data.writer import save_split
@@ -241,9 +241,7 @@ def _degraded_rows(corpus: Corpus, spec: Degradation, boxes: dict[str, list[Box]
         if spec.needs_boxes and doc_id not in boxes:
             raise DataError(f"{corpus.name}: page {doc_id!r} has no fine-print boxes in the pages file")
         image = spec.apply(open_image(row["image"], doc_id, max_pixels=None), doc_id, boxes.get(doc_id, ()))
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        yield {"doc_id": doc_id, "image": {"bytes": buffer.getvalue(), "path": None}}
+        yield {"doc_id": doc_id, "image": {"bytes": page_png(image), "path": None}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -127,3 +127,10 @@ def _check_size(image: Image.Image, doc_id: str, max_pixels: int | None) -> None
     if max_pixels is not None and width * height > max_pixels:
         pixels = width * height
         raise ImageError(doc_id, f"decompression bomb: {width}x{height} = {pixels} pixels > max_pixels={max_pixels}")
+
+
+def page_png(image: Image.Image) -> bytes:
+    """``image`` as PNG bytes, the lossless form every corpus this project writes stores its pages in."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()

@@ -47,7 +47,7 @@ from typing import Any
 
 from PIL import Image
 
-from hkrag.data.images import open_image
+from hkrag.data.images import open_image, page_png
 from hkrag.data.ocr import _image_bytes, corpus_splits
 from hkrag.data.opendocvqa import DataError, load_corpus
 from hkrag.data.regions import ALPHA, BETA, CLASSES, THRESHOLD, Region, corpus_matching_iou, select
@@ -57,7 +57,6 @@ from hkrag.data.synthetic import (
     SyntheticConfig,
     TextItem,
     _font,
-    _png,
     page_regions,
     render_page,
 )
@@ -317,7 +316,7 @@ def figure(
     for row, (gold, chosen) in enumerate(panels):
         sheet.paste(gold, (0, row * (height + 12)))
         sheet.paste(chosen, (width + 12, row * (height + 12)))
-    return write_bytes(out, _png(sheet))
+    return write_bytes(out, page_png(sheet))
 
 
 def _fingerprint(model_path: Path) -> str:

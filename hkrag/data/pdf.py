@@ -17,7 +17,6 @@ note. The progress bar counts pages. The command exits non-zero only when no pag
 from __future__ import annotations
 
 import argparse
-import io
 import itertools
 import logging
 import math
@@ -30,7 +29,7 @@ from pathlib import Path
 import pypdfium2 as pdfium
 from tqdm.auto import tqdm
 
-from hkrag.data.images import DEFAULT_MAX_PIXELS, file_problem
+from hkrag.data.images import DEFAULT_MAX_PIXELS, file_problem, page_png
 from hkrag.data.opendocvqa import PAGE_TEXT_FEATURES, TEXT_COLUMN
 from hkrag.data.writer import declare_text_columns, save_split
 
@@ -144,9 +143,7 @@ def _render_page(document: pdfium.PdfDocument, index: int, dpi: int, path: Path,
         image = page.render(scale=scale).to_pil()
     except pdfium.PdfiumError as error:
         raise PdfError(path, f"page {index + 1} cannot be rendered ({error})") from error
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
+    return page_png(image)
 
 
 def ingest(

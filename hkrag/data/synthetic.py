@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import json
 import logging
 import random
@@ -38,6 +37,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont
 from tqdm.auto import tqdm
 
+from hkrag.data.images import page_png
 from hkrag.data.opendocvqa import ALL_POOL, PAGE_TEXT_FEATURES, QA_FEATURES, QUERY_PREFIX, TEXT_COLUMN, format_query
 from hkrag.data.writer import declare_text_columns, save_split
 from hkrag.io import write_json, write_text
@@ -178,7 +178,7 @@ def generate(out_dir: str | Path, config: SyntheticConfig = SyntheticConfig()) -
     queries["test"] += _fine_print_queries(fine_rng, fine_test)
     train, test = train + fine_train, test + fine_test
     rendered = {spec.doc_id: render_page(spec, config) for spec in tqdm(train + test, desc="render", leave=False)}
-    images = {doc_id: _png(image) for doc_id, (image, _) in rendered.items()}
+    images = {doc_id: page_png(image) for doc_id, (image, _) in rendered.items()}
 
     def corpus_rows(specs: list[PageSpec]) -> Iterator[dict]:
         return ({"doc_id": s.doc_id, "image": {"bytes": images[s.doc_id], "path": None},
@@ -558,12 +558,6 @@ def _infographic(c: _Canvas, s: PageSpec) -> None:
 
 
 _RENDERERS = {"synchart": _chart, "synslide": _slide, "syntable": _table, "syninfo": _infographic}
-
-
-def _png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 DEMO = SyntheticConfig(n_train=1536, train_groups_per_style=32, train_fine_groups=32, test_fine_groups=4)

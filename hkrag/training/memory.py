@@ -17,7 +17,6 @@ so that freed tensors leave the resident set as they do the CUDA allocator's cou
 
 from __future__ import annotations
 
-import io
 import os
 import tempfile
 import time
@@ -36,6 +35,7 @@ from tqdm.auto import tqdm
 
 from hkrag.data.collators import PretrainingCollator
 from hkrag.data.generator_pairs import GeneratorPair
+from hkrag.data.images import page_png
 from hkrag.data.opendocvqa import CORPUS_FEATURES, Corpus
 from hkrag.data.pairs import TrainingPair
 from hkrag.losses import HybridMaskLoss
@@ -395,10 +395,8 @@ def random_pages(count: int, size: tuple[int, int] = (850, 1100), seed: int = 0)
     """A :class:`~hkrag.data.opendocvqa.Corpus` of ``count`` random-noise pages ``page-<i>``."""
     rows: dict[str, list] = {"doc_id": [], "image": []}
     for index, image in enumerate(noise_pages(count, size, seed)):
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
         rows["doc_id"].append(f"page-{index}")
-        rows["image"].append({"bytes": buffer.getvalue(), "path": None})
+        rows["image"].append({"bytes": page_png(image), "path": None})
     return Corpus(datasets.Dataset.from_dict(rows, features=CORPUS_FEATURES), name="preflight")
 
 
@@ -410,8 +408,6 @@ def _allocated(cuda: bool) -> int:
 def adapter_round_trip(model: Any) -> tuple[int, bool]:
     """Save ``model``'s (a peft model's) adapter, load it back as a second adapter and compare: the saved bytes,
     and whether every reloaded tensor equals the trained one (same names, same values)."""
-
-
     with tempfile.TemporaryDirectory() as directory:
         model.save_pretrained(directory)
         size = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
