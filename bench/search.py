@@ -15,6 +15,11 @@ test queries are timed cold (the file is dropped from the page cache and the ind
 single and the batched queries), so every re-ranked vector is a read from disk unless an earlier query of
 the same run read it.
 
+``--save DIR`` keeps each tuned index (with its build cost and tuning recall in ``bench.json``); a rerun with
+the same ``--save`` reopens it instead of building and tuning again, so a long build made on a busy machine can
+be timed again on a quiet one. The corpus file is named by the generator's settings and the exact neighbours
+of the queries are cached beside it, so a rerun skips both.
+
     nice -n 5 python bench/search.py --n 1000000 --specs "PCA384,IVF2048,PQ96x4fs,Refine(PCA384,SQ8)"
     nice -n 5 python bench/search.py --n 1000000 --mmap --specs "PCA384,IVF2048,SQ8,Refine(Flat)"
 """
@@ -23,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import json
 import os
 import re
 import resource
@@ -46,7 +53,7 @@ from hkrag.index.synthetic_embeddings import (
     IsotropicMixture,
 )
 from hkrag.index.tuning import exact_neighbours, query_recalls, recall_at_k, recall_summary, tune
-from hkrag.io import atomic_write
+from hkrag.io import atomic_write, write_json
 
 DEFAULT_SPECS = ("PCA384,IVF2048,PQ96x4fs,Refine(PCA384,SQ8)",)
 
@@ -95,6 +102,29 @@ def generator(args: argparse.Namespace) -> EmbeddingLike | IsotropicMixture:
         return IsotropicMixture(args.dim, args.clusters, args.spread, args.seed)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(EmbeddingSettings)}
     return EmbeddingLike(EmbeddingSettings(**overrides))
+
+
+def corpus_name(data, args: argparse.Namespace) -> str:
+    """The corpus file's name: its size and a digest of every generator setting, so other settings never reuse it."""
+    if isinstance(data, EmbeddingLike):
+        settings = dataclasses.asdict(data.settings)
+    else:
+        settings = {"dim": args.dim, "clusters": args.clusters, "spread": args.spread, "seed": args.seed}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return f"corpus-{args.data}-{args.n}x{args.dim}-{args.seed}-{digest}"
+
+
+def cached_exact(path: Path, queries: np.ndarray, corpus: VectorFile, args: argparse.Namespace) -> np.ndarray:
+    """Exact top-k rows of the queries over the corpus, computed once and kept at ``path``."""
+    if path.exists():
+        print(f"exact neighbours: {path} (cached)")
+        return np.load(path)
+    start = time.perf_counter()
+    _, exact = exact_neighbours(queries, corpus.chunks(args.chunk), args.k)
+    seconds = time.perf_counter() - start
+    print(f"exact search (flat, batched, chunked): {len(exact) / seconds:.1f} QPS, {seconds:.0f} s", flush=True)
+    atomic_write(path, lambda f: np.save(f, exact), "wb")
+    return exact
 
 
 def build(spec: str, data, corpus: VectorFile, args: argparse.Namespace) -> tuple[DocumentIndex, dict]:
@@ -207,7 +237,8 @@ def main() -> None:
         f"single={args.single} k={args.k} target={args.target}\n",
         flush=True,
     )
-    corpus = VectorFile(Path(args.workdir) / f"corpus-{args.data}-{args.n}x{args.dim}-{args.seed}.npy")
+    corpus = VectorFile(Path(args.workdir) / f"{corpus_name(data, args)}.npy")
+    exact_file = corpus.path.with_name(f"{corpus.path.stem}-exact-{args.tuning_queries}-{args.queries}-k{args.k}.npy")
     try:
         start = time.perf_counter()
         if not corpus.path.exists():
@@ -215,10 +246,7 @@ def main() -> None:
         print(f"corpus: {corpus.path} ({time.perf_counter() - start:.0f} s to generate)")
         tuning_q = data.sample(args.tuning_queries, stream=TUNING_STREAM)
         test_q = data.sample(args.queries, stream=QUERY_STREAM)
-        start = time.perf_counter()
-        _, exact = exact_neighbours(np.vstack([tuning_q, test_q]), corpus.chunks(args.chunk), args.k)
-        exact_s = time.perf_counter() - start
-        print(f"exact search (flat, batched, chunked): {len(exact) / exact_s:.1f} QPS, {exact_s:.0f} s", flush=True)
+        exact = cached_exact(exact_file, np.vstack([tuning_q, test_q]), corpus, args)
         tuning_exact, test_exact = exact[: len(tuning_q)], exact[len(tuning_q) :]
         flat_bytes = 4 * args.n * args.dim
         header = (
@@ -227,16 +255,25 @@ def main() -> None:
         )
         lines = [header, "|" + "---|" * (header.count("|") - 1)]
         for spec in args.specs:
-            index, cost = build(spec, data, corpus, args)
             directory = Path(args.save or args.workdir) / re.sub(r"[^A-Za-z0-9]+", "_", spec).strip("_")
-            if args.mmap:
-                index.save(directory)
-                index = reopen(directory)
-            if index.spec.params:  # given after the spec's ';': measured on the tuning queries, not tuned
-                recalls = query_recalls(index.search_arrays(tuning_q, args.k)[1], tuning_exact)
-                record = recall_summary(recalls, args.confidence)
+            if args.save and (directory / "bench.json").exists():
+                saved = json.loads((directory / "bench.json").read_text())
+                cost, record = saved["cost"], saved["record"]
+                print(f"{spec}: reopened from {directory} (built and tuned by an earlier run)", flush=True)
+                index = reopen(directory) if args.mmap else DocumentIndex.load(directory, use_gpu=False)
             else:
-                record = tune(index, tuning_q, tuning_exact, target=args.target, confidence=args.confidence)
+                index, cost = build(spec, data, corpus, args)
+                if args.mmap:
+                    index.save(directory)
+                    index = reopen(directory)
+                if index.spec.params:  # given after the spec's ';': measured on the tuning queries, not tuned
+                    recalls = query_recalls(index.search_arrays(tuning_q, args.k)[1], tuning_exact)
+                    record = recall_summary(recalls, args.confidence)
+                else:
+                    record = tune(index, tuning_q, tuning_exact, target=args.target, confidence=args.confidence)
+                if args.save:
+                    (index.save_meta if args.mmap else index.save)(directory)
+                    write_json(directory / "bench.json", {"cost": cost, "record": record})
             disk = index.mapped_bytes()
             ram = index.nbytes() - disk
             name = str(index.spec)
@@ -244,8 +281,6 @@ def main() -> None:
                 index.save_meta(directory)
                 open_index = partial(reopen, directory)  # the tuned index's mapping holds the pages tuning read
             else:
-                if args.save:
-                    index.save(directory)
                 open_index = kept(index)
             del index
             result = measure(open_index, test_q, test_exact, args)
@@ -267,6 +302,7 @@ def main() -> None:
     finally:
         if not args.keep:
             corpus.path.unlink(missing_ok=True)
+            exact_file.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
