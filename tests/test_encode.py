@@ -136,6 +136,31 @@ def test_eval_reads_the_encoded_shards_and_equals_an_evaluation_in_memory(data, 
     assert "| Method | synchart Single | synchart All | syninfo Single | syninfo All |" in result["table"]
 
 
+def test_eval_searches_the_shards_with_a_multi_vector_index(data, tmp_path, page_batches):
+    """eval.index="multivector:<spec>" builds hkrag.index.multivector's index from the same shards: SQ8 codes with
+    every page re-ranked by exact MaxSim over the float16 vectors gives exact MaxSim's scores to float16's precision;
+    a setting it cannot use fails before any page is encoded, naming eval.index."""
+    run = tmp_path / "run"
+    encode.encode_part(encode.load_config([*data, *LATE]), "all", run / "embeddings-all")
+    page_batches.clear()
+    evaluations = {index: run_retrieval_evaluation(config("eval", [
+        *data, *LATE, f"paths.output_dir={run}", f"eval.index='{index}'"]), run) for index in (
+        "flat", "multivector:codec=SQ8;rerank=10")}
+    assert page_batches == []
+    exact, compressed = evaluations.values()
+    for dataset in DATASETS:
+        for pool in ("single", "all"):
+            for query_id, ranked in exact["runs"][dataset][pool].items():
+                assert compressed["runs"][dataset][pool][query_id] == pytest.approx(ranked, abs=2e-3)
+    refusals = {"sq8": r"the late-interaction head is searched by exact MaxSim \(eval.index=flat\) or a multi-vector",
+                "multivector:codec=SQ8;bogus=1": "bad multi-vector index setting 'bogus=1'"}
+    for index, message in refusals.items():
+        with pytest.raises(ValueError, match=rf"eval.index='{index}': {message}"):
+            run_retrieval_evaluation(config("eval", [*data, *LATE, f"paths.output_dir={run}",
+                                                     f"eval.index='{index}'"]), tmp_path / "bad")
+    assert page_batches == []
+
+
 def test_eval_in_a_folder_of_dense_shards_refuses_the_late_interaction_head(data, tmp_path):
     run = tmp_path / "run"
     encode.encode_part(encode.load_config([*data, "model=tiny", "model.num_crops=4"]), "all", run / "embeddings-all")

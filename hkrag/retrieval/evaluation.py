@@ -32,7 +32,7 @@ from hkrag.data.opendocvqa import Corpus, QAExample, load_corpus, load_qa, pools
 from hkrag.data.region_corpus import corpus_pages
 from hkrag.distributed import is_main, rank, world_size
 from hkrag.index.faiss_index import DocumentIndex
-from hkrag.index.maxsim import MaxSimIndex
+from hkrag.index.maxsim import MaxSimIndex, multivector_spec
 from hkrag.index.shards import config_hash, encode_corpus, load_multi_vector_shards, load_shards
 from hkrag.io import atomic_directory, write_json
 from hkrag.retrieval.metrics import (
@@ -257,6 +257,7 @@ class DenseRanker:
         self.retriever, self.cfg, self.work_dir = retriever, cfg, Path(work_dir)
         if late_interaction(retriever):
             self.name = "late_interaction"
+            multivector_spec(cfg.index)  # a bad eval.index fails before any page is encoded
         self.identity = shard_identity(retriever, identity)
         self.embeddings = EmbeddingCache()
         self.queries: dict[tuple[str, ...], torch.Tensor] = {}
@@ -271,10 +272,7 @@ class DenseRanker:
             return {}
         query_ids = [ex.query_id for ex in qa]
         if late_interaction(self.retriever):
-            if self.cfg.index != "flat":
-                raise ValueError(f"eval.index={self.cfg.index!r}: the late-interaction head is searched by exact "
-                                 "MaxSim here; set eval.index=flat")
-            index = MaxSimIndex.from_pages(corpus.doc_ids, vectors)
+            index = MaxSimIndex.from_pages(corpus.doc_ids, vectors, spec=multivector_spec(self.cfg.index))
             return search_with_ties(index, query_ids, [q.float().numpy() for q in queries], depth)
         index = DocumentIndex.build(corpus.doc_ids, vectors, self.cfg.index, use_gpu=self.cfg.use_gpu)
         return search_with_ties(index, query_ids, queries.numpy(), depth)
