@@ -60,7 +60,7 @@ def encode_part(cfg: DictConfig, corpus_config: str, out_dir: str | Path, part: 
     settings = eval_config(cfg)
     corpus = load_corpus(settings.corpus_source, corpus_config, settings.split)
     model_cfg, given = evaluated_model(cfg)
-    check_layout(out_dir, head_settings(model_cfg).head == "late_interaction")
+    check_layout(out_dir, head_settings(model_cfg).late_interaction)
     todo = pending_shards(out_dir, len(corpus), settings.shard_size, part, parts)
     logger.info("task %d of %d: %d shard(s) of %s to encode into %s", part, parts, len(todo), corpus.name, out_dir)
     if not todo:
