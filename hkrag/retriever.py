@@ -17,7 +17,7 @@ import json
 import logging
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -122,6 +122,13 @@ class HeadSettings:
     @property
     def late_interaction(self) -> bool:
         return self.head == HEADS[1]
+
+    @classmethod
+    def of(cls, model_cfg: Mapping[str, Any]) -> HeadSettings:
+        """``model.head`` and ``model.late_interaction`` of a model config (dense when it has neither)."""
+        late = model_cfg.get("late_interaction") or {}
+        return cls(head=model_cfg.get("head", "dense"), **{k: late[k] for k in ("dim", "query_augmentation")
+                                                           if k in late})
 
 
 def attach_head(model: Phi3VForCausalLM, head: HeadSettings) -> None:

@@ -247,6 +247,26 @@ def test_dense_and_multi_vector_shards_are_never_mixed(tmp_path):
         load_multi_vector_shards(tmp_path / "multi", expect={"dim": 128})
 
 
+def test_two_jobs_started_together_into_one_folder_are_not_mixed(tmp_path):
+    """A dense job and a multi-vector job both start into the same empty folder (no manifest yet to refuse them, as
+    two Slurm array tasks with different model.head would): the dense one finishes its first shard while the other
+    embeds, so the multi-vector job's write finds the dense manifest and refuses, naming the shard, leaving it
+    unwritten; the folder stays the dense run's and loads."""
+    items = corpus()
+
+    def dense_job_meanwhile(rows):
+        if not (tmp_path / "manifest.json").is_file():
+            encode(items, tmp_path)
+        return tokens(rows)
+
+    with pytest.raises(ValueError, match=r"different run \(layout: on disk None vs now 'multi_vector'\); "
+                                         rf"{tmp_path}/shard-00000 not written"):
+        encode_tokens(items, tmp_path, embed_fn=dense_job_meanwhile)
+    assert not list(tmp_path.glob("*.offsets.npy"))
+    ids, vectors = load_shards(tmp_path)
+    np.testing.assert_allclose(vectors, embed(items), atol=1e-3)
+
+
 def test_multi_vector_shards_check_their_files(tmp_path):
     encode_tokens(corpus(), tmp_path)
     np.save(tmp_path / "shard-00001.offsets.npy", np.array([0, 2, 1, 3, 4, 5], dtype=np.int64))

@@ -6,6 +6,11 @@ memory bound); scores are reported as training computes them (:func:`hkrag.late_
 the query's tokens of the best dot product with any of the page's tokens, i.e. the multi-vector index's sum divided
 by the query's length, which ranks alike). Its interface is :class:`~hkrag.index.faiss_index.DocumentIndex`'s
 ``to_run`` and ``len``, which :func:`hkrag.retrieval.evaluation.search_with_ties` reads.
+
+``eval.index`` picks the search under the late-interaction head (:func:`multivector_spec`): ``flat``, exact
+MaxSim; ``multivector:<spec>``, a :class:`~hkrag.index.multivector.MultiVectorIndex` built from the pages with that
+spec (compressed codes, token pooling, a candidate stage, exact re-ranking: docs/index.md), its scores divided by
+the query's length alike.
 """
 
 from __future__ import annotations
@@ -14,19 +19,42 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hkrag.index.multivector import check_multivectors, exact_search, maxsim
+from hkrag.index.multivector import MultiVectorIndex, MultiVectorSpec, check_multivectors, exact_search, maxsim
+
+MULTIVECTOR = "multivector:"
+"""``eval.index``'s prefix of a multi-vector index spec (``multivector:codec=PQ16x8;rerank=64``)."""
+
+
+def multivector_spec(setting: str) -> str | None:
+    """The multi-vector index spec ``eval.index`` names under the late-interaction head: ``None`` for ``flat``
+    (exact MaxSim); a ``ValueError`` naming the setting for anything else or a spec that does not parse."""
+    if setting == "flat":
+        return None
+    if not setting.startswith(MULTIVECTOR):
+        raise ValueError(f"eval.index={setting!r}: the late-interaction head is searched by exact MaxSim "
+                         f"(eval.index=flat) or a multi-vector index ('eval.index=\"{MULTIVECTOR}<spec>\"', e.g. "
+                         f"{MULTIVECTOR}codec=PQ16x8;rerank=64; docs/index.md)")
+    spec = setting.removeprefix(MULTIVECTOR)
+    try:
+        MultiVectorSpec.parse(spec)
+    except ValueError as error:
+        raise ValueError(f"eval.index={setting!r}: {error}") from error
+    return spec
 
 
 class MaxSimIndex:
-    """Exact MaxSim over ``ids``' pages (token ``vectors`` with ``offsets``), the similarity matrix of a chunk of
-    pages held within ``memory`` bytes."""
+    """MaxSim over ``ids``' pages (token ``vectors`` with ``offsets``): exact, the similarity matrix of a chunk of
+    pages held within ``memory`` bytes, or with ``spec`` through a
+    :class:`~hkrag.index.multivector.MultiVectorIndex` built from them."""
 
-    def __init__(self, ids: Sequence[str], vectors: np.ndarray, offsets: np.ndarray, memory: int = 256 << 20):
+    def __init__(self, ids: Sequence[str], vectors: np.ndarray, offsets: np.ndarray, memory: int = 256 << 20,
+                 spec: str | None = None):
         self.vectors, self.offsets = check_multivectors(vectors, offsets, name="pages")
         if len(self.offsets) != len(ids) + 1:
             raise ValueError(f"{len(ids)} page ids for {len(self.offsets) - 1} pages of vectors")
         self.ids = [str(i) for i in ids]
         self.memory = memory
+        self.index = None if spec is None else MultiVectorIndex.build(self.ids, self.vectors, self.offsets, spec)
 
     @classmethod
     def from_pages(cls, ids: Sequence[str], pages: Sequence[np.ndarray], **kwargs) -> MaxSimIndex:
@@ -61,8 +89,11 @@ class MaxSimIndex:
         if not len(queries):
             return {}
         vectors, offsets = self._queries(queries)
-        scores, rows = exact_search(vectors, offsets, self.vectors, self.offsets, min(k, len(self)),
-                                    memory=self.memory)
+        k = min(k, len(self))
+        if self.index is None:
+            scores, rows = exact_search(vectors, offsets, self.vectors, self.offsets, k, memory=self.memory)
+        else:
+            scores, rows = self.index.search(vectors, offsets, k, memory=self.memory)
         scores = scores / np.diff(offsets)[:, None]
         return {str(qid): {self.ids[j]: float(s) for s, j in zip(row_scores, row, strict=True) if j >= 0}
                 for qid, row_scores, row in zip(query_ids, scores, rows, strict=True)}

@@ -96,13 +96,24 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _check_agrees(existing: Mapping[str, Any], wanted: Mapping[str, Any], where: Path) -> None:
+def _check_agrees(
+    existing: Mapping[str, Any], wanted: Mapping[str, Any], where: Path, shard: str | None = None
+) -> None:
+    """Raise unless ``existing`` (a manifest on disk) has ``wanted``'s values; ``shard`` names the shard about to be
+    written into ``where`` when the check guards that write."""
     diff = {k: (existing.get(k), wanted[k]) for k in wanted if existing.get(k) != wanted[k]}
     if diff:
         details = ", ".join(f"{k}: on disk {old!r} vs now {new!r}" for k, (old, new) in diff.items())
+        refused = f"; {where / shard} not written" if shard else ""
         raise ShardError(
-            f"{where} holds embeddings of a different run ({details}); use a fresh directory instead of mixing them"
+            f"{where} holds embeddings of a different run ({details}){refused}; use a fresh directory instead of "
+            "mixing them"
         )
+
+
+def _identity_of(header: Mapping[str, Any]) -> dict[str, Any]:
+    """``header``'s identity with ``layout`` always present (``None`` for dense), so either layout refuses the other."""
+    return {**identity(header), "layout": header.get("layout")}
 
 
 def identity(header: Mapping[str, Any]) -> dict[str, Any]:
@@ -185,7 +196,7 @@ def encode_corpus(
         **({"layout": MULTI_VECTOR} if multi_vector else {}),
     }
     if (out / MANIFEST).is_file():
-        _check_agrees(read_manifest(out), {**identity(header), "layout": header.get("layout")}, out)
+        _check_agrees(read_manifest(out), _identity_of(header), out)
 
     todo = pending_shards(out, count, shard_size, rank, world_size)
     log.info("rank %d/%d: %d shard(s) to encode into %s", rank, world_size, len(todo), out)
@@ -212,10 +223,14 @@ def pending_shards(out_dir: str | Path, count: int, shard_size: int, rank: int =
 
 def _write_shard(out: Path, shard: int, ids: list[str], vectors: np.ndarray, header: Mapping[str, Any],
                  offsets: np.ndarray | None = None) -> None:
-    """Write one finished shard (vectors and any offsets, then ids as the completion marker) and the manifest."""
+    """Write one finished shard (vectors and any offsets, then ids as the completion marker) and the manifest.
+
+    The manifest on disk is checked again here, identity and dimension, not only when the job started: another job
+    that started into the same empty directory at the same time (e.g. a Slurm array task run with another
+    ``model.head``) may have written it since, and this shard would then be of another run than its manifest."""
     dim = int(vectors.shape[1])
     if (out / MANIFEST).is_file():
-        _check_agrees(read_manifest(out), {"dim": dim}, out)
+        _check_agrees(read_manifest(out), {**_identity_of(header), "dim": dim}, out, shard_name(shard))
     else:
         write_json(out / MANIFEST, {**header, "dim": dim}, indent=1)
     meta = {
@@ -273,11 +288,7 @@ def _finished_manifest(directory: Path, expect: Mapping[str, Any] | None, multi_
     """The manifest of a directory whose every shard is finished, in the layout asked for, agreeing with
     ``expect``; else a :class:`ShardError` (another layout, another run) or ``FileNotFoundError`` (unfinished)."""
     manifest = read_manifest(directory)
-    layout = manifest.get("layout")
-    if (layout == MULTI_VECTOR) != multi_vector:
-        found, wanted = ("multi-vector", "dense") if layout == MULTI_VECTOR else ("dense", "multi-vector")
-        raise ShardError(f"{directory} holds {found} embeddings, not the {wanted} ones asked for (model.head "
-                         "differs from the run that encoded it); use a fresh directory or the matching head")
+    check_layout(directory, multi_vector, manifest)
     if expect:
         _check_agrees(manifest, dict(expect), directory)
     num = manifest["num_shards"]
@@ -288,6 +299,21 @@ def _finished_manifest(directory: Path, expect: Mapping[str, Any] | None, multi_
             " (re-run encode_corpus to finish them)"
         )
     return manifest
+
+
+def check_layout(directory: str | Path, multi_vector: bool, manifest: Mapping[str, Any] | None = None) -> None:
+    """Refuse (:class:`ShardError`) a shard directory whose ``manifest`` (read from ``directory`` when not given; no
+    manifest passes) holds the other layout than ``multi_vector`` asks for. Needs no model, so a job whose shards
+    are all finished still refuses another head's folder before it reports nothing left to do."""
+    if manifest is None:
+        if not (Path(directory) / MANIFEST).is_file():
+            return
+        manifest = read_manifest(directory)
+    layout = manifest.get("layout")
+    if (layout == MULTI_VECTOR) != multi_vector:
+        found, wanted = ("multi-vector", "dense") if layout == MULTI_VECTOR else ("dense", "multi-vector")
+        raise ShardError(f"{directory} holds {found} embeddings, not the {wanted} ones asked for (model.head "
+                         "differs from the run that encoded it); use a fresh directory or the matching head")
 
 
 def _shard_meta(directory: Path, manifest: Mapping[str, Any], shard: int) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from hkrag.data.opendocvqa import Corpus, QAExample, load_corpus, load_qa, pools
 from hkrag.data.region_corpus import corpus_pages
 from hkrag.distributed import is_main, rank, world_size
 from hkrag.index.faiss_index import DocumentIndex
-from hkrag.index.maxsim import MaxSimIndex
+from hkrag.index.maxsim import MaxSimIndex, multivector_spec
 from hkrag.index.shards import config_hash, encode_corpus, load_multi_vector_shards, load_shards
 from hkrag.io import atomic_directory, write_json
 from hkrag.retrieval.metrics import (
@@ -257,6 +257,7 @@ class DenseRanker:
         self.retriever, self.cfg, self.work_dir = retriever, cfg, Path(work_dir)
         if late_interaction(retriever):
             self.name = "late_interaction"
+            multivector_spec(cfg.index)  # a bad eval.index fails before any page is encoded
         self.identity = shard_identity(retriever, identity)
         self.embeddings = EmbeddingCache()
         self.queries: dict[tuple[str, ...], torch.Tensor] = {}
@@ -271,10 +272,7 @@ class DenseRanker:
             return {}
         query_ids = [ex.query_id for ex in qa]
         if late_interaction(self.retriever):
-            if self.cfg.index != "flat":
-                raise ValueError(f"eval.index={self.cfg.index!r}: the late-interaction head is searched by exact "
-                                 "MaxSim here; set eval.index=flat")
-            index = MaxSimIndex.from_pages(corpus.doc_ids, vectors)
+            index = MaxSimIndex.from_pages(corpus.doc_ids, vectors, spec=multivector_spec(self.cfg.index))
             return search_with_ties(index, query_ids, [q.float().numpy() for q in queries], depth)
         index = DocumentIndex.build(corpus.doc_ids, vectors, self.cfg.index, use_gpu=self.cfg.use_gpu)
         return search_with_ties(index, query_ids, queries.numpy(), depth)
@@ -339,6 +337,9 @@ def evaluate_ranker(
 
     ``runs[dataset][pool][query_id]`` maps the top-k doc ids to scores (what the RAG task reads). Each query's
     nDCG@5 goes to ``<work_dir>/per_query.json``. Only rank 0 scores; other ranks return ``{}``.
+    A data set's pools are ranked largest corpus first (reported in ``cfg.pools``' order): the union pool's page
+    embeddings (``embeddings-all``, also what ``python -m hkrag.tasks.encode`` writes) then serve the smaller
+    pools through :class:`EmbeddingCache` instead of encoding their pages again.
     """
     work_dir = Path(work_dir)
     results: dict[str, dict[str, Any]] = {}
@@ -346,10 +347,11 @@ def evaluate_ranker(
     per_query: dict[str, dict[str, dict[str, Any]]] = {}
     for dataset in cfg.datasets:
         qa = load_qa_fn(cfg.qa_source, dataset, cfg.split)
-        for pool in cfg.pools:
-            config = pools(dataset)[pool]
-            corpus = load_corpus_fn(cfg.corpus_source, config, cfg.split)
-            run = ranker.rank(qa, corpus, cfg.top_k, config)
+        configs = {pool: pools(dataset)[pool] for pool in cfg.pools}
+        corpora = {pool: load_corpus_fn(cfg.corpus_source, config, cfg.split) for pool, config in configs.items()}
+        for pool in sorted(cfg.pools, key=lambda p: -len(corpora[p])):
+            corpus = corpora[pool]
+            run = ranker.rank(qa, corpus, cfg.top_k, configs[pool])
             if not is_main():
                 continue
             check_qrels(qrels(qa), corpus_pages(corpus))  # counted warning: such documents score as misses
@@ -357,6 +359,9 @@ def evaluate_ranker(
             results.setdefault(dataset, {})[pool] = score(run, qa)
             per_query.setdefault(dataset, {})[pool] = per_query_scores(run, qa)
             logger.info("%s/%s nDCG@5 %.4f", dataset, pool, results[dataset][pool]["all"]["ndcg@5"])
+        if is_main():
+            for by_dataset in (runs, results, per_query):
+                by_dataset[dataset] = {pool: by_dataset[dataset][pool] for pool in cfg.pools}
     if not is_main():
         return {}
     write_json(work_dir / PER_QUERY_FILE, per_query)

@@ -125,9 +125,7 @@ def build_retriever(
 
 def head_settings(model_cfg: DictConfig) -> HeadSettings:
     """``model.head`` and ``model.late_interaction`` as :class:`HeadSettings` (dense when a config has neither)."""
-    late = model_cfg.get("late_interaction") or {}
-    return HeadSettings(head=model_cfg.get("head", "dense"), **{k: late[k] for k in ("dim", "query_augmentation")
-                                                                if k in late})
+    return HeadSettings.of(model_cfg)
 
 
 def save_tiny_base(model: Phi3VForCausalLM, processor: Phi3VProcessor, directory: Path) -> Path:

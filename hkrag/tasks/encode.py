@@ -24,9 +24,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from hkrag.data.opendocvqa import load_corpus
-from hkrag.index.shards import pending_shards
+from hkrag.index.shards import check_layout, pending_shards
 from hkrag.retrieval.evaluation import encode_shards, shard_identity
-from hkrag.tasks.common import CONF_DIR, build_retriever, eval_config, evaluated_model
+from hkrag.tasks.common import CONF_DIR, build_retriever, eval_config, evaluated_model, head_settings
 from hkrag.tasks.validation import validate_config
 
 logger = logging.getLogger(__name__)
@@ -59,11 +59,12 @@ def encode_part(cfg: DictConfig, corpus_config: str, out_dir: str | Path, part: 
     validate_config(cfg)
     settings = eval_config(cfg)
     corpus = load_corpus(settings.corpus_source, corpus_config, settings.split)
+    model_cfg, given = evaluated_model(cfg)
+    check_layout(out_dir, head_settings(model_cfg).late_interaction)
     todo = pending_shards(out_dir, len(corpus), settings.shard_size, part, parts)
     logger.info("task %d of %d: %d shard(s) of %s to encode into %s", part, parts, len(todo), corpus.name, out_dir)
     if not todo:
         return todo
-    model_cfg, given = evaluated_model(cfg)
     retriever = build_retriever(model_cfg, trainable=False).eval()
     retriever.model.to("cuda" if torch.cuda.is_available() and not cfg.get("cpu") else "cpu")
     identity = shard_identity(retriever, given)

@@ -37,7 +37,7 @@ from hkrag.io import write_json
 from hkrag.lvlm import PageImage
 from hkrag.models.phi3v import Phi3VConfig, load_processor, tiny_phi3v
 from hkrag.models.phi3v.loading import CheckpointNotFoundError
-from hkrag.retriever import VDOCRAG_LORA_TARGETS, LoraSettings, describe_lora_modules
+from hkrag.retriever import VDOCRAG_LORA_TARGETS, HeadSettings, LoraSettings, describe_lora_modules
 from hkrag.training.generator import single_pass_prompt
 from hkrag.training.memory import (
     GIB,
@@ -45,6 +45,7 @@ from hkrag.training.memory import (
     MALLOC_ENV,
     Architecture,
     Estimate,
+    LateInteractionHead,
     Parameters,
     Workload,
     count_parameters,
@@ -57,6 +58,7 @@ from hkrag.training.memory import (
     measure_query,
     measure_step,
     noise_pages,
+    projection_parameters,
 )
 from hkrag.training.objective import make_loss
 
@@ -201,14 +203,29 @@ def plan(cfg: DictConfig, model_config: str | None = None, processes: int = 1,
     chunk = int(cfg.trainer.chunk_size or batch)
     query_tokens = int(cfg.loss.max_query_length) if is_pretraining(cfg) else len(
         processor.tokenizer(QUERY)["input_ids"]) + 1
-    work = Workload(rows=chunk, page_tokens=page_tokens, crops=crops, query_tokens=query_tokens, batch=batch,
+    late = late_interaction_head(cfg, query_tokens)
+    work = Workload(rows=chunk, page_tokens=page_tokens, crops=crops,
+                    query_tokens=late.query_tokens if late else query_tokens, batch=batch,
                     dtype=dtype, checkpointing=checkpointing, attention=attention,
-                    autocast=cfg.trainer.get("precision") in ("bf16", "fp16"))
+                    autocast=cfg.trainer.get("precision") in ("bf16", "fp16"), late_interaction=late)
     extra = None
     if is_pretraining(cfg):
         target = int(cfg.loss.max_target_length)
         extra = replace(work, page_tokens=page_tokens + target, lm_head_tokens=page_tokens + target, batch=0)
     return Plan(name, arch, params, lora_source, work, extra, combined(arch, params, work, extra), "trainer.chunk_size")
+
+
+def late_interaction_head(cfg: DictConfig, query_tokens: int) -> LateInteractionHead | None:
+    """``cfg``'s late-interaction head for the memory model (``None`` for the dense head): its projection size, a
+    query's tokens with the augmentation tokens, and the loss's global score matrix (queries x pages with any hard
+    negatives)."""
+    head = HeadSettings.of(cfg.model)
+    if not head.late_interaction:
+        return None
+    queries = int(cfg.trainer.global_batch_size)
+    return LateInteractionHead(dim=head.dim, query_tokens=query_tokens + head.query_augmentation, queries=queries,
+                               pages=queries * (1 + int(cfg.trainer.get("hard_negatives") or 0)),
+                               scores=float(cfg.loss.get("infonce_weight", 1.0)) > 0)
 
 
 def parse_size(text: str) -> int:
@@ -271,6 +288,13 @@ def report(p: Plan, memory: int | None) -> str:
         + (f", gradient cache over {w.batch} rows" if w.batch else ""),
         "predicted (allocated bytes, one process; a step's peak is the persistent terms plus its largest phase):",
     ]
+    if late := w.late_interaction:
+        trained = projection_parameters(p.arch.hidden, late.dim)
+        lines.insert(-1, f"late-interaction head: projection {p.arch.hidden} -> {late.dim} ({trained:,} parameters, "
+                         f"trained), {late.query_tokens} tokens per query with the augmentation tokens, "
+                         f"{w.page_tokens} vectors per page; MaxSim "
+                         f"scores {late.queries} queries x {late.pages} pages"
+                         + ("" if late.scores else " (masked terms only: chunked, not counted)"))
     rows = [*p.estimate.terms.items(), *p.estimate.phases.items(), ("peak of a step", p.estimate.peak),
             ("needed on a GPU (+10% fragmentation, +1.5 GiB CUDA context)", p.estimate.required())]
     if p.inference_kv:

@@ -150,7 +150,8 @@ class Workload:
     plus the global view, over all of a row's pages); ``query_tokens``: a query's (the LM phase takes the longer
     of a page and a query); ``batch``: rows whose embeddings the gradient cache keeps (0: no gradient cache);
     ``lm_head_tokens``: tokens per row through the LM head (RCG, the generator); ``autocast``: bf16 autocast
-    (``trainer.precision``), under which LoRA inputs are kept in bf16.
+    (``trainer.precision``), under which LoRA inputs are kept in bf16; ``late_interaction``: the late-interaction
+    head's settings (:func:`late_interaction_bytes`), ``None`` for the dense head.
     """
 
     rows: int
@@ -166,6 +167,7 @@ class Workload:
     lora_rank: int = 8
     device: str = "cuda"
     autocast: bool = True
+    late_interaction: LateInteractionHead | None = None
 
     @property
     def bytes(self) -> int:
@@ -341,9 +343,74 @@ def estimate(arch: Architecture, params: Parameters, work: Workload) -> Estimate
         "LoRA gradients (fp32)": params.trainable * ADAPTER_BYTES,
         "AdamW moments (2 x fp32)": 2 * params.trainable * ADAPTER_BYTES,
     }
-    if work.batch:
+    phases = chunk_phases(arch, params, work)
+    if work.late_interaction is not None:  # its own terms and phase, replacing the dense gradient cache's
+        late_terms, late_phases = late_interaction_bytes(arch, work, work.late_interaction)
+        terms.update(late_terms)
+        for name, value in late_phases.items():
+            phases[name] = phases.get(name, 0) + value
+    elif work.batch:
         terms["gradient cache: embeddings + gradients (fp32)"] = 2 * 2 * work.batch * arch.hidden * 4
-    return Estimate(terms, chunk_phases(arch, params, work))
+    return Estimate(terms, phases)
+
+
+@dataclass(frozen=True)
+class LateInteractionHead:
+    """What the late-interaction head (``model.head=late_interaction``, :mod:`hkrag.late_interaction`) adds to a
+    step: its projection ``hidden -> dim``, a query's ``query_tokens`` (its text's and the augmentation tokens), and
+    the loss's score matrix of ``queries`` x ``pages`` (the global batch, its pages with any hard negatives: every
+    rank scores the gathered batch)."""
+
+    dim: int
+    query_tokens: int
+    queries: int
+    pages: int
+    scores: bool = True
+    """Whether the loss scores the plain MaxSim matrix (InfoNCE, pairwise: ``loss.infonce_weight`` > 0); the masked
+    terms are computed in checkpointed chunks of a bounded size and are not counted."""
+
+
+MAXSIM_BYTES_PER_SCORE = 13
+"""Bytes a MaxSim loss holds per token score ``(query, page, query token, page token)`` at its peak, the backward
+of :func:`hkrag.late_interaction.maxsim`: the padding-masked fp32 token scores amax keeps for its backward, amax's
+bool mask of the maxima, its fp32 gradient and masked_fill's fp32 gradient (4 + 1 + 4 + 4). Measured on CPU
+(``bench/maxsim_memory.py``: peak RSS, glibc's mmap threshold pinned) for InfoNCE over MaxSim at
+16 x 16 x 50 x 2,000 / x 4,000 and 32 x 32 x 40 x 1,000: 12.6 to 13.0 bytes per score."""
+
+
+def projection_parameters(hidden: int, dim: int) -> int:
+    """The late-interaction projection's parameters, ``Linear(hidden, dim)``: weight and bias."""
+    return hidden * dim + dim
+
+
+def late_interaction_bytes(
+    arch: Architecture, work: Workload, head: LateInteractionHead
+) -> tuple[dict[str, int], dict[str, int]]:
+    """The late-interaction head's persistent terms and phases (added to :func:`estimate`'s).
+
+    Persistent: the projection as peft keeps a ``modules_to_save`` module, a frozen original and a trained copy
+    in the model's dtype, the copy's gradient and AdamW's two moments (each counted at fp32, an upper bound in
+    bf16); the gradient cache's embeddings and their gradients (fp32), now every token's ``dim``-d vector of each
+    cached query and page, ``batch x (query_tokens + page_tokens) x dim``, instead of one ``hidden`` vector.
+    Phases: the MaxSim loss over the gathered batch, run between the cache's forward and its re-forward (so beside
+    the persistent state only), :data:`MAXSIM_BYTES_PER_SCORE` bytes per token score; and, in the language model's
+    backward of one chunk, what the projection keeps: its input (the last hidden state of every token, where the
+    dense head keeps one row) and its output, fp32 copy and normalised vectors.
+    """
+    projection = projection_parameters(arch.hidden, head.dim)
+    tokens = head.query_tokens + work.page_tokens
+    terms = {
+        "late-interaction projection (frozen + trained copy, gradient, AdamW)":
+            projection * (2 * work.bytes + 3 * ADAPTER_BYTES),
+        "gradient cache: token vectors + gradients (fp32)": 2 * work.batch * tokens * head.dim * 4,
+    }
+    chunk_tokens = work.rows * max(work.page_tokens, head.query_tokens)
+    phases = {"language model backward (one chunk)": chunk_tokens * (arch.hidden * work.bytes
+                                                                    + head.dim * (work.bytes + 4 + 4))}
+    if head.scores:
+        scores = head.queries * head.pages * head.query_tokens * work.page_tokens
+        phases["MaxSim loss over the global batch (token scores)"] = scores * MAXSIM_BYTES_PER_SCORE
+    return terms, phases
 
 
 def kv_cache_bytes(arch: Architecture, tokens: int, dtype: str = "bfloat16", rows: int = 1) -> int:
