@@ -212,7 +212,8 @@ class MultiVectorSpec:
       stored as one of ``centroids`` k-means centroids (0: ColBERTv2's ``2^floor(log2(16 sqrt(vectors)))``) plus
       its residual in ``codec``; candidates from the ``nprobe`` nearest centroids of each query vector, scored by
       centroid interaction pruned at ``t_cs`` (the ``ndocs`` best kept), then unpruned (``ndocs / 4`` kept), then
-      MaxSim over the decompressed vectors.
+      MaxSim over the decompressed vectors. The defaults (``nprobe`` 2, ``t_cs`` 0.45, ``ndocs`` 1024) are PLAID's
+      for k = 100; tune ``t_cs`` on the data: it sets how many centroids stage 2 reads (bench/RESULTS.md).
 
     ``prune`` > 0 (``tokens`` stage) keeps the ``prune`` candidate pages of best approximate score before MaxSim:
     per query vector the best similarity among the page's retrieved vectors, a page none of whose vectors was
