@@ -391,11 +391,11 @@ class MultiVectorIndex:
         """Stored vectors ``[first, end)`` (token rows), decoded to float32."""
         return self._decode_rows(np.arange(first, end))
 
-    def candidates(self, queries: np.ndarray, query_offsets: np.ndarray) -> list[np.ndarray]:
-        """The candidate stage's page rows for each query (sorted, unique)."""
+    def candidates(self, queries: np.ndarray, query_offsets: np.ndarray, k: int = 1) -> list[np.ndarray]:
+        """The candidate stage's page rows for each query (sorted, unique); plaid passes on at least ``k``."""
         if self.plaid is not None:
             s = self.spec
-            return [self.plaid.candidates(queries[a:b], s.nprobe, s.t_cs, s.ndocs, s.candidates)
+            return [self.plaid.candidates(queries[a:b], s.nprobe, s.t_cs, s.ndocs, k)
                     for a, b in zip(query_offsets[:-1], query_offsets[1:])]
         if self.muvera is not None:
             fdes = self.muvera.encode(queries, query_offsets, query=True)
@@ -446,7 +446,7 @@ class MultiVectorIndex:
     def _first_pass(self, queries, query_offsets, k, memory) -> tuple[np.ndarray, np.ndarray]:
         if self.stage is None and self.plaid is None:
             return _scan(queries, query_offsets, self.offsets, self.decode, k, memory)
-        candidates = self.candidates(queries, query_offsets)
+        candidates = self.candidates(queries, query_offsets, k)
         return self._rerank(queries, query_offsets, candidates, k, self._decode_rows, self.offsets)
 
     def _decode_rows(self, tokens: np.ndarray) -> np.ndarray:

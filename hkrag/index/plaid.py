@@ -55,7 +55,7 @@ class CentroidInteraction:
     def train(cls, sample: np.ndarray, n_centroids: int, *, seed: int = 0, iterations: int = 10) -> np.ndarray:
         """Spherical k-means centroids [n_centroids, dim] of ``sample`` (FAISS ``Kmeans``)."""
         if not 1 <= n_centroids <= len(sample):
-            raise ValueError(f"plaid: {n_centroids} centroids need 1 to {len(sample)} (the training sample) ")
+            raise ValueError(f"plaid: {n_centroids} centroids need 1 to {len(sample)} (the training sample)")
         kmeans = faiss.Kmeans(sample.shape[1], n_centroids, niter=iterations, spherical=True, seed=seed,
                               max_points_per_centroid=len(sample))
         kmeans.train(np.ascontiguousarray(sample, np.float32))
@@ -89,7 +89,8 @@ class CentroidInteraction:
 
     def pruned_interaction(self, scores: np.ndarray, pages: np.ndarray, t_cs: float) -> np.ndarray:
         """Stage 2 (PLAID §4.3): per page of ``pages`` (unique) ``sum_i max S[i, c(t)]`` over its vectors
-        ``t`` whose centroid is kept (``max_i S[i, c] >= t_cs``), 0 where none is; ``scores`` is ``S`` [n_q, C]."""
+        ``t`` whose centroid is kept (``max_i S[i, c] >= t_cs``), each max starting from 0 (so 0 where none is
+        kept), as PLAID's kernel; ``scores`` is ``S`` [n_q, C]."""
         kept = np.flatnonzero(scores.max(axis=0) >= t_cs)
         entries, centroid = self._lists(kept)
         slot = np.full(len(self.offsets) - 1, -1, np.int64)
@@ -109,7 +110,8 @@ class CentroidInteraction:
 
     def candidates(self, query: np.ndarray, nprobe: int, t_cs: float, ndocs: int, keep: int) -> np.ndarray:
         """Stages 1-3 for one query [n_q, dim]: the best ``max(keep, ndocs // 4)`` page rows by centroid
-        interaction (sorted), from the ``ndocs`` best by pruned centroid interaction."""
+        interaction (sorted), from the ``ndocs`` best by pruned centroid interaction (``keep``: the pages the
+        caller needs, e.g. its k)."""
         scores = query @ self.centroids.T  # S [n_q, C]
         nprobe = min(nprobe, scores.shape[1])
         probed = np.unique(np.argpartition(-scores, nprobe - 1, axis=1)[:, :nprobe])
@@ -118,6 +120,7 @@ class CentroidInteraction:
             return pages
         pages = _top(pages, self.pruned_interaction(scores, pages, t_cs), ndocs)
         return np.sort(_top(pages, self.interaction(scores, pages), max(keep, ndocs // 4)))
+
 
 def _top(pages: np.ndarray, scores: np.ndarray, n: int) -> np.ndarray:
     """The ``n`` ``pages`` of highest ``scores`` (all of them when there are fewer)."""
