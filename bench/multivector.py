@@ -7,7 +7,9 @@ topic structure; the relevant page of a query is the page it was drawn from). Fo
 nDCG@k against the constructed qrels beside exact MaxSim's, single-query p50/p99 (``--single`` queries, one
 FAISS/BLAS thread) and the machine. ``--split val`` reads the validation queries (choose settings there),
 ``--split test`` the held-out test queries (``--split val test``: both, from one build). ``--vary`` re-searches
-each built index with other search-time settings (candidates, stage parameters, rerank depth).
+each built index with other search-time settings (candidates, stage parameters, rerank depth). ``--cache DIR``
+saves each built index under ``DIR`` (named by pages, seed and setting) and loads it on a later run instead of
+building it again (the build seconds then come from its manifest).
 
     OMP_NUM_THREADS=1 nice -n 10 python bench/multivector.py --pages 10000 --split val \\
         --specs "codec=PQ16x6" "codec=PQ16x6;rerank=20"
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import resource
 import time
 
@@ -27,6 +30,21 @@ from hkrag.environment import cpu_model
 from hkrag.index.multivector import MultiVectorIndex, exact_search
 from hkrag.index.synthetic_embeddings import QUERY_STREAM, TUNING_STREAM, MultiVectorPages
 from hkrag.index.tuning import recall_at_k
+
+
+def built(ids: list[str], vectors: np.ndarray, offsets: np.ndarray, spec: str, cache: str | None, seed: int):
+    """The index of ``spec`` and its build seconds: loaded from ``cache`` when saved there, else built (and saved)."""
+    directory = cache and os.path.join(cache, f"{len(ids)}-seed{seed}-" + re.sub(r"[^A-Za-z0-9=,.-]+", "_", spec))
+    if directory and os.path.isfile(os.path.join(directory, "multivector.json")):
+        index = MultiVectorIndex.load(directory)
+        print(f"loaded {directory}", flush=True)
+        return index, sum(index.build_seconds.values())
+    start = time.perf_counter()
+    index = MultiVectorIndex.build(ids, vectors, offsets, spec)
+    build_s = time.perf_counter() - start
+    if directory:
+        index.save(directory)
+    return index, build_s
 
 
 def ndcg_at_k(rows: np.ndarray, relevant: np.ndarray, k: int) -> float:
@@ -64,6 +82,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--specs", nargs="+", required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache", help="directory to save built indexes in and load them from")
     args = parser.parse_args()
 
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, FAISS threads {faiss.omp_get_max_threads()}, "
@@ -90,16 +109,14 @@ def main() -> None:
               f"| nDCG@{args.k} | exact nDCG@{args.k} |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for spec in args.specs:
-        start = time.perf_counter()
-        index = MultiVectorIndex.build(ids, vectors, offsets, spec)
-        build_s = time.perf_counter() - start
+        index, build_s = built(ids, vectors, offsets, spec, args.cache, args.seed)
         for search in args.vary or [""]:
             if search:
                 index.set_search(search)
             for split, (queries, query_offsets, relevant, exact) in splits.items():
                 lines.append(f"| {split} | {index.spec} | {build_s:.0f} | "
                              + measure(index, queries, query_offsets, relevant, exact, exact_bytes, args))
-                print(lines[-1], flush=True)
+                print(lines[-1] + f" load average {os.getloadavg()[0]:.1f}", flush=True)
         del index
     print("\n" + "\n".join(lines))
     print(f"\npeak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB; "

@@ -142,8 +142,8 @@ def test_bad_input_is_named():
         MultiVectorIndex.build(["a"], vectors, np.array([0, 3, 6]))
     with pytest.raises(ValueError, match="bad multi-vector index setting 'codecs=SQ8'"):
         MultiVectorSpec.parse("codecs=SQ8")
-    with pytest.raises(ValueError, match="unknown candidate stage 'plaid'"):
-        MultiVectorSpec.parse("stage=plaid")
+    with pytest.raises(ValueError, match="unknown candidate stage 'xtr'"):
+        MultiVectorSpec.parse("stage=xtr")
 
 
 def test_search_settings_change_without_rebuilding(corpus):

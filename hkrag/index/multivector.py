@@ -11,8 +11,10 @@ stores each page's vectors, optionally merged by token pooling (:func:`pool_toke
 Clavié 2024 / colpali-engine's ``HierarchicalTokenPooler``) and compressed by a FAISS standalone codec (``SQfp16``
 as given, ``SQ8``, ``PQ{m}x8``, ``RaBitQ``), and either scores every page by MaxSim over the decoded codes or
 first finds ``candidates`` pages by MUVERA fixed-dimensional encodings (:class:`Muvera`, Dhulipala et al. 2024)
-in a FAISS index and re-ranks them by MaxSim. :meth:`MultiVectorIndex.bytes_per_page` counts everything a search
-reads (codes, offsets, FDE index); docs/index.md and bench/RESULTS.md give the measured settings.
+in a FAISS index, by ColBERT's token retrieval, or by PLAID's centroid interaction (:mod:`hkrag.index.plaid`, codes
+then holding residuals from centroids) and re-ranks them by MaxSim. :meth:`MultiVectorIndex.bytes_per_page` counts
+everything a search reads (codes, offsets, FDE index, centroids and inverted lists); docs/index.md and
+bench/RESULTS.md give the measured settings.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
+from hkrag.index.plaid import CentroidInteraction, default_centroids, gather_pages
 from hkrag.index.shards import check_multivectors
 from hkrag.io import atomic_write, write_json
 
@@ -185,7 +188,8 @@ class Muvera:
         return fde @ self.sketch if self.sketch is not None else fde
 
 
-STAGES = ("", "muvera", "tokens")
+STAGES = ("", "muvera", "tokens", "plaid")
+SEARCH_SETTINGS = ("candidates", "stage_params", "prune", "nprobe", "t_cs", "ndocs", "rerank")
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,13 @@ class MultiVectorSpec:
     - ``tokens``: ColBERT's end-to-end retrieval (Khattab & Zaharia 2020, §3.6): every stored vector in
       ``stage_index`` (e.g. ``IVF1024,PQ16x8``), each query vector's ``candidates`` nearest vectors name the
       pages to re-rank.
+
+    - ``plaid``: PLAID (Santhanam et al. 2022; :class:`~hkrag.index.plaid.CentroidInteraction`): every vector
+      stored as one of ``centroids`` k-means centroids (0: ColBERTv2's ``2^floor(log2(16 sqrt(vectors)))``) plus
+      its residual in ``codec``; candidates from the ``nprobe`` nearest centroids of each query vector, scored by
+      centroid interaction pruned at ``t_cs`` (the ``ndocs`` best kept), then unpruned (``ndocs / 4`` kept), then
+      MaxSim over the decompressed vectors. The defaults (``nprobe`` 2, ``t_cs`` 0.45, ``ndocs`` 1024) are PLAID's
+      for k = 100; tune ``t_cs`` on the data: it sets how many centroids stage 2 reads (bench/RESULTS.md).
 
     ``prune`` > 0 (``tokens`` stage) keeps the ``prune`` candidate pages of best approximate score before MaxSim:
     per query vector the best similarity among the page's retrieved vectors, a page none of whose vectors was
@@ -225,14 +236,20 @@ class MultiVectorSpec:
     dproj: int = 16
     final: int = 0
     prune: int = 0
+    centroids: int = 0
+    nprobe: int = 2
+    t_cs: float = 0.45
+    ndocs: int = 1024
     rerank: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
             raise ValueError(f"unknown candidate stage {self.stage!r}; expected one of {STAGES}")
-        if self.pool < 1 or self.candidates < 1:
-            raise ValueError(f"pool and candidates must be >= 1, got pool={self.pool} candidates={self.candidates}")
+        if min(self.pool, self.candidates, self.nprobe, self.ndocs) < 1 or self.centroids < 0:
+            raise ValueError(f"pool, candidates, nprobe and ndocs must be >= 1 and centroids >= 0, got "
+                             f"pool={self.pool} candidates={self.candidates} nprobe={self.nprobe} ndocs={self.ndocs} "
+                             f"centroids={self.centroids}")
 
     @classmethod
     def parse(cls, text: str | MultiVectorSpec) -> MultiVectorSpec:
@@ -245,12 +262,14 @@ class MultiVectorSpec:
             key, sep, value = item.partition("=")
             if not sep or key.strip() not in types:
                 raise ValueError(f"bad multi-vector index setting {item!r} in {text!r}; known: {sorted(types)}")
-            values[key.strip()] = value.strip() if types[key.strip()] == "str" else int(value)
+            values[key.strip()] = {"str": str, "float": float}.get(types[key.strip()], int)(value.strip())
         return cls(**values)
 
     def __str__(self) -> str:
-        names = ["codec", "pool"] + (["stage", "stage_index", "stage_params", "candidates"] if self.stage else [])
+        names = ["codec", "pool"] + (["stage"] if self.stage else [])
+        names += ["stage_index", "stage_params", "candidates"] if self.stage in ("muvera", "tokens") else []
         names += ["reps", "ksim", "dproj", "final"] if self.stage == "muvera" else []
+        names += ["centroids", "nprobe", "t_cs", "ndocs"] if self.stage == "plaid" else []
         names += ["prune"] if self.prune else []
         names += ["rerank"] if self.rerank else []
         return ";".join(f"{n}={getattr(self, n)}" for n in names if getattr(self, n) != "")
@@ -258,13 +277,6 @@ class MultiVectorSpec:
 
 def _serialized(index: faiss.Index) -> np.ndarray:
     return faiss.serialize_index(index)
-
-
-def _gather(offsets: np.ndarray, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Token rows of ``pages`` (concatenated) and their offsets within that selection."""
-    lengths = offsets[pages + 1] - offsets[pages]
-    starts = np.concatenate([[0], np.cumsum(lengths)])
-    return np.repeat(offsets[pages] - starts[:-1], lengths) + np.arange(starts[-1]), starts
 
 
 class MultiVectorIndex:
@@ -280,7 +292,9 @@ class MultiVectorIndex:
         self.codec = faiss.index_factory(dim, s.codec, faiss.METRIC_INNER_PRODUCT)
         self.muvera = Muvera(dim, s.reps, s.ksim, s.dproj, s.final, s.seed) if s.stage == "muvera" else None
         stage_dim = self.muvera.dim if self.muvera is not None else dim
-        self.stage = faiss.index_factory(stage_dim, s.stage_index, faiss.METRIC_INNER_PRODUCT) if s.stage else None
+        self.stage = (faiss.index_factory(stage_dim, s.stage_index, faiss.METRIC_INNER_PRODUCT)
+                      if s.stage in ("muvera", "tokens") else None)
+        self.plaid: CentroidInteraction | None = None
         self.ids: list[str] = []
         self.codes = np.zeros((0, self.codec.sa_code_size()), np.uint8)
         self.offsets = np.zeros(1, np.int64)
@@ -296,8 +310,12 @@ class MultiVectorIndex:
         spec: MultiVectorSpec | str = "",
         *,
         max_train: int = 65_536,
+        kmeans_points: int = 16,
     ) -> MultiVectorIndex:
-        """Pool, train the codec (and the stage's index) on a sample of at most ``max_train`` rows, encode, add."""
+        """Pool, train the codec (and the stage's index) on a sample of at most ``max_train`` rows, encode, add.
+
+        ``plaid``: k-means on ``max(max_train, kmeans_points * centroids)`` rows first; the codec then encodes
+        each vector's residual from its centroid."""
         vectors, offsets = check_multivectors(vectors, offsets)
         if len(ids) != len(offsets) - 1:
             raise ValueError(f"pages: {len(ids)} ids for {len(offsets) - 1} pages (offsets)")
@@ -309,11 +327,23 @@ class MultiVectorIndex:
         vectors, offsets = pool_tokens(vectors, offsets, s.pool)
         times["pool_s"] = time.perf_counter() - start
         rng = np.random.default_rng(s.seed)
+
+        def sample_rows(n: int) -> np.ndarray:
+            return np.sort(rng.choice(len(vectors), min(n, len(vectors)), replace=False))
+
+        if s.stage == "plaid":
+            start = time.perf_counter()
+            n_centroids = s.centroids or default_centroids(len(vectors))
+            rows = sample_rows(max(max_train, kmeans_points * n_centroids))
+            centroids = CentroidInteraction.train(np.asarray(vectors[rows], np.float32), n_centroids, seed=s.seed)
+            index.plaid = CentroidInteraction(centroids, CentroidInteraction.assign(centroids, vectors), offsets)
+            times["centroids_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        sample = np.asarray(vectors[np.sort(rng.choice(len(vectors), min(max_train, len(vectors)), replace=False))],
-                            np.float32)
-        index.codec.train(sample)
-        index.codes = np.vstack([index.codec.sa_encode(np.asarray(vectors[i : i + 65536], np.float32))
+        rows = sample_rows(max_train)
+        sample = np.asarray(vectors[rows], np.float32)
+        index.codec.train(index._residuals(sample, rows))
+        index.codes = np.vstack([index.codec.sa_encode(index._residuals(np.asarray(vectors[i : i + 65536], np.float32),
+                                                                        np.arange(i, min(i + 65536, len(vectors)))))
                                  for i in range(0, len(vectors), 65536)])
         index.offsets, index.ids = offsets, [str(i) for i in ids]
         times["encode_s"] = time.perf_counter() - start
@@ -332,14 +362,19 @@ class MultiVectorIndex:
         index._apply_stage_params()
         return index
 
+    def _residuals(self, vectors: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """What the codec stores of vectors ``rows``: the vectors, or (plaid) their residuals from their centroids."""
+        if self.plaid is None:
+            return vectors
+        return vectors - self.plaid.centroids[self.plaid.assignment[rows]]
+
     def set_search(self, settings: str) -> None:
         """Change search-time settings without rebuilding: ``"candidates=128;stage_params=nprobe=16"`` (``rerank``
         too where the index keeps its vectors)."""
         changed = MultiVectorSpec.parse(settings)
         names = {item.partition("=")[0].strip() for item in settings.split(";") if item.strip()}
-        if not names <= {"candidates", "stage_params", "prune", "rerank"}:
-            raise ValueError(f"only candidates, stage_params, prune and rerank change at search time, not "
-                             f"{sorted(names)}")
+        if not names <= set(SEARCH_SETTINGS):
+            raise ValueError(f"only {', '.join(SEARCH_SETTINGS)} change at search time, not {sorted(names)}")
         if "rerank" in names and changed.rerank and self.full is None:
             raise ValueError("rerank needs the vectors kept at build (build with rerank > 0)")
         self.spec = replace(self.spec, **{name: getattr(changed, name) for name in names})
@@ -354,10 +389,14 @@ class MultiVectorIndex:
 
     def decode(self, first: int, end: int) -> np.ndarray:
         """Stored vectors ``[first, end)`` (token rows), decoded to float32."""
-        return self.codec.sa_decode(np.ascontiguousarray(self.codes[first:end]))
+        return self._decode_rows(np.arange(first, end))
 
-    def candidates(self, queries: np.ndarray, query_offsets: np.ndarray) -> list[np.ndarray]:
-        """The candidate stage's page rows for each query (sorted, unique)."""
+    def candidates(self, queries: np.ndarray, query_offsets: np.ndarray, k: int = 1) -> list[np.ndarray]:
+        """The candidate stage's page rows for each query (sorted, unique); plaid passes on at least ``k``."""
+        if self.plaid is not None:
+            s = self.spec
+            return [self.plaid.candidates(queries[a:b], s.nprobe, s.t_cs, s.ndocs, k)
+                    for a, b in zip(query_offsets[:-1], query_offsets[1:])]
         if self.muvera is not None:
             fdes = self.muvera.encode(queries, query_offsets, query=True)
             _, pages = self.stage.search(fdes, self.spec.candidates)
@@ -397,7 +436,7 @@ class MultiVectorIndex:
         rows = np.full((len(query_offsets) - 1, k), -1, np.int64)
         for q, pages in enumerate(candidates):
             pages = np.unique(pages[pages >= 0])
-            tokens, page_offsets = _gather(offsets, pages)
+            tokens, page_offsets = gather_pages(offsets, pages)
             a, b = query_offsets[q], query_offsets[q + 1]
             found = maxsim(queries[a:b], np.array([0, b - a]), fetch(tokens), page_offsets)[0]
             order = np.argsort(-found, kind="stable")[:k]
@@ -405,18 +444,21 @@ class MultiVectorIndex:
         return scores, rows
 
     def _first_pass(self, queries, query_offsets, k, memory) -> tuple[np.ndarray, np.ndarray]:
-        if self.stage is None:
+        if self.stage is None and self.plaid is None:
             return _scan(queries, query_offsets, self.offsets, self.decode, k, memory)
-        candidates = self.candidates(queries, query_offsets)
+        candidates = self.candidates(queries, query_offsets, k)
         return self._rerank(queries, query_offsets, candidates, k, self._decode_rows, self.offsets)
 
     def _decode_rows(self, tokens: np.ndarray) -> np.ndarray:
-        return self.codec.sa_decode(np.ascontiguousarray(self.codes[tokens]))
+        decoded = self.codec.sa_decode(np.ascontiguousarray(self.codes[tokens]))
+        return decoded if self.plaid is None else decoded + self.plaid.centroids[self.plaid.assignment[tokens]]
 
     def bytes_per_page(self) -> float:
-        """Memory a search holds per page: stored codes, offsets and the candidate stage's index (serialized); the
-        codec's codebooks (a fixed size, e.g. 128 KB for ``PQ8x8``) are left out."""
+        """Memory a search holds per page: stored codes, offsets and the candidate stage's index (serialized; plaid:
+        centroids, each vector's centroid id, inverted lists); the codec's codebooks (a fixed size, e.g. 128 KB for
+        ``PQ8x8``) are left out."""
         stage = len(_serialized(self.stage)) if self.stage is not None else 0
+        stage += self.plaid.nbytes() if self.plaid is not None else 0
         return (self.codes.nbytes + self.offsets.nbytes + stage) / max(1, len(self))
 
     def disk_bytes_per_page(self) -> float:
@@ -433,6 +475,8 @@ class MultiVectorIndex:
             arrays |= {"vectors.npy": self.full[0], "vector_offsets.npy": self.full[1]}
         if self.muvera is not None:
             arrays["center.npy"] = self.muvera.center
+        if self.plaid is not None:
+            arrays |= {"centroids.npy": self.plaid.centroids, "assignment.npy": self.plaid.assignment}
         for name, array in arrays.items():
             atomic_write(directory / name, lambda f, a=array: np.save(f, a), "wb")
         parts = {"codec.faiss": self.codec, "stage.faiss": self.stage}
@@ -464,11 +508,18 @@ class MultiVectorIndex:
             index.muvera.center = np.load(directory / "center.npy")
         index.codes = np.load(directory / "codes.npy", mmap_mode="r" if mmap else None)
         index.offsets = np.load(directory / "offsets.npy")
+        if index.spec.stage == "plaid":
+            assignment = np.load(directory / "assignment.npy")
+            if len(assignment) != len(index.codes):
+                raise ValueError(f"{directory}: assignment.npy holds {len(assignment)} centroid ids for "
+                                 f"{len(index.codes)} codes")
+            index.plaid = CentroidInteraction(np.load(directory / "centroids.npy"), assignment, index.offsets)
         if index.spec.rerank:
             index.full = (np.load(directory / "vectors.npy", mmap_mode="r"), np.load(directory / "vector_offsets.npy"))
         index.ids = json.loads((directory / "ids.json").read_text())
         index.build_seconds = manifest.get("build", {})
-        stage_rows = {None: len(index.ids), "muvera": len(index.ids), "tokens": len(index.codes)}[
+        stage_rows = {None: len(index.ids), "muvera": len(index.ids), "tokens": len(index.codes),
+                      "plaid": len(index.ids)}[
             index.spec.stage or None]
         stage_count = index.stage.ntotal if index.stage is not None else stage_rows
         if not (len(index.ids) == len(index.offsets) - 1 == manifest["pages"] and stage_count == stage_rows
