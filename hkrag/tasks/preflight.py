@@ -509,7 +509,7 @@ def measurement_table(rows: Sequence[dict[str, Any]]) -> str:
                          f"{row['predicted_parameters']:,})* | {row['page_tokens']} | "
                          f"*{describe_bytes(row['weights'])} / {describe_bytes(row['predicted_weights'])}* | "
                          f"*{describe_bytes(row['step_peak'])} / {describe_bytes(row['predicted_step'])}* | "
-                         f"*{error:+.1%}* | *{row['seconds']:.0f}* | – | – |")
+                         f"*{error:+.1%}* | – | – | – |")  # seconds: not extrapolated (one noisy step a depth)
             continue
         lines.append(f"| {name} | {row['layers']} | {row['vision_layers']} | "
                      f"{row['parameters']:,} (predicted {row['predicted_parameters']:,}) | {row['page_tokens']} "
