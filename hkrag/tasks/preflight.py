@@ -7,9 +7,10 @@ per page from the processor), prints its terms and a verdict for 24, 40, 80 and 
 ``model.gradient_checkpointing``, ``model.num_crops``; the generator's ``generator_training.optim.batch_size``).
 
 ``--measure`` runs one optimizer step of the experiment's own trainer (the retriever's, VDocRAG pre-training's RCR +
-RCG, or the generator's causal-LM LoRA fine-tuning) on CPU at full width and reduced depth (``--layers 1 2``; random
-weights and pages, fp32) and prints measured against predicted bytes at the same depth, the step's loss and whether
-the saved adapter reloads to equal tensors (bench/RESULTS.md "Memory model").
+RCG, or the generator's causal-LM LoRA fine-tuning) on CPU at full width and reduced depth (``--layers 1 2``, at
+each of ``--vision-layers``; random weights and pages, fp32 or ``--dtype bfloat16`` under bf16 autocast as on CUDA)
+and prints measured against predicted bytes at the same depth, the step's loss and whether the saved adapter reloads
+to equal tensors, and the full depth extrapolated per LM (and CLIP) layer (bench/RESULTS.md "Memory model").
 ``--measure --path encode`` runs one encoding batch of the experiment's retriever (``--pages`` pages, ``--queries``
 queries; its ``model.num_crops``, the real tokenizer), ``--measure --path query`` one query of ``eval.py``'s generator
 (``generator=hkrag lvlm=phi3v``) through the Phi3V local backend as ``task=rag`` runs it; each prints parameters,
