@@ -19,6 +19,7 @@ from hkrag.tasks.preflight import (
     check,
     compose_config,
     extrapolated,
+    extrapolated_depths,
     fits,
     inference_table,
     plan,
@@ -32,7 +33,10 @@ from hkrag.training.memory import (
     chunk_phases,
     clip_layer_bytes,
     count_parameters,
+    eager_backward_bytes,
+    eager_saved_bytes,
     estimate,
+    head_bytes_per_logit,
     lm_layer_bytes,
 )
 
@@ -167,6 +171,84 @@ def test_extrapolated_per_layer_from_the_two_deepest_rows():
     assert "| encode | 32 (extrapolated) | 2 | 16 | 134 |" in table and "extrapolated per LM layer" in table
 
 
+def test_extrapolated_per_lm_and_per_clip_layer_naming_the_measured_depths():
+    row = {"experiment": "pretrain_vdocrag", "page_tokens": 769, "loss": 1.0}
+    rows = [{**row, "layers": 1, "vision_layers": 2, "weights": 100, "step_peak": 50, "seconds": 3.0, "parameters": 10},
+            {**row, "layers": 2, "vision_layers": 2, "weights": 140, "step_peak": 52, "seconds": 5.0, "parameters": 14},
+            {**row, "layers": 1, "vision_layers": 4, "weights": 110, "step_peak": 56, "seconds": 4.0, "parameters": 11}]
+    full = extrapolated_depths(rows, 32, 24)
+    # per LM layer from (1, 2) -> (2, 2): +40, +2, +2 s, +4; per CLIP layer from (1, 2) -> (1, 4): +5, +3, +0.5 s,
+    # +0.5; from the deepest row (2, 2): 30 LM layers and 22 CLIP layers more
+    assert (full["layers"], full["vision_layers"], full["extrapolated"]) == (32, 24, True)
+    assert (full["weights"], full["step_peak"], full["seconds"], full["parameters"]) == (1450, 178, 76.0, 145)
+    assert full["extrapolated_from"] == [(1, 2), (1, 4), (2, 2)]
+    lm_only = extrapolated_depths(rows[:2], 32, 24)  # one CLIP depth: extrapolated per LM layer only
+    assert (lm_only["vision_layers"], lm_only["step_peak"]) == (2, 112)
+    assert extrapolated_depths(rows[::2], 32, 24) is None  # one LM depth
+
+
+def test_the_lm_heads_peak_per_logit_by_hand():
+    """Forward: logits (dtype), their fp32 copy (none in fp32), log-softmax, and (B, V, L) logits' contiguous copy;
+    backward: three fp32 tensors. The larger."""
+    assert head_bytes_per_logit(4, transposed=False) == max(4 + 0 + 4, 12) == 12
+    assert head_bytes_per_logit(4, transposed=True) == max(4 + 0 + 4 + 4, 12) == 12
+    assert head_bytes_per_logit(2, transposed=False) == max(2 + 4 + 4, 12) == 12
+    assert head_bytes_per_logit(2, transposed=True) == 2 + 4 + 4 + 4 == 14
+
+
+def test_eager_attentions_bytes_per_score_by_hand():
+    """Saved: fp32 probabilities and their cast (the same tensor in fp32); the backward's peak: the saved fp32
+    probabilities and two fp32 gradients, in either dtype."""
+    assert (eager_saved_bytes(4), eager_saved_bytes(2)) == (4, 4 + 2)
+    assert eager_backward_bytes() == 12
+
+
+def live_peak_per_element(run, elements: int) -> float:
+    """The peak of live CPU tensor bytes during ``run()`` (``torch.profiler``'s memory events), per element."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()  # one-time allocations outside the count
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = top = 0
+    for event in events:
+        live += event.nbytes()
+        top = max(top, live)
+    return top / elements
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["flat", "transposed"])
+def test_the_lm_heads_peak_per_logit_is_what_torch_allocates(dtype, transposed):
+    """transformers' flat causal-LM loss (the generator's token mean) and RCG's (B, V, L) loss, under CPU bf16
+    autocast as the GPU runs them, allocate the bytes per logit :func:`head_bytes_per_logit` counts (the hidden
+    states are 4 wide, so the logits dominate; the (B, V, L) loss drops the last position)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from hkrag.losses import causal_lm_loss
+
+    tokens, vocab = 64, 4096
+    torch.manual_seed(0)
+    hidden = torch.randn(1, tokens, 4, dtype=getattr(torch, dtype), requires_grad=True)
+    head = torch.nn.Linear(4, vocab, bias=False).to(hidden.dtype).requires_grad_(False)
+    labels = torch.randint(0, vocab, (1, tokens))
+
+    def run() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            logits = head(hidden)
+            loss = causal_lm_loss(logits, labels).mean() if transposed else ForCausalLMLoss(logits, labels, vocab)
+        del logits  # the step's callers keep only the loss
+        loss.backward()
+
+    size = hidden.element_size()
+    expected = head_bytes_per_logit(size, transposed)
+    if transposed:  # the logits span every position, their copies all but the last
+        expected = size + (expected - size) * (tokens - 1) / tokens
+    assert live_peak_per_element(run, tokens * vocab) == pytest.approx(expected, abs=0.02)
+
+
 def test_refuses_a_chunk_of_64_at_16_crops_without_checkpointing_on_24gb():
     cfg = compose_config(["experiment=hkrag_retriever", "trainer.chunk_size=64", "model.gradient_checkpointing=false"])
     p = plan(cfg, source=full_size(16))
@@ -297,4 +379,20 @@ def test_one_hkrag_query_through_the_local_backend_at_full_width(tmp_path):
     assert detail["route"] in {"LQP", "HQP"} and detail["calls"] >= 3  # Pruner, initial answer, then a route
     assert row["page_tokens"] == 313  # (1 crop + the global view) x 144 + glb_GN + 2 row separators x 12
     assert row["prompt_tokens"] > detail["calls"] * row["page_tokens"]  # every call reads at least one page
+    assert 0 < detail["completion_tokens"] <= 8 * detail["calls"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REFERENCE.is_dir(), reason=f"needs Phi-3-vision's config and tokenizer in {REFERENCE}")
+def test_one_hkrag_query_routed_hqp_through_the_local_backend_at_full_width(tmp_path):
+    """``--path query`` with h = 0 (bench/agents.py's ``hkrag-h0``): the Judger routes every query to HQP, the
+    Decoupler's salient and fine-print notes then the Summarizer (random weights never stop a note early, so
+    every Decoupler iteration runs; notes and answers capped at 8 tokens)."""
+    row = measured_path(["generator=hkrag", "lvlm=phi3v", "lvlm.num_crops=1", "generator.threshold=0",
+                         "generator.caps.max_new_tokens.notes=8", "generator.caps.max_new_tokens.answer=8",
+                         "--path", "query"], tmp_path)
+    detail = row["detail"]
+    assert not detail["failed"], detail
+    assert detail["route"] == "HQP"
+    assert detail["calls"] >= 2 + 2 + 1  # Pruner and initial answer, one salient + fine-print iteration, Summarizer
     assert 0 < detail["completion_tokens"] <= 8 * detail["calls"]

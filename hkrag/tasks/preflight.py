@@ -7,9 +7,10 @@ per page from the processor), prints its terms and a verdict for 24, 40, 80 and 
 ``model.gradient_checkpointing``, ``model.num_crops``; the generator's ``generator_training.optim.batch_size``).
 
 ``--measure`` runs one optimizer step of the experiment's own trainer (the retriever's, VDocRAG pre-training's RCR +
-RCG, or the generator's causal-LM LoRA fine-tuning) on CPU at full width and reduced depth (``--layers 1 2``; random
-weights and pages, fp32) and prints measured against predicted bytes at the same depth, the step's loss and whether
-the saved adapter reloads to equal tensors (bench/RESULTS.md "Memory model").
+RCG, or the generator's causal-LM LoRA fine-tuning) on CPU at full width and reduced depth (``--layers 1 2``, at
+each of ``--vision-layers``; random weights and pages, fp32 or ``--dtype bfloat16`` under bf16 autocast as on CUDA)
+and prints measured against predicted bytes at the same depth, the step's loss and whether the saved adapter reloads
+to equal tensors, and the full depth extrapolated per LM (and CLIP) layer (bench/RESULTS.md "Memory model").
 ``--measure --path encode`` runs one encoding batch of the experiment's retriever (``--pages`` pages, ``--queries``
 queries; its ``model.num_crops``, the real tokenizer), ``--measure --path query`` one query of ``eval.py``'s generator
 (``generator=hkrag lvlm=phi3v``) through the Phi3V local backend as ``task=rag`` runs it; each prints parameters,
@@ -57,6 +58,7 @@ from hkrag.training.memory import (
     measure_generator_step,
     measure_query,
     measure_step,
+    measured_dtype,
     noise_pages,
     projection_parameters,
 )
@@ -195,6 +197,7 @@ def plan(cfg: DictConfig, model_config: str | None = None, processes: int = 1,
         tokens = pages * page_tokens + PROMPT_TEXT_TOKENS + ANSWER_TOKENS
         work = Workload(rows=optim.batch_size, page_tokens=tokens, crops=pages * crops, query_tokens=0, batch=0,
                         dtype=dtype, checkpointing=checkpointing, attention=attention, lm_head_tokens=tokens,
+                        logits_transposed=optim.get("loss_mean", "token") == "example",
                         autocast=optim.get("precision") in ("bf16", "fp16"))
         kv = kv_cache_bytes(arch, tokens, dtype)  # the prompt and the answer it generates
         return Plan(name, arch, params, lora_source, work, None, estimate(arch, params, work),
@@ -211,7 +214,8 @@ def plan(cfg: DictConfig, model_config: str | None = None, processes: int = 1,
     extra = None
     if is_pretraining(cfg):
         target = int(cfg.loss.max_target_length)
-        extra = replace(work, page_tokens=page_tokens + target, lm_head_tokens=page_tokens + target, batch=0)
+        extra = replace(work, page_tokens=page_tokens + target, lm_head_tokens=page_tokens + target, batch=0,
+                        logits_transposed=True)  # causal_lm_loss
     return Plan(name, arch, params, lora_source, work, extra, combined(arch, params, work, extra), "trainer.chunk_size")
 
 
@@ -334,15 +338,18 @@ def check(p: Plan, memory: int, cfg: DictConfig) -> None:
 def measure(overrides: Sequence[str], args: argparse.Namespace) -> list[dict[str, Any]]:
     """``--measure``: each depth in a fresh process (its own peak, glibc pinned); the measured figures."""
     rows = []
-    for layers in args.layers:
+    for vision_layers, layers in ((v, n) for v in args.vision_layers for n in args.layers):
         command = [sys.executable, "-m", "hkrag.tasks.preflight", *overrides, "--measure-one", str(layers),
-                   "--vision-layers", str(args.vision_layers), "--device", args.device, "--path", args.path,
+                   "--vision-layers", str(vision_layers), "--device", args.device, "--path", args.path,
                    "--pages", str(args.pages), "--queries", str(args.queries)]
+        if args.dtype:
+            command += ["--dtype", args.dtype]
         if args.model_config:
             command += ["--model-config", args.model_config]
         done = subprocess.run(command, env={**os.environ, **MALLOC_ENV}, capture_output=True, text=True)
         if done.returncode:
-            raise SystemExit(f"preflight --measure at {layers} layers failed:\n{done.stderr[-4000:]}")
+            raise SystemExit(f"preflight --measure at {layers} LM and {vision_layers} CLIP layers failed:\n"
+                             f"{done.stderr[-4000:]}")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     return rows
 
@@ -356,15 +363,15 @@ def reduce_depth(config: Phi3VConfig, layers: int, vision_layers: int, attention
 
 
 def reduced(cfg: DictConfig, layers: int, vision_layers: int, model_config: str | None,
-            device: str = "cpu") -> tuple[Plan, Any]:
-    """``cfg``'s plan at full width and ``layers`` / ``vision_layers`` deep, as measured (fp32 on CPU, bf16 on
-    CUDA; the retriever's gradient cache over the whole global batch), and the reduced model's config and processor
-    (attention as ``model.attn_implementation``)."""
+            device: str = "cpu", dtype: str | None = None) -> tuple[Plan, Any]:
+    """``cfg``'s plan at full width and ``layers`` / ``vision_layers`` deep, as measured (``dtype``, by default fp32
+    on CPU and bf16 on CUDA, bf16 under autocast; the retriever's gradient cache over the whole global batch), and
+    the reduced model's config and processor (attention as ``model.attn_implementation``)."""
     config, processor = model_source(cfg, model_config)
     reduce_depth(config, layers, vision_layers, cfg.model.get("attn_implementation"))
     p = plan(cfg, model_config, source=(config, processor))
-    changes: dict[str, Any] = {"dtype": "float32" if device == "cpu" else "bfloat16", "device": device,
-                               "autocast": device == "cuda"}
+    dtype = measured_dtype(device, dtype)
+    changes: dict[str, Any] = {"dtype": dtype, "device": device, "autocast": dtype != "float32"}
     if not is_generator(cfg):
         changes["batch"] = int(cfg.trainer.global_batch_size)
     extra = replace(p.extra, **{k: v for k, v in changes.items() if k != "batch"}) if p.extra else None
@@ -383,23 +390,24 @@ tokens), so RCR's query and RCG's target are cut to them as the model assumes.""
 
 
 def measure_one(cfg: DictConfig, layers: int, vision_layers: int, model_config: str | None,
-                device: str = "cpu") -> dict[str, Any]:
+                device: str = "cpu", dtype: str | None = None) -> dict[str, Any]:
     """One depth measured: one optimizer step (on CUDA the second of two) of the experiment's own trainer — the
     retriever's, VDocRAG pre-training's (its loss and collator as ``train.py`` builds them) or the generator's."""
-    p, (config, processor) = reduced(cfg, layers, vision_layers, model_config, device)
+    p, (config, processor) = reduced(cfg, layers, vision_layers, model_config, device, dtype)
     lora, _ = lora_settings(cfg)
     steps = 1 if device == "cpu" else 2
     if is_generator(cfg):
         measured = measure_generator_step(
             config, processor, lora, p.work.rows, int(cfg.generator.get("top_k", 3)), GENERATOR_QUESTION,
-            GENERATOR_ANSWER, single_pass_prompt(cfg.generator), p.work.checkpointing, steps=steps, device=device)
+            GENERATOR_ANSWER, single_pass_prompt(cfg.generator), p.work.checkpointing, steps=steps, device=device,
+            dtype=p.work.dtype)
     else:
         pretraining = is_pretraining(cfg)
         measured = measure_step(config, processor, lora, p.work.batch, p.work.rows, p.work.checkpointing,
                                 PAGE_TEXT if pretraining else QUERY, steps=steps, device=device,
-                                loss=make_loss(cfg.loss))
+                                loss=make_loss(cfg.loss), dtype=p.work.dtype)
     return {"experiment": p.name, "layers": layers, "vision_layers": vision_layers, "device": device,
-            **measured.as_dict()}
+            "dtype": p.work.dtype, **measured.as_dict()}
 
 
 def measure_encode_one(cfg: DictConfig, layers: int, vision_layers: int, model_config: str | None, pages: int,
@@ -441,17 +449,45 @@ def measure_query_one(cfg: DictConfig, layers: int, vision_layers: int, model_co
             "num_crops": processor.image_processor.num_crops, **measured.as_dict()}
 
 
+EXTRAPOLATED_KEYS = ("weights", "step_peak", "seconds", "parameters")
+
+
+def per_layer_slope(rows: Sequence[dict[str, Any]], depth: str, other: str) -> tuple[dict[str, float], int] | None:
+    """The change per layer of ``depth`` (``layers`` or ``vision_layers``) of each extrapolated figure, from the two
+    deepest rows that differ in it only (same ``other`` depth), and the deepest ``depth`` measured; ``None`` when
+    no two rows do."""
+    for level in sorted({row[other] for row in rows}, reverse=True):
+        same = sorted((row for row in rows if row[other] == level), key=lambda row: row[depth])
+        if len(same) >= 2 and same[-1][depth] != same[-2][depth]:
+            low, high = same[-2], same[-1]
+            return {k: (high[k] - low[k]) / (high[depth] - low[depth]) for k in EXTRAPOLATED_KEYS}, high[depth]
+    return None
+
+
+def extrapolated_depths(rows: Sequence[dict[str, Any]], layers: int, vision_layers: int) -> dict[str, Any] | None:
+    """The deepest measured row's figures extrapolated linearly to ``layers`` LM layers (per LM layer, from two LM
+    depths at one CLIP depth) and to ``vision_layers`` CLIP layers (per CLIP layer, from two CLIP depths at one LM
+    depth; left at the measured CLIP depth without them); ``None`` without two LM depths. A step's peak is one phase,
+    which may change with depth: the memory model's figure at full depth is the better guide (bench/RESULTS.md)."""
+    lm = per_layer_slope(rows, "layers", "vision_layers")
+    if lm is None:
+        return None
+    clip = per_layer_slope(rows, "vision_layers", "layers")
+    base = max(rows, key=lambda row: (row["layers"], row["vision_layers"]))
+    target = {"layers": layers, "vision_layers": vision_layers if clip else base["vision_layers"]}
+    out = {**base, **target, "extrapolated": True,
+           "extrapolated_from": sorted({(row["layers"], row["vision_layers"]) for row in rows})}
+    for key in EXTRAPOLATED_KEYS:
+        out[key] = base[key] + (layers - base["layers"]) * lm[0][key]
+        if clip:
+            out[key] += (target["vision_layers"] - base["vision_layers"]) * clip[0][key]
+    return out
+
+
 def extrapolated(rows: Sequence[dict[str, Any]], layers: int) -> dict[str, Any] | None:
     """The two deepest measured rows' figures extrapolated linearly per LM layer to ``layers`` (``None`` with
-    fewer than two depths): weights, peak, seconds and parameters."""
-    by_depth = sorted(rows, key=lambda row: row["layers"])
-    if len(by_depth) < 2 or by_depth[-1]["layers"] == by_depth[-2]["layers"]:
-        return None
-    low, high = by_depth[-2], by_depth[-1]
-    scale = (layers - high["layers"]) / (high["layers"] - low["layers"])
-    keys = ("weights", "step_peak", "seconds", "parameters")
-    return {**high, **{k: high[k] + scale * (high[k] - low[k]) for k in keys}, "layers": layers,
-            "extrapolated": True}
+    fewer than two depths), at the measured CLIP depth: weights, peak, seconds and parameters."""
+    return extrapolated_depths(rows, layers, max(row["vision_layers"] for row in rows)) if rows else None
 
 
 def inference_table(rows: Sequence[dict[str, Any]], full_depth: int) -> str:
@@ -473,7 +509,8 @@ def inference_table(rows: Sequence[dict[str, Any]], full_depth: int) -> str:
 
 def predicted_row(cfg: DictConfig, row: dict[str, Any], model_config: str | None) -> dict[str, Any]:
     """``row`` (a measurement) with the memory model's figures at its depth."""
-    p, _ = reduced(cfg, row["layers"], row["vision_layers"], model_config, row.get("device", "cpu"))
+    p, _ = reduced(cfg, row["layers"], row["vision_layers"], model_config, row.get("device", "cpu"),
+                   row.get("dtype"))
     frozen = p.estimate.terms[f"frozen weights ({p.work.dtype})"] + p.estimate.terms["LoRA adapter (fp32)"]
     return {**row, "predicted_weights": frozen, "predicted_step": p.estimate.peak - frozen,
             "predicted_phases": p.estimate.phases, "predicted_parameters": p.params.total,
@@ -482,13 +519,24 @@ def predicted_row(cfg: DictConfig, row: dict[str, Any], model_config: str | None
 
 def measurement_table(rows: Sequence[dict[str, Any]]) -> str:
     """Measured against predicted, per depth (bytes as GiB; error of the step's peak above the frozen model; the
-    step's loss and whether the saved adapter reloads to equal tensors)."""
+    step's loss and whether the saved adapter reloads to equal tensors); a row marked ``extrapolated`` (from
+    :func:`extrapolated_depths`, with the model's prediction at its depth) names the measured depths it came from."""
     lines = ["| experiment | LM layers | CLIP layers | parameters | tokens/row | frozen model measured / predicted "
              "| step peak measured / predicted | error | s/step | loss | adapter saved, round trip |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         error = row["step_peak"] / row["predicted_step"] - 1
-        lines.append(f"| {row.get('experiment', '')} | {row['layers']} | {row['vision_layers']} | "
+        name = row.get("experiment", "") + (f" ({row['dtype']})" if row.get("dtype") else "")
+        if row.get("extrapolated"):
+            depths = ", ".join(f"{lm}/{clip}" for lm, clip in row["extrapolated_from"])
+            lines.append(f"| *{name}, extrapolated from LM/CLIP layers {depths}* | *{row['layers']}* | "
+                         f"*{row['vision_layers']}* | *{row['parameters']:,.0f} (predicted "
+                         f"{row['predicted_parameters']:,})* | {row['page_tokens']} | "
+                         f"*{describe_bytes(row['weights'])} / {describe_bytes(row['predicted_weights'])}* | "
+                         f"*{describe_bytes(row['step_peak'])} / {describe_bytes(row['predicted_step'])}* | "
+                         f"*{error:+.1%}* | – | – | – |")  # seconds: not extrapolated (one noisy step a depth)
+            continue
+        lines.append(f"| {name} | {row['layers']} | {row['vision_layers']} | "
                      f"{row['parameters']:,} (predicted {row['predicted_parameters']:,}) | {row['page_tokens']} "
                      f"(predicted {row['predicted_page_tokens']}) | "
                      f"{describe_bytes(row['weights'])} / {describe_bytes(row['predicted_weights'])} | "
@@ -508,9 +556,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--processes", type=int, default=1, help="data-parallel processes sharing the global batch")
     parser.add_argument("--measure", action="store_true", help="measure --path (default: training) at --layers")
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--vision-layers", type=int, default=24)
+    parser.add_argument("--vision-layers", type=int, nargs="+", default=[24],
+                        help="CLIP depths measured (each with every --layers)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="--measure on CPU (fp32, resident "
                         "set) or CUDA (bf16, max_memory_allocated)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="--measure (training): the weights' dtype, "
+                        "bf16 under bf16 autocast (default: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--row", action="store_true", help="print one markdown row (docs/training.md's table)")
     parser.add_argument("--out", help="--measure: also write the measured rows to this JSON file")
     parser.add_argument("--compare", help="print the table of measured rows (a --out file) against the model")
@@ -520,18 +571,20 @@ def main(argv: Sequence[str] | None = None) -> None:
                              "the overrides are eval.py's, e.g. generator=hkrag lvlm=phi3v)")
     parser.add_argument("--pages", type=int, default=2, help="--path encode: pages in the batch")
     parser.add_argument("--queries", type=int, default=2, help="--path encode: queries in the batch")
-    parser.add_argument("--full-depth", type=int, default=32, help="--path encode|query: LM layers extrapolated to")
+    parser.add_argument("--full-depth", type=int, default=32, help="LM layers extrapolated to")
+    parser.add_argument("--full-vision-depth", type=int, default=24,
+                        help="--path train: CLIP layers extrapolated to (with two CLIP depths measured)")
     parser.add_argument("--measure-one", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cfg = compose_config(args.overrides, "eval" if args.path == "query" else "train")
     if args.measure_one:
         if args.path == "encode":
-            row = measure_encode_one(cfg, args.measure_one, args.vision_layers, args.model_config, args.pages,
+            row = measure_encode_one(cfg, args.measure_one, args.vision_layers[0], args.model_config, args.pages,
                                      args.queries, args.device)
         elif args.path == "query":
-            row = measure_query_one(cfg, args.measure_one, args.vision_layers, args.model_config, args.device)
+            row = measure_query_one(cfg, args.measure_one, args.vision_layers[0], args.model_config, args.device)
         else:
-            row = measure_one(cfg, args.measure_one, args.vision_layers, args.model_config, args.device)
+            row = measure_one(cfg, args.measure_one, args.vision_layers[0], args.model_config, args.device, args.dtype)
         print(json.dumps(row))
         return
     if args.measure or args.compare:
@@ -541,7 +594,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if rows and rows[0].get("path", "train") != "train":
             print(inference_table(rows, args.full_depth))
         else:
-            print(measurement_table([predicted_row(cfg, row, args.model_config) for row in rows]))
+            full = extrapolated_depths(rows, args.full_depth, args.full_vision_depth)
+            print(measurement_table([predicted_row(cfg, row, args.model_config) for row in
+                                     [*rows, *([full] if full else [])]]))
         return
     p = plan(cfg, args.model_config, args.processes)
     memory = parse_size(args.gpu_memory) if args.gpu_memory else None

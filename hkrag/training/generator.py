@@ -227,7 +227,9 @@ class GeneratorTrainerConfig:
     save_every: int = 0
     num_workers: int = 0
     precision: str = "bf16"
-    """``bf16`` autocasts on CUDA; the CPU always trains in float32."""
+    """``bf16`` autocasts on CUDA; the CPU always trains in float32 (unless ``autocast_cpu``)."""
+    autocast_cpu: bool = False
+    """``bf16`` autocasts on the CPU too: the preflight's bf16 rehearsal of a CUDA step (bf16 weights on CPU)."""
     loss_mean: str = "token"
     """``token``: the mean over every target token of a batch (VDocGenerator's); ``example``: each example's mean,
     then their mean (:func:`example_mean_nll`)."""
@@ -269,7 +271,7 @@ class GeneratorTrainer:
         (``loss_mean: token``), or per example first, then over the examples (``loss_mean: example``), so that a
         long target (the agents' notes) weighs no more than a short one (an answer, a yes)."""
         batch = {k: v.to(self.device) for k, v in batch.items()}
-        autocast = self.config.precision == "bf16" and self.device.type == "cuda"
+        autocast = self.config.precision == "bf16" and (self.device.type == "cuda" or self.config.autocast_cpu)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
             if self.config.loss_mean == "token":
                 return self.model.get_base_model()(**batch, use_cache=False).loss

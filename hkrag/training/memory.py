@@ -149,9 +149,11 @@ class Workload:
     of one row (a page's prompt, or the generator's whole prompt); ``crops``: CLIP crops per row (the used crops
     plus the global view, over all of a row's pages); ``query_tokens``: a query's (the LM phase takes the longer
     of a page and a query); ``batch``: rows whose embeddings the gradient cache keeps (0: no gradient cache);
-    ``lm_head_tokens``: tokens per row through the LM head (RCG, the generator); ``autocast``: bf16 autocast
-    (``trainer.precision``), under which LoRA inputs are kept in bf16; ``late_interaction``: the late-interaction
-    head's settings (:func:`late_interaction_bytes`), ``None`` for the dense head.
+    ``lm_head_tokens``: tokens per row through the LM head (RCG, the generator); ``logits_transposed``: the loss
+    takes them as ``(B, V, L)`` (RCG's :func:`hkrag.losses.causal_lm_loss`, the generator's ``loss_mean: example``;
+    see :func:`head_bytes_per_logit`); ``autocast``: bf16 autocast (``trainer.precision``), under which LoRA inputs
+    are kept in bf16; ``late_interaction``: the late-interaction head's settings (:func:`late_interaction_bytes`),
+    ``None`` for the dense head.
     """
 
     rows: int
@@ -163,6 +165,7 @@ class Workload:
     checkpointing: bool = True
     attention: str = "sdpa"
     lm_head_tokens: int = 0
+    logits_transposed: bool = False
     lora_dropout: bool = True
     lora_rank: int = 8
     device: str = "cuda"
@@ -180,6 +183,38 @@ class Workload:
         mask = DROPOUT_MASK_BYTES[self.device] if grad_in and self.lora_dropout else 0
         saved = 2 if self.autocast else ADAPTER_BYTES
         return tokens * width * (saved + mask) + tokens * self.lora_rank * saved
+
+
+def head_bytes_per_logit(dtype_bytes: int, transposed: bool) -> int:
+    """Peak bytes per logit of the LM head's cross-entropy: the larger of its forward and its backward.
+
+    Forward: the logits in the model's dtype (``dtype_bytes``), the loss's fp32 copy of them (none in fp32, where
+    ``.float()`` returns the tensor itself), ``log_softmax``'s fp32 output (saved for its backward) and, when the
+    loss takes ``(B, V, L)`` logits (``transposed``), ``nll_loss``'s contiguous copy of them (ATen's
+    ``nll_loss_nd`` makes a 3-D input contiguous for ``nll_loss2d``, which saves it). Backward: three fp32 tensors,
+    the saved log-softmax, ``nll_loss``'s gradient and ``log_softmax``'s, the logits and their copies being freed by
+    then. So 12 bytes in fp32 either way, and in bf16 12 (transformers' flat loss) or 14 (transposed); counted once
+    as ``dtype_bytes + 4 + 4``, 10 in bf16, which under-predicted every bf16 step whose peak is the head (located
+    with ``torch.profiler``'s memory events on CPU in bf16; docs/training.md "Memory").
+    """
+    forward = dtype_bytes + (4 if dtype_bytes != 4 else 0) + 4 + (4 if transposed else 0)
+    return max(forward, 3 * 4)
+
+
+def eager_saved_bytes(dtype_bytes: int) -> int:
+    """Bytes per attention score eager attention keeps for its backward: the fp32 probabilities
+    (``softmax(..., dtype=torch.float32)``, saved by the softmax) and their cast to the model's dtype (saved by
+    the product with the values; in fp32 the cast is the same tensor)."""
+    return 4 + (dtype_bytes if dtype_bytes != 4 else 0)
+
+
+def eager_backward_bytes() -> int:
+    """Peak bytes per attention score of eager attention's backward, the saved probabilities included, in any
+    dtype: the saved fp32 probabilities, the gradient arriving at them cast to fp32 (the cast's backward) and the
+    softmax's gradient, also fp32 (``softmax(..., dtype=torch.float32)`` runs on an fp32 copy of the scores):
+    12 bytes (the model once added 4 + 4 + 2 to the saved 4 + 2 in bf16, 16; located on CPU with
+    ``torch.profiler``'s memory events, bench/RESULTS.md)."""
+    return 4 + 4 + 4
 
 
 def lm_layer_bytes(arch: Architecture, work: Workload, targets: Iterable[str], tokens: int, grad_in: bool) -> int:
@@ -201,7 +236,7 @@ def lm_layer_bytes(arch: Architecture, work: Workload, targets: Iterable[str], t
     if attention_grad:
         total += t * (h + 2 * arch.kv_width) * s + t * (h + arch.kv_width) * s
         if work.attention == "eager":
-            total += work.rows * arch.heads * length * length * (4 + (s if s != 4 else 0))
+            total += work.rows * arch.heads * length * length * eager_saved_bytes(s)
         else:
             total += t * h * s + work.rows * arch.heads * length * 4  # output and log-sum-exp
     if "o_proj" in targets:
@@ -311,13 +346,13 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
         kept = clip_graph + sum(layers)
     projection = tokens * arch.hidden * s if clip_grad else 0  # the image projection's GELU input (an upper bound)
     final_norm = 4 * tokens * arch.hidden + 4 * tokens
-    head = rows * work.lm_head_tokens * arch.vocab * (s + 4 + 4)  # logits, their fp32 copy, log-softmax
+    head = rows * work.lm_head_tokens * arch.vocab * head_bytes_per_logit(s, work.logits_transposed)
     backward = 2 * tokens * arch.intermediate * s
     top = max(layers)
     if work.attention == "eager":  # after the MLP's backward: the probabilities' and the scores' gradients
-        length = tokens // rows
-        attention_backward = rows * arch.heads * length * length * (4 + 4 + (s if s != 4 else 0))
+        scores = rows * arch.heads * (tokens // rows) ** 2
         mlp = lm_mlp_bytes(arch, work, lm_targets, tokens, True)
+        attention_backward = scores * (eager_backward_bytes() - eager_saved_bytes(s))
         recomputed = max(top + backward, top - mlp + attention_backward)
     else:
         recomputed = top + backward
@@ -508,18 +543,28 @@ def _malloc_pinned() -> bool:
     return os.environ.get("MALLOC_MMAP_THRESHOLD_") == MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]
 
 
-def _random_model(config: Phi3VConfig, device: str) -> Phi3VForCausalLM:
-    """The model of ``config`` with seeded random weights on ``device`` (bf16 on CUDA; SDPA unless set)."""
+def measured_dtype(device: str, dtype: str | None = None) -> str:
+    """The weights' dtype of a measured step: ``dtype`` when given, else bf16 on CUDA and fp32 on CPU. A bf16
+    step runs under bf16 autocast on either device (``--measure --dtype bfloat16`` rehearses the CUDA step's
+    dtypes on the CPU)."""
+    if dtype is not None and dtype not in DTYPE_BYTES:
+        raise ValueError(f"--dtype {dtype!r}: expected one of {sorted(DTYPE_BYTES)}")
+    return dtype or ("bfloat16" if device == "cuda" else "float32")
+
+
+def _random_model(config: Phi3VConfig, device: str, dtype: str | None = None) -> Phi3VForCausalLM:
+    """The model of ``config`` with seeded random weights on ``device`` in :func:`measured_dtype` (SDPA unless
+    set)."""
     config._attn_implementation = config._attn_implementation or "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
         model = Phi3VForCausalLM(config)
-    return model.to(torch.bfloat16) if device == "cuda" else model
+    return model.to(getattr(torch, measured_dtype(device, dtype)))
 
 
 def measure_step(
     config: Phi3VConfig, processor: Any, lora: LoraSettings, batch: int, chunk: int, checkpointing: bool,
-    query: str, steps: int = 1, device: str = "cpu", loss: Any = None,
+    query: str, steps: int = 1, device: str = "cpu", loss: Any = None, dtype: str | None = None,
 ) -> Measurement:
     """Run ``steps`` optimizer steps of the retriever's trainer (gradient cache, ``loss`` — the HKRAG loss unless
     given; VDocRAG's :class:`~hkrag.losses.PretrainingLoss` with its collator as ``train.py`` builds them, ``query``
@@ -529,13 +574,12 @@ def measure_step(
     On CPU in fp32: the resident set (call it in a fresh process started with :data:`MALLOC_ENV`, as ``python -m
     hkrag.tasks.preflight --measure`` does: glibc otherwise keeps freed tensors of up to 32 MiB in its heap and the
     resident set overstates live memory, by 2 GiB at 1 layer and 4 crops, measured). On CUDA in bf16 under
-    accelerate's bf16 autocast: ``max_memory_allocated``.
+    accelerate's bf16 autocast: ``max_memory_allocated``. ``dtype``: see :func:`measured_dtype` (bf16 on CPU:
+    bf16 weights under accelerate's CPU bf16 autocast).
     """
-
-
     cuda = device == "cuda"
     start = _allocated(cuda)
-    model = _random_model(config, device)
+    model = _random_model(config, device, dtype)
     retriever = Phi3VRetriever.wrap(model, processor, lora=lora, trainable=True,
                                     gradient_checkpointing=checkpointing)
     weights = _allocated(cuda) - start
@@ -544,7 +588,8 @@ def measure_step(
         if getattr(loss, "generative", False) else None
     pairs = [TrainingPair(f"q{i}", query, (f"page-{i}",)) for i in range(batch)]
     settings = TrainerConfig(global_batch_size=batch, chunk_size=chunk, epochs=steps + 1, seed=0)
-    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no")
+    bf16 = measured_dtype(device, dtype) == "bfloat16"
+    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if bf16 else "no")
     trainer = RetrieverTrainer(retriever, loss, pairs, random_pages(batch), settings,
                                accelerator, "/nonexistent-preflight-output", collator=collator)
     inputs = next(iter(trainer.loader(0, 0)))
@@ -580,17 +625,17 @@ class _Records:
 
 def measure_generator_step(
     config: Phi3VConfig, processor: Any, lora: LoraSettings, batch_size: int, pages: int, question: str,
-    answer: str, render: Any, checkpointing: bool, steps: int = 1, device: str = "cpu",
+    answer: str, render: Any, checkpointing: bool, steps: int = 1, device: str = "cpu", dtype: str | None = None,
 ) -> Measurement:
     """Run ``steps`` optimizer steps of generator fine-tuning (:mod:`hkrag.training.generator`: causal-LM LoRA,
     its dataset, collator and trainer; ``batch_size`` examples of ``pages`` random pages each, the prompt from
     ``render``, grad_accum 1; ``checkpointing`` as generator training enables it on CUDA) on random weights and
-    measure as :func:`measure_step` does. ``page_tokens``: the tokens of one example (prompt, pages and target)."""
-
-
+    measure as :func:`measure_step` does. ``page_tokens``: the tokens of one example (prompt, pages and target);
+    ``dtype``: see :func:`measured_dtype` (bf16 on CPU: the trainer's bf16 autocast, which real runs use on CUDA
+    only, switched on for the CPU)."""
     cuda = device == "cuda"
     start = _allocated(cuda)
-    model = _random_model(config, device)
+    model = _random_model(config, device, dtype)
     model = causal_lm_lora(model, lora)
     if checkpointing:  # as generator training does on CUDA (it trains without on CPU)
         model.get_base_model().gradient_checkpointing_enable()
@@ -599,7 +644,8 @@ def measure_generator_step(
     pairs = [GeneratorPair(f"q{i}", question, (answer,), doc_ids) for i in range(batch_size * steps)]
     dataset = GeneratorDataset(pairs, random_pages(pages), render)
     records = _Records()
-    settings = GeneratorTrainerConfig(batch_size=batch_size, grad_accum=1, max_steps=steps, log_every=1)
+    settings = GeneratorTrainerConfig(batch_size=batch_size, grad_accum=1, max_steps=steps, log_every=1,
+                                      autocast_cpu=measured_dtype(device, dtype) == "bfloat16")
     trainer = GeneratorTrainer(model, processor, dataset, settings, "/nonexistent-preflight-output", records)
     batch = next(iter(trainer.loader(0)))
     trainer.model.train()
