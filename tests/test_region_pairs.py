@@ -7,12 +7,13 @@ import json
 
 import pytest
 
+from hkrag.data.layout import gold_pages
 from hkrag.data.opendocvqa import DataError, QAExample, format_query, load_corpus, load_qa
 from hkrag.data.region_corpus import build_region_corpus
-from hkrag.data.region_pairs import gold_units, main, write_region_training
+from hkrag.data.region_pairs import gold_units, main, page_units, write_region_training
 from hkrag.data.splits import ValidationSplit
 from hkrag.data.synthetic import SyntheticConfig, generate
-from hkrag.io import write_json
+from hkrag.io import write_json, write_text
 from hkrag.retrieval.metrics import chance_ndcg
 from hkrag.tasks.seeds import main as seeds_main
 
@@ -96,6 +97,88 @@ def test_training_set_keeps_held_out_documents_apart(workspace, tmp_path):
     assert counts["units/all/validation"] == 3 * len(held_pages)
 
 
+def widened(box, width):
+    """``box`` 2 px wider: on the right, or on the left where it reaches the page's right edge."""
+    x0, y0, x1, y1 = box
+    return (x0, y0, x1 + 2, y1) if x1 + 2 <= width else (x0 - 2, y0, x1, y1)
+
+
+@pytest.fixture(scope="module")
+def detected(workspace, tmp_path_factory):
+    """A region corpus of "detected" boxes of the training pages, written as ``layout detect`` writes them: every
+    gold box 2 px wider (IoU below 1, above 0.5), but one kept page's footer moved to the page's
+    corner (IoU 0 with its gold box). Returns that page, the corpus and the validation seed."""
+    root, units = workspace
+    seed = held_seed(0.5, ["synchart", "synfine"])
+    split = ValidationSplit(0.5, seed)
+    broken = next(e.relevant_doc_ids[0] for e in load_qa(root / "qa", "default", "train")
+                  if e.evidence != "salient" and not split.held_out(e.relevant_doc_ids[0]))
+    rows = []
+    for page in gold_pages(root, "train"):
+        boxes = [[*((0, 0, 4, 4) if page.doc_id == broken and r.label == "footer" else widened(r.box, page.size[0])),
+                  r.label, 0.9] for r in page.regions]
+        rows.append(json.dumps({"doc_id": page.doc_id, "size": list(page.size), "candidates": boxes,
+                                "selected": boxes}))
+    regions, found = tmp_path_factory.mktemp("regions"), tmp_path_factory.mktemp("found")
+    write_text(regions / "default" / "train.jsonl", "\n".join(rows) + "\n")
+    build_region_corpus(root / "corpus", found, "all-box", regions=regions, splits=["train"])
+    return broken, found, seed
+
+
+def test_training_on_detected_boxes(workspace, detected, tmp_path):
+    root, units = workspace
+    broken, found, seed = detected
+    split, configs = ValidationSplit(0.5, seed), ["synchart", "synfine"]
+    gold = load_corpus(units, "default", "train")
+    found_corpus = load_corpus(found, "default", "train")
+    page_of = dict(zip(found_corpus.doc_ids, found_corpus.dataset["page_id"][:]))
+    gold_label = dict(zip(gold.doc_ids, gold.dataset["label"][:]))
+    found_label = dict(zip(found_corpus.doc_ids, found_corpus.dataset["label"][:]))
+    by_page = page_units(gold)
+    kept = [e for e in split.split(load_qa(root / "qa", "default", "train"))[0]]
+    gold_of = {e.query_id: gold_units(e, by_page) for e in kept}
+    lost = {q for q, units_ in gold_of.items() if units_ == (f"{broken}#2",)}  # the moved footer: no match
+    assert lost and gold_label[f"{broken}#2"] == "footer"
+    n_kept_units = sum(not split.held_out(p) for p in set(gold.dataset["page_id"][:])) * 3
+
+    counts = write_region_training(root, units, tmp_path / "det", 0.5, seed, configs, detected=found,
+                                   boxes="detected")
+    assert counts["qa/unmatched"] == len(lost)
+    assert (counts["matched"], counts["gold_units"]) == (n_kept_units - 1, n_kept_units)
+    train = load_qa(tmp_path / "det" / "qa", "default", "train")
+    assert {e.query_id for e in train} == set(gold_of) - lost
+    for example in train:  # each gold unit replaced by the detected unit of its page and class
+        (positive,) = example.relevant_doc_ids
+        (expected,) = gold_of[example.query_id]
+        assert positive in page_of and page_of[positive] == expected.split("#")[0]
+        assert found_label[positive] == gold_label[expected]
+    trained = load_corpus(tmp_path / "det" / "units", "default", "train")
+    assert set(trained.doc_ids) <= set(found_corpus.doc_ids) and "text" not in trained.dataset.column_names
+    assert len(trained) == counts["units/default/train"] == n_kept_units
+    pool = load_corpus(tmp_path / "det" / "units", "all", "validation")  # validation reads detected crops
+    assert set(pool.doc_ids) <= set(found_corpus.doc_ids) and all(split.held_out(page_of[u]) for u in pool.doc_ids)
+
+    counts = write_region_training(root, units, tmp_path / "both", 0.5, seed, configs, detected=found, boxes="both")
+    train = {e.query_id: e.relevant_doc_ids for e in load_qa(tmp_path / "both" / "qa", "default", "train")}
+    assert set(train) == set(gold_of)  # nobody dropped: the unmatched keep their gold unit alone
+    for query, positives in train.items():
+        (expected,) = gold_of[query]
+        if query in lost:
+            assert positives == (expected,)
+            continue
+        renamed, gold_positive = positives  # the detected unit first, renamed <page>#d<k>
+        found_id = renamed.replace("#d", "#")
+        assert gold_positive == expected and renamed == f"{found_id.split('#')[0]}#d{found_id.split('#')[1]}"
+        assert (page_of[found_id], found_label[found_id]) == (expected.split("#")[0], gold_label[expected])
+    both = load_corpus(tmp_path / "both" / "units", "default", "train")
+    assert len(both) == counts["units/default/train"] == 2 * n_kept_units
+    assert {u for u in both.doc_ids if "#d" not in u} <= set(gold.doc_ids)
+
+    strict = write_region_training(root, units, tmp_path / "strict", 0.5, seed, configs, detected=found,
+                                   boxes="detected", match_iou=1.0)  # a wider box never has IoU 1: nothing matches
+    assert (strict["matched"], strict["qa/default/train"], strict["qa/unmatched"]) == (0, 0, len(gold_of))
+
+
 def test_errors_name_the_input(workspace, tmp_path, capsys):
     root, units = workspace
     with pytest.raises(SystemExit) as exit_info:  # no document held out at fraction 0
@@ -106,6 +189,12 @@ def test_errors_name_the_input(workspace, tmp_path, capsys):
     with pytest.raises(SystemExit):  # a page corpus as the units: no text, no page_id
         main([str(root), "--units", str(root / "corpus"), "--out", str(tmp_path / "o")])
     assert "has no 'page_id' column" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(root), "--units", str(units), "--out", str(tmp_path / "o"), "--boxes", "detected"])
+    assert "boxes=detected needs the detected units" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(root), "--units", str(units), "--out", str(tmp_path / "o"), "--detected", str(units)])
+    assert "boxes=gold takes no detected units" in capsys.readouterr().err
 
 
 def test_seed_table_reads_eval_and_train_folders(workspace, tmp_path, capsys):

@@ -13,6 +13,7 @@ from hkrag.data.regions import (
     Region,
     corpus_matching_iou,
     matching_iou,
+    matching_pairs,
     non_overlap_ratio,
     page_ranking,
     select,
@@ -87,6 +88,8 @@ def test_matching_iou_beats_greedy_pairing():
     # IoUs: p0-g0 8/12, p0-g1 6/14, p1-g0 4/10, p1-g1 0. Best-first pairing takes p0-g0 (2/3) then p1-g1 (0);
     # Hungarian takes p0-g1 + p1-g0 = 3/7 + 2/5 = 29/35, over two terms: 29/70.
     assert matching_iou(predicted, gold) == pytest.approx(29 / 70)
+    assert matching_pairs(predicted, gold) == [(0, 1, pytest.approx(3 / 7)), (1, 0, pytest.approx(2 / 5))]
+    assert matching_pairs(predicted, []) == []
 
 
 def test_matching_iou_unmatched_boxes_count_zero():

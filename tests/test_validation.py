@@ -52,7 +52,8 @@ def test_generator_problems_join_the_other_groups_in_one_error():
     assert str(info.value).count("\n  ") == 3
 
 
-@pytest.mark.parametrize("experiment", ["hkrag_retriever", "ablation_infonce", "demo", "reader_regions_tiny"])
+@pytest.mark.parametrize("experiment", ["hkrag_retriever", "ablation_infonce", "demo", "reader_regions_tiny",
+                                        "reader_regions_detected_tiny"])
 def test_experiments_are_valid(experiment):
     validate_config(config("train", [f"experiment={experiment}"]))
 

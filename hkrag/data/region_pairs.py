@@ -1,6 +1,8 @@
 """A reader's training and validation data on region units: each question's gold unit, held-out documents apart.
 
     python -m hkrag.data.region_pairs data/synthetic --units data/units_gold_all-box --out data/region_train
+    python -m hkrag.data.region_pairs data/synthetic --units data/units_gold_all-box --boxes detected \
+        --detected data/units_det_all-box --out data/region_train_det        # the detector's crops as positives
 
 The shipped reader was trained on whole pages and does not read crops (docs/data.md, "Region units"); fine-tuning
 it on crops needs ``query → gold region crop`` pairs. A question's **gold units** are, on each of its relevant
@@ -9,6 +11,17 @@ question's words, title boxes left out: a page's title is shared by every page o
 never tells the question's page from its siblings, while the unit naming the label, the source or the code does
 (the built-in questions name a title and one such word, :data:`hkrag.data.synthetic.TEMPLATES`). A page none of
 whose units holds a word of the question gives all its units (none is preferred).
+
+A reader meets *detected* boxes at test time, whose crops differ from the drawn boxes by a few pixels (docs/data.md:
+a reader trained on exact crops loses them). ``boxes`` chooses the training crops: ``gold`` (the corpus's own boxes),
+``detected`` (a region corpus of the detector's selected boxes on the same pages, ``--detected``) or ``both``. A
+detected unit is labelled with the gold unit it is paired with by the Hungarian matching of SCAN's matching-based IoU
+(:func:`hkrag.data.regions.matching_pairs`) when their IoU is at least ``match_iou`` (0.5, the usual detection
+threshold); a question's detected positives are the detected units labelled with its gold units. With ``detected``,
+a question none of whose gold units was matched is dropped (counted); with ``both``, it keeps its gold units and the
+others rotate between their detected and gold positives epoch by epoch (:meth:`hkrag.data.pairs.TrainingPair.positive`),
+detected first; detected units are renamed ``<page>#d<k>`` beside the gold ``<page>#<k>``. With detected units the
+validation pools are the detected units of the held-out pages, the units a reader meets at test time.
 
 Recipes are chosen on held-out *training* documents (:class:`hkrag.data.splits.ValidationSplit`: ``--fraction``,
 ``--seed``), so ``out`` holds, in the hub layout, with ``page_id`` mapping units to pages as any region corpus:
@@ -27,19 +40,23 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
+from itertools import chain
 from pathlib import Path
 
 import datasets
 
 from hkrag.data.ocr import corpus_splits
 from hkrag.data.opendocvqa import ALL_POOL, QA_FEATURES, TEXT_COLUMN, Corpus, DataError, QAExample, load_corpus, load_qa
-from hkrag.data.region_corpus import unit_pages
+from hkrag.data.region_corpus import PAGE_COLUMN, unit_pages
+from hkrag.data.regions import matching_pairs
 from hkrag.data.splits import ValidationSplit, page_group
 from hkrag.data.writer import save_split
 
 VALIDATION_SPLIT = "validation"
+BOXES = ("gold", "detected", "both")
+MATCH_IOU = 0.5
 WORD = re.compile(r"[a-z0-9]+")
 
 
@@ -73,12 +90,41 @@ def page_units(corpus: Corpus) -> dict[str, list[tuple[str, str, str]]]:
     return units
 
 
-def _rows(corpus: Corpus, keep: Iterable[str]) -> Iterator[dict]:
-    """The stored rows (images as stored) of ``corpus`` whose doc id is in ``keep``, in corpus order."""
+def matched_units(gold: Corpus, detected: Corpus, threshold: float = MATCH_IOU) -> dict[str, str]:
+    """``{gold unit: detected unit}``: on each page, the two corpora's unit boxes (column ``box``) paired by the
+    Hungarian matching of SCAN's matching-based IoU, a pair kept when its IoU is at least ``threshold``."""
+    def boxes(corpus: Corpus) -> dict[str, list[tuple[str, tuple[float, ...]]]]:
+        by_page: dict[str, list[tuple[str, tuple[float, ...]]]] = {}
+        for unit, page, box in zip(corpus.doc_ids, corpus.dataset[PAGE_COLUMN][:], corpus.dataset["box"][:]):
+            by_page.setdefault(page, []).append((unit, tuple(box)))
+        return by_page
+
+    unit_pages(gold), unit_pages(detected)  # both must be region corpora (DataError naming the one that is not)
+    found, matched = boxes(detected), {}
+    for page, gold_boxes in boxes(gold).items():
+        predicted = found.get(page, [])
+        for i, j, iou in matching_pairs([b for _, b in predicted], [b for _, b in gold_boxes]):
+            if iou >= threshold:
+                matched[gold_boxes[j][0]] = predicted[i][0]
+    return matched
+
+
+def detected_name(unit: str) -> str:
+    """A detected unit's id beside gold units (``boxes=both``): ``<page>#<k>`` → ``<page>#d<k>``."""
+    page, k = unit.rsplit("#", 1)
+    return f"{page}#d{k}"
+
+
+def _rows(corpus: Corpus, keep: Iterable[str], rename: Callable[[str], str] | None = None,
+          columns: Iterable[str] | None = None) -> Iterator[dict]:
+    """The stored rows (images as stored) of ``corpus`` whose doc id is in ``keep``, in corpus order, doc ids
+    mapped by ``rename`` and only ``columns`` kept when given."""
     rows = sorted(corpus.index(doc_id) for doc_id in set(keep))
+    columns = list(columns or corpus.dataset.column_names)
     for start in range(0, len(rows), 64):
         batch = corpus.dataset[rows[start:start + 64]]
-        yield from (dict(zip(batch, values)) for values in zip(*batch.values()))
+        for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
+            yield {**{c: row[c] for c in columns}, **({"doc_id": rename(row["doc_id"])} if rename else {})}
 
 
 def _features(corpus: Corpus) -> datasets.Features:
@@ -93,23 +139,52 @@ def _qa_rows(examples: Sequence[QAExample]) -> list[dict]:
 def write_region_training(
     root: str | Path, units_source: str | Path, out: str | Path, fraction: float = 0.15, seed: int = 0,
     configs: Sequence[str] | None = None, train_config: str = "default", split: str = "train",
+    detected: str | Path | None = None, boxes: str = "gold", match_iou: float = MATCH_IOU,
 ) -> dict[str, int]:
     """Write ``out``'s ``qa``, ``units`` and ``pages`` (module docstring) from the built-in corpus folder ``root``
-    (``qa/`` and ``corpus/``) and the region corpus ``units_source`` of its ``train_config``/``split`` pages;
-    ``configs`` are the QA configs whose held-out questions form the validation pools (default: every config with
-    a ``split`` split but ``train_config``). Returns the row count of each written ``folder/config/split``."""
+    (``qa/`` and ``corpus/``) and the region corpus ``units_source`` of its ``train_config``/``split`` pages (built
+    with ``--gold``), training on the crops ``boxes`` names (``detected`` and ``both`` read the region corpus
+    ``detected`` of the same pages); ``configs`` are the QA configs whose held-out questions form the validation
+    pools (default: every config with a ``split`` split but ``train_config``). Returns the row count of each
+    written ``folder/config/split``, and with detected units ``matched``/``gold_units`` (gold units of the kept
+    pages with a detected unit, all of them) and ``qa/unmatched`` (kept questions with no matched gold unit)."""
+    if boxes not in BOXES:
+        raise ValueError(f"boxes must be one of {BOXES}, got {boxes!r}")
+    if (boxes == "gold") != (detected is None):
+        raise ValueError(f"boxes={boxes} " + ("takes no detected units" if boxes == "gold" else
+                                              "needs the detected units (a region corpus of the detector's boxes)"))
     root, out = Path(root), Path(out)
     held = ValidationSplit(fraction, seed)
     units = load_corpus(units_source, train_config, split)
     pages = load_corpus(root / "corpus", train_config, split)
+    found = units if detected is None else load_corpus(detected, train_config, split)
     by_page = page_units(units)
     train_qa, _ = held.split(load_qa(root / "qa", train_config, split))
     train_qa = [replace(e, relevant_doc_ids=gold_units(e, by_page)) for e in train_qa]
     kept_pages = {p for p in pages.doc_ids if not held.held_out(p)}
-    counts = {"qa/default/train": len(train_qa)}
-    save_split(_qa_rows(train_qa), out / "qa", "default", "train", QA_FEATURES)
     kept_units = [u for u, p in unit_pages(units).items() if p in kept_pages]
-    save_split(_rows(units, kept_units), out / "units", "default", "train", _features(units))
+    counts = {}
+    if detected is None:
+        rows = _rows(units, kept_units)
+        features = _features(units)
+    else:
+        matched = matched_units(units, found, match_iou)
+        rename = detected_name if boxes == "both" else None
+        name = rename or str
+        counts["matched"], counts["gold_units"] = sum(u in matched for u in kept_units), len(kept_units)
+        counts["qa/unmatched"] = sum(not any(u in matched for u in e.relevant_doc_ids) for e in train_qa)
+        train_qa = [replace(e, relevant_doc_ids=tuple(name(matched[u]) for u in e.relevant_doc_ids if u in matched)
+                            + (e.relevant_doc_ids if boxes == "both" else ())) for e in train_qa]
+        train_qa = [e for e in train_qa if e.relevant_doc_ids]
+        kept_found = [u for u, p in unit_pages(found).items() if p in kept_pages]
+        features = _features(found)
+        rows = _rows(found, kept_found, rename, features)
+        if boxes == "both":
+            rows = chain(_rows(units, kept_units, columns=features), rows)
+        kept_units = kept_found + (kept_units if boxes == "both" else [])
+    counts["qa/default/train"] = len(train_qa)
+    save_split(_qa_rows(train_qa), out / "qa", "default", "train", QA_FEATURES)
+    save_split(rows, out / "units", "default", "train", features)
     counts["units/default/train"] = len(kept_units)
     configs = configs or [c for c in _qa_configs(root / "qa", split) if c != train_config]
     pools: dict[str, set[str]] = {}
@@ -124,14 +199,14 @@ def write_region_training(
         pools[config] = {p for p in pages.doc_ids if held.held_out(p) and page_group(p) in groups}
     pools[ALL_POOL] = set().union(*pools.values())
     unit_of_page: dict[str, list[str]] = {}
-    for unit, page in unit_pages(units).items():
+    for unit, page in unit_pages(found).items():
         unit_of_page.setdefault(page, []).append(unit)
     for config, pool in pools.items():
         missing = sorted(pool - set(unit_of_page))
         if missing:
-            raise DataError(f"page {missing[0]!r} of {pages.name} has no units in {units.name}")
+            raise DataError(f"page {missing[0]!r} of {pages.name} has no units in {found.name}")
         pool_units = [u for p in pool for u in unit_of_page[p]]
-        save_split(_rows(units, pool_units), out / "units", config, VALIDATION_SPLIT, _features(units))
+        save_split(_rows(found, pool_units), out / "units", config, VALIDATION_SPLIT, _features(found))
         save_split(_rows(pages, pool), out / "pages", config, VALIDATION_SPLIT, _features(pages))
         counts[f"units/{config}/{VALIDATION_SPLIT}"] = len(pool_units)
         counts[f"pages/{config}/{VALIDATION_SPLIT}"] = len(pool)
@@ -149,6 +224,12 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--units", required=True, type=Path,
                         help="region corpus of its training pages built with --gold (python -m "
                              "hkrag.data.region_corpus build)")
+    parser.add_argument("--boxes", choices=BOXES, default="gold",
+                        help="training crops: the corpus's own boxes (default), the detector's (--detected) or both")
+    parser.add_argument("--detected", type=Path,
+                        help="region corpus of the same pages from the detector's selected boxes (all-box)")
+    parser.add_argument("--match-iou", type=float, default=MATCH_IOU,
+                        help=f"IoU a detected box needs with the gold box it is paired with (default {MATCH_IOU})")
     parser.add_argument("--out", required=True, type=Path, help="folder for qa/, units/ and pages/")
     parser.add_argument("--fraction", type=float, default=0.15,
                         help="share of documents held out (default 0.15: at seed 0, 2 to 5 documents of each style)")
@@ -157,7 +238,8 @@ def main(argv: Iterable[str] | None = None) -> int:
                         help="QA config of a validation pool (repeat; default: all but default)")
     args = parser.parse_args(argv)
     try:
-        counts = write_region_training(args.root, args.units, args.out, args.fraction, args.seed, args.configs)
+        counts = write_region_training(args.root, args.units, args.out, args.fraction, args.seed, args.configs,
+                                       detected=args.detected, boxes=args.boxes, match_iou=args.match_iou)
     except (DataError, FileNotFoundError, ValueError) as error:
         parser.exit(2, f"error: {error}\n")
     print(json.dumps(counts))

@@ -152,11 +152,17 @@ def matching_terms(predicted: Sequence[Box], gold: Sequence[Box]) -> tuple[float
     """``(summed IoU of the Hungarian pairs, number of terms)``: the numerator and denominator of SCAN's
     matching-based IoU, where the terms are the pairs plus the unmatched boxes of either side (``max`` of the
     two counts)."""
+    return float(sum(iou for _, _, iou in matching_pairs(predicted, gold))), max(len(predicted), len(gold))
+
+
+def matching_pairs(predicted: Sequence[Box], gold: Sequence[Box]) -> list[tuple[int, int, float]]:
+    """The Hungarian pairs of SCAN's matching-based IoU: ``(predicted index, gold index, IoU)``, pairing boxes to
+    maximise the summed IoU (classes ignored); ``min(#predicted, #gold)`` pairs, some possibly of IoU 0."""
     if not predicted or not gold:
-        return 0.0, max(len(predicted), len(gold))
+        return []
     ious = np.array([[box_iou(p, g) for g in gold] for p in predicted])
     rows, cols = linear_sum_assignment(ious, maximize=True)
-    return float(ious[rows, cols].sum()), max(len(predicted), len(gold))
+    return [(int(r), int(c), float(ious[r, c])) for r, c in zip(rows, cols)]
 
 
 def matching_iou(predicted: Sequence[Box], gold: Sequence[Box], page: str = "page") -> float:
