@@ -202,3 +202,20 @@ def test_tuner_picks_a_graph_index_on_weakly_clustered_data():
         select(*weak, ["IVF512,Flat"], target=0.9, max_ram=0.5, repeats=1)
     with pytest.raises(ValueError, match="cost must be one of"):
         select(*weak, ["IVF512,Flat"], cost="seconds")
+
+
+def test_only_combinations_meeting_the_target_are_timed_again(corpus, monkeypatch):
+    """Repeated timing goes to the combinations whose recall bound meets the target; the others get one search."""
+    import hkrag.index.tuning as tuning
+
+    ids, docs, data = corpus
+    queries = data.sample(100, stream=TUNING_STREAM)
+    exact = exact_neighbours(queries, [docs], K)[1]
+    index = DocumentIndex.build(ids, docs, "faiss:IVF16,Flat", use_gpu=False)
+    calls = []
+    real = tuning._timed_search
+    monkeypatch.setattr(tuning, "_timed_search", lambda *a: calls.append(a[3]) or real(*a))
+    record = tune(index, queries, exact, target=0.9, repeats=3)
+    meeting = sum(m["recall_lower"] >= 0.9 for m in record["measured"])
+    assert 0 < meeting < len(record["measured"])  # nprobe 1 misses, nprobe 16 (exhaustive) meets
+    assert calls.count(1) == len(record["measured"]) and calls.count(2) == meeting
