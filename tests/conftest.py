@@ -54,3 +54,17 @@ def scripted_rag_backend(monkeypatch):
     scripted = ScriptedBackend([("Reply with yes or no only.", "yes")], default="unknown", vocab_size=32064)
     monkeypatch.setattr(rag_task, "build_backend", lambda _config: scripted)
     return scripted
+
+
+@pytest.fixture(scope="session")
+def multivector_pool():
+    """1,500 synthetic multi-vector pages (16 vectors each), 60 queries, their relevant pages and exact top-5 by
+    MaxSim: (vectors, offsets, ids, queries, query_offsets, relevant, exact)."""
+    from hkrag.index.multivector import exact_search
+    from hkrag.index.synthetic_embeddings import QUERY_STREAM, MultiVectorPages
+
+    data = MultiVectorPages(tokens=16, topics=50, words=512)
+    vectors, offsets, topics = data.corpus(1500, chunk=500)
+    queries, query_offsets, relevant = data.queries(vectors, offsets, topics, 60, QUERY_STREAM)
+    _, exact = exact_search(queries, query_offsets, vectors, offsets, 5)
+    return vectors, offsets, [f"p{i}" for i in range(len(offsets) - 1)], queries, query_offsets, relevant, exact

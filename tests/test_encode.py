@@ -4,6 +4,8 @@ of an evaluation computed in memory."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -54,17 +56,22 @@ def page_batches(monkeypatch) -> list[int]:
     return calls
 
 
+def kill_after_one_shard(monkeypatch, folder: Path) -> None:
+    """The encoder raises :class:`Killed` once ``folder``'s first shard is written (a job killed mid-encode)."""
+    original = Phi3VRetriever.encode_documents
+
+    def killed(self, images, *args, **kwargs):
+        if (folder / "shard-00000.json").is_file():
+            raise Killed(f"the job is killed while encoding its second shard into {folder}")
+        return original(self, images, *args, **kwargs)
+
+    monkeypatch.setattr(Phi3VRetriever, "encode_documents", killed)
+
+
 def test_a_killed_late_interaction_encode_resumes_to_the_same_vectors(data, tmp_path, monkeypatch):
     cfg = encode.load_config([*data, *LATE])
     assert encode.encode_part(cfg, "all", tmp_path / "clean") == [0, 1, 2]
-    original = Phi3VRetriever.encode_documents
-
-    def killed_after_one_shard(self, images, *args, **kwargs):
-        if (tmp_path / "killed" / "shard-00000.json").is_file():
-            raise Killed("the job is killed while encoding its second shard")
-        return original(self, images, *args, **kwargs)
-
-    monkeypatch.setattr(Phi3VRetriever, "encode_documents", killed_after_one_shard)
+    kill_after_one_shard(monkeypatch, tmp_path / "killed")
     with pytest.raises(Killed):
         encode.encode_part(cfg, "all", tmp_path / "killed")
     monkeypatch.undo()
@@ -81,14 +88,7 @@ def test_a_killed_late_interaction_encode_resumes_to_the_same_vectors(data, tmp_
 def test_encode_refuses_a_folder_of_the_other_head(data, tmp_path, monkeypatch):
     """A dense job killed after its first shard, then the late-interaction job into its folder (and back)."""
     dense = encode.load_config([*data, "model=tiny", "model.num_crops=4"])
-    original = Phi3VRetriever.encode_documents
-
-    def killed_after_one_shard(self, images, *args, **kwargs):
-        if (tmp_path / "dense" / "shard-00000.json").is_file():
-            raise Killed("killed")
-        return original(self, images, *args, **kwargs)
-
-    monkeypatch.setattr(Phi3VRetriever, "encode_documents", killed_after_one_shard)
+    kill_after_one_shard(monkeypatch, tmp_path / "dense")
     with pytest.raises(Killed):
         encode.encode_part(dense, "all", tmp_path / "dense")
     monkeypatch.undo()

@@ -18,12 +18,8 @@ K = 5
 
 
 @pytest.fixture(scope="module")
-def corpus():
-    data = MultiVectorPages(tokens=16, topics=50, words=512)
-    vectors, offsets, topics = data.corpus(1500, chunk=500)
-    queries, query_offsets, relevant = data.queries(vectors, offsets, topics, 60, QUERY_STREAM)
-    _, exact = exact_search(queries, query_offsets, vectors, offsets, K)
-    return vectors, offsets, [f"p{i}" for i in range(len(offsets) - 1)], queries, query_offsets, relevant, exact
+def corpus(multivector_pool):
+    return multivector_pool
 
 
 def recall(rows, exact):

@@ -3,21 +3,17 @@
 import numpy as np
 import pytest
 
-from hkrag.index.multivector import MultiVectorIndex, MultiVectorSpec, exact_search
+from hkrag.index.multivector import MultiVectorIndex, MultiVectorSpec
 from hkrag.index.plaid import CentroidInteraction, default_centroids
-from hkrag.index.synthetic_embeddings import QUERY_STREAM, MultiVectorPages
 
 K = 5
 PLAID = "stage=plaid;centroids=256;nprobe=2;t_cs=0.6;ndocs=512"
 
 
 @pytest.fixture(scope="module")
-def corpus():
-    data = MultiVectorPages(tokens=16, topics=50, words=512)
-    vectors, offsets, topics = data.corpus(1500, chunk=500)
-    queries, query_offsets, _ = data.queries(vectors, offsets, topics, 60, QUERY_STREAM)
-    _, exact = exact_search(queries, query_offsets, vectors, offsets, K)
-    return vectors, offsets, [f"p{i}" for i in range(len(offsets) - 1)], queries, query_offsets, exact
+def corpus(multivector_pool):
+    vectors, offsets, ids, queries, query_offsets, _, exact = multivector_pool
+    return vectors, offsets, ids, queries, query_offsets, exact
 
 
 def recall(rows, exact):
