@@ -176,6 +176,19 @@ class Workload:
     def bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    @property
+    def clip_stream_bytes(self) -> int:
+        """Bytes per element of the CLIP tower's residual stream (its hidden states and their gradients).
+
+        CUDA autocast runs ``layer_norm`` in fp32 (on its fp32 op list; CPU autocast's bf16 handling leaves it in
+        bf16), so CLIP's ``pre_layrnorm`` returns fp32 and every residual add (fp32 + the bf16 attention or MLP
+        output) promotes to fp32: each hidden state is fp32, each layer_norm's saved input is that fp32 stream
+        (no further copy), and the gradients along it are fp32. The linears still run in bf16: a frozen
+        projection's bf16 cast of an fp32 layer-norm output is not saved (autograd keeps a matmul's input only
+        for its weight's gradient) and LoRA's saved input is autocast's bf16 copy either way (emulated on CPU,
+        tests/test_memory_cuda_autocast.py)."""
+        return 4 if self.device == "cuda" and self.autocast else self.bytes
+
     def lora_input(self, tokens: int, width: int, grad_in: bool) -> int:
         """A LoRA branch keeps its input cast to fp32 and dropped out (``lora_A``'s saved input; under bf16
         autocast the bf16 copy autocast makes for the matmul), ``lora_A``'s output (``lora_B``'s), and the
@@ -261,11 +274,13 @@ def lm_mlp_bytes(arch: Architecture, work: Workload, targets: Iterable[str], tok
 
 def clip_layer_bytes(arch: Architecture, work: Workload, targets: Iterable[str], tokens: int, grad_in: bool) -> int:
     """Bytes autograd keeps for one CLIP encoder layer over ``tokens`` crop tokens: layer_norm1's input (a hidden
-    state), each wrapped projection's LoRA input, SDPA's query, key, value and output, layer_norm2's input, and
-    quick_gelu's input and sigmoid."""
+    state), each wrapped projection's LoRA input, SDPA's query, key, value and output, layer_norm2's input (the
+    residual sum), and quick_gelu's input and sigmoid. The two layer norms' inputs are the residual stream, fp32
+    under CUDA autocast (:attr:`Workload.clip_stream_bytes`)."""
     targets = set(targets)
     d, m, s, t = arch.clip_hidden, arch.clip_intermediate, work.bytes, tokens
-    total = t * d * s + 2 * t * 4 if grad_in else 0  # layer_norm1's input, mean and rstd
+    stream = work.clip_stream_bytes
+    total = t * d * stream + 2 * t * 4 if grad_in else 0  # layer_norm1's input, mean and rstd
     for name in ("q_proj", "k_proj", "v_proj"):
         if name in targets:
             total += work.lora_input(t, d, grad_in)
@@ -273,7 +288,7 @@ def clip_layer_bytes(arch: Architecture, work: Workload, targets: Iterable[str],
     if "out_proj" in targets:
         total += work.lora_input(t, d, attention_grad)
     if attention_grad or "out_proj" in targets:
-        total += 4 * t * d * s + t * arch.clip_heads * 4 + t * d * s + 2 * t * m * s + 2 * t * 4
+        total += 4 * t * d * s + t * arch.clip_heads * 4 + t * d * stream + 2 * t * m * s + 2 * t * 4
     return total
 
 
@@ -317,15 +332,16 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
     the same time as the LM head's logits and log-softmax, RCG's and the generator's: the head's backward runs and
     frees them before the first layer is recomputed), and the
     vision tower's checkpointed layers keep, until the backward and even where the tower is frozen, one fp32
-    hidden state per CLIP layer (layer_norm's fp32 copy of its input; per-layer slope measured on CPU in fp32 and
-    on an H200 in bf16), and a frozen tower also one layer's quick_gelu intermediates (measured on an H200: the
-    remainder, independent of both depths and proportional to the rows; its cause is not established).
+    hidden state per CLIP layer (per-layer slope measured on CPU in fp32 and on an H200 in bf16; on CUDA the
+    residual stream is fp32, :attr:`Workload.clip_stream_bytes`), and a frozen tower also one layer's quick_gelu
+    intermediates (measured on an H200: the remainder, independent of both depths and proportional to the rows;
+    its cause is not established).
     """
     s, rows = work.bytes, work.rows
     clip_tokens = rows * work.crops * arch.crop_tokens
     clip_targets, lm_targets = params.targets("vision"), params.targets("language")
     clip_grad = bool(clip_targets)
-    state = clip_tokens * arch.clip_hidden * s
+    state = clip_tokens * arch.clip_hidden * work.clip_stream_bytes
     hidden_states = (arch.clip_layers + 1) * state
     pixels = rows * work.crops * 3 * arch.crop_size**2 * (4 + s)  # the processor's fp32 pixels and their cast
     gelu = 3 * clip_tokens * arch.clip_intermediate * s
@@ -363,7 +379,7 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
     lm_phase += rows * work.crops * 3 * arch.crop_size**2 * 4  # the chunk's fp32 pixels, alive until its end
     phases = {"vision tower forward (one chunk)": clip_phase, "language model backward (one chunk)": lm_phase}
     if recompute_clip:  # after the language model's backward has freed its layers' inputs
-        arriving = clip_tokens * arch.clip_hidden * s + tokens * arch.hidden * s
+        arriving = state + tokens * arch.hidden * s
         clip_backward = 3 * clip_tokens * arch.clip_intermediate * s
         phases["vision tower backward (one chunk, a recomputed layer)"] = (
             kept_clip + pixels + arriving + recompute_clip + clip_backward)
