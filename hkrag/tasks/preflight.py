@@ -545,12 +545,17 @@ def inference_table(rows: Sequence[dict[str, Any]], full_depth: int) -> str:
 
 
 def predicted_row(cfg: DictConfig, row: dict[str, Any], model_config: str | None) -> dict[str, Any]:
-    """``row`` (a measurement) with the memory model's figures at its depth."""
+    """``row`` (a measurement) with the memory model's figures at its depth; the late-interaction projection's two
+    copies (built with the model, before the step) counted with the frozen model as measured."""
     p, _ = reduced(cfg, row["layers"], row["vision_layers"], model_config, row.get("device", "cpu"),
                    row.get("dtype"))
     frozen = p.estimate.terms[f"frozen weights ({p.work.dtype})"] + p.estimate.terms["LoRA adapter (fp32)"]
+    head = 0  # the late-interaction projection's frozen original and trained copy, built with the model
+    if late := p.work.late_interaction:
+        head = 2 * projection_parameters(p.arch.hidden, late.dim)
+        frozen += head * p.work.bytes
     return {**row, "predicted_weights": frozen, "predicted_step": p.estimate.peak - frozen,
-            "predicted_phases": p.estimate.phases, "predicted_parameters": p.params.total,
+            "predicted_phases": p.estimate.phases, "predicted_parameters": p.params.total + head,
             "predicted_trainable": p.params.trainable, "predicted_page_tokens": p.work.page_tokens}
 
 
