@@ -3,9 +3,11 @@ cache and the MaxSim loss's token scores, by hand for experiment=reader_li_tiny.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from hkrag.tasks.preflight import compose_config, plan, report
+from hkrag.tasks.preflight import compose_config, overrides_first, plan, predicted_row, report
 from hkrag.training.memory import MAXSIM_BYTES_PER_SCORE
 
 # reader_li_tiny on the tiny Phi3V (fp32): hidden 64, projection to 128, 60 tokens per page, 36 per query plus the
@@ -54,3 +56,27 @@ def test_hard_negatives_widen_the_score_matrix_and_masked_terms_alone_score_none
     masked = plan(compose_config(["experiment=reader_li_tiny", "loss=hkrag"]))
     assert "MaxSim loss over the global batch (token scores)" not in masked.estimate.phases
     assert "(masked terms only: chunked, not counted)" in report(masked, None)
+
+
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "phi3v"
+
+
+@pytest.mark.skipif(not REFERENCE.is_dir(), reason=f"needs Phi-3-vision's config and tokenizer in {REFERENCE}")
+def test_a_measured_row_counts_the_projections_two_copies_with_the_frozen_model():
+    """``--measure`` builds the projection with the model (peft's frozen original and trained copy): the measured
+    parameters of the 1-layer rows differ by 2 x (3072 x 128 + 128) = 786,688 between the heads
+    (bench/runs/2026-11-26-cpu), and so must the predicted ones; the copies' fp32 bytes move to the frozen side."""
+    overrides = ["experiment=hkrag_retriever", "loss=infonce", "model.num_crops=4", "model.attn_implementation=sdpa",
+                 "trainer.global_batch_size=4", "trainer.chunk_size=2"]
+    row = {"layers": 1, "vision_layers": 2, "device": "cpu", "dtype": "float32"}
+    late = predicted_row(compose_config([*overrides, "model.head=late_interaction"]), row, str(REFERENCE))
+    dense = predicted_row(compose_config([*overrides, "model.head=dense"]), row, str(REFERENCE))
+    assert late["predicted_parameters"] - dense["predicted_parameters"] == 786_688
+    assert late["predicted_weights"] - dense["predicted_weights"] == 786_688 * 4
+
+
+def test_overrides_may_follow_the_depth_options():
+    argv = ["--measure", "--layers", "1", "2", "--vision-layers", "2", "model.num_crops=4", "--out", "rows.json",
+            "trainer.chunk_size=2"]
+    assert overrides_first(argv) == ["model.num_crops=4", "trainer.chunk_size=2", "--measure", "--layers", "1", "2",
+                                     "--vision-layers", "2", "--out", "rows.json"]

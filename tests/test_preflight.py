@@ -5,6 +5,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,11 +23,14 @@ from hkrag.tasks.preflight import (
     extrapolated_depths,
     fits,
     inference_table,
+    maxsim_advice,
     plan,
     predicted_row,
     report,
 )
 from hkrag.training.memory import (
+    MAXSIM_BYTES_PER_SCORE,
+    MAXSIM_PHASE,
     Architecture,
     Parameters,
     Workload,
@@ -264,6 +268,34 @@ def test_refuses_a_chunk_of_64_at_16_crops_without_checkpointing_on_24gb():
     advised = int(message.split("up to ")[1].split(")")[0])
     assert fits(p.with_work(rows=advised, checkpointing=True), 24 * GB)
     assert not fits(p.with_work(rows=advised * 2, checkpointing=True), 24 * GB)
+
+
+def test_refuses_a_maxsim_phase_that_no_chunk_brings_under_the_gpu_and_names_the_batch_and_query_tokens():
+    # ColPali's head at 4 crops and a global batch of 512: the loss scores 512 x 512 pairs of (text + 10
+    # augmentation) x 768 tokens, 13 bytes each (~113 GB), beside ~8 GB of weights; no chunk size shrinks it.
+    overrides = ["experiment=hkrag_retriever", "model.head=late_interaction", "loss=infonce",
+                 "trainer.global_batch_size=512", "trainer.chunk_size=1"]
+    cfg = compose_config(overrides)
+    p = plan(cfg, source=full_size(4))
+    late = p.work.late_interaction
+    assert p.work.page_tokens == 768 and late.queries == late.pages == 512  # the offline tokenizer's count
+    assert p.estimate.phases[MAXSIM_PHASE] == 512 * 512 * late.query_tokens * 768 * MAXSIM_BYTES_PER_SCORE
+    assert max(p.estimate.phases, key=p.estimate.phases.get) == MAXSIM_PHASE
+    with pytest.raises(PreflightError) as refused:
+        check(p, 120 * GB, cfg)
+    message = str(refused.value)
+    assert "trainer.global_batch_size=256 (the MaxSim scores grow with its square" in message
+    assert "trainer.chunk_size=" not in message.split("Change: ")[1]  # a smaller chunk would not help
+    kept = int(message.split("model.late_interaction.query_augmentation=")[1].split(" ")[0])
+    assert 0 < kept < 10  # some of ColPali's ten augmentation tokens, not none
+
+    def settings(**changes: object) -> bool:
+        return fits(p.with_work(**changes), 120 * GB)
+    text = late.query_tokens - 10
+    assert settings(query_tokens=text + kept, late_interaction=replace(late, query_tokens=text + kept))
+    assert not settings(query_tokens=text + kept + 1, late_interaction=replace(late, query_tokens=text + kept + 1))
+    assert settings(batch=256, late_interaction=replace(late, queries=256, pages=256))
+    assert maxsim_advice(plan(compose_config(overrides[:3]), source=full_size(4)), 120 * GB, cfg) == []
 
 
 def test_the_paper_setting_fits_80gb_and_says_so():

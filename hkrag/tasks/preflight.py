@@ -44,6 +44,7 @@ from hkrag.training.memory import (
     GIB,
     GPU_SIZES_GB,
     MALLOC_ENV,
+    MAXSIM_PHASE,
     Architecture,
     Estimate,
     LateInteractionHead,
@@ -257,9 +258,43 @@ def largest_fitting_chunk(p: Plan, memory: int, **changes: Any) -> int | None:
     return best
 
 
-def advice(p: Plan, memory: int, cfg: DictConfig) -> list[str]:
-    """What to change for the step to fit ``memory``, each option checked against the model."""
+def maxsim_advice(p: Plan, memory: int, cfg: DictConfig) -> list[str]:
+    """What brings the late-interaction loss's score phase under ``memory`` when it alone does not fit (no chunk
+    size helps: it scores the whole global batch, queries x pages x query tokens x page tokens): the largest
+    power-of-two ``trainer.global_batch_size`` below the configured one that fits, and the most query augmentation
+    tokens that fit; each checked against the model, the rest of the step included. Nothing when the phase fits."""
+    late = p.work.late_interaction
+    if late is None or MAXSIM_PHASE not in p.estimate.phases:
+        return []
+    alone = Estimate(p.estimate.terms, {MAXSIM_PHASE: p.estimate.phases[MAXSIM_PHASE]})
+    if fits(alone, memory):
+        return []
+    processes = max(1, late.queries // max(1, p.work.batch))
+    pages_per_query = late.pages // late.queries
     options = []
+    for batch in (2**k for k in range(late.queries.bit_length() - 1, -1, -1)):
+        if batch >= late.queries or batch < processes:
+            continue
+        head = replace(late, queries=batch, pages=batch * pages_per_query)
+        if fits(p.with_work(rows=min(p.work.rows, batch // processes), batch=batch // processes,
+                            late_interaction=head), memory):
+            options.append(f"trainer.global_batch_size={batch} (the MaxSim scores grow with its square: "
+                           f"{describe_bytes(p.estimate.phases[MAXSIM_PHASE])} at {late.queries})")
+            break
+    text_tokens = late.query_tokens - (augmentation := HeadSettings.of(cfg.model).query_augmentation)
+    for kept in range(augmentation - 1, -1, -1):
+        head = replace(late, query_tokens=text_tokens + kept)
+        if fits(p.with_work(query_tokens=text_tokens + kept, late_interaction=head), memory):
+            options.append(f"model.late_interaction.query_augmentation={kept} (fewer query tokens; ColPali's "
+                           f"recipe appends {augmentation})")
+            break
+    return options
+
+
+def advice(p: Plan, memory: int, cfg: DictConfig) -> list[str]:
+    """What to change for the step to fit ``memory``, each option checked against the model (the MaxSim phase's
+    own options first when it is what does not fit: :func:`maxsim_advice`)."""
+    options = maxsim_advice(p, memory, cfg)
     chunk = largest_fitting_chunk(p, memory)
     if chunk is not None and chunk < p.work.rows:
         options.append(f"{p.knob}={chunk}" + (" (with generator_training.optim.grad_accum raised to keep the batch)"
@@ -392,7 +427,8 @@ tokens), so RCR's query and RCG's target are cut to them as the model assumes.""
 def measure_one(cfg: DictConfig, layers: int, vision_layers: int, model_config: str | None,
                 device: str = "cpu", dtype: str | None = None) -> dict[str, Any]:
     """One depth measured: one optimizer step (on CUDA the second of two) of the experiment's own trainer — the
-    retriever's, VDocRAG pre-training's (its loss and collator as ``train.py`` builds them) or the generator's."""
+    retriever's with its head (the late-interaction projection and MaxSim loss as ``train.py`` builds them),
+    VDocRAG pre-training's (its loss and collator as ``train.py`` builds them) or the generator's."""
     p, (config, processor) = reduced(cfg, layers, vision_layers, model_config, device, dtype)
     lora, _ = lora_settings(cfg)
     steps = 1 if device == "cpu" else 2
@@ -403,9 +439,10 @@ def measure_one(cfg: DictConfig, layers: int, vision_layers: int, model_config: 
             dtype=p.work.dtype)
     else:
         pretraining = is_pretraining(cfg)
+        head = HeadSettings.of(cfg.model)
         measured = measure_step(config, processor, lora, p.work.batch, p.work.rows, p.work.checkpointing,
                                 PAGE_TEXT if pretraining else QUERY, steps=steps, device=device,
-                                loss=make_loss(cfg.loss), dtype=p.work.dtype)
+                                loss=make_loss(cfg.loss, head), dtype=p.work.dtype, head=head)
     return {"experiment": p.name, "layers": layers, "vision_layers": vision_layers, "device": device,
             "dtype": p.work.dtype, **measured.as_dict()}
 
@@ -508,12 +545,17 @@ def inference_table(rows: Sequence[dict[str, Any]], full_depth: int) -> str:
 
 
 def predicted_row(cfg: DictConfig, row: dict[str, Any], model_config: str | None) -> dict[str, Any]:
-    """``row`` (a measurement) with the memory model's figures at its depth."""
+    """``row`` (a measurement) with the memory model's figures at its depth; the late-interaction projection's two
+    copies (built with the model, before the step) counted with the frozen model as measured."""
     p, _ = reduced(cfg, row["layers"], row["vision_layers"], model_config, row.get("device", "cpu"),
                    row.get("dtype"))
     frozen = p.estimate.terms[f"frozen weights ({p.work.dtype})"] + p.estimate.terms["LoRA adapter (fp32)"]
+    head = 0  # the late-interaction projection's frozen original and trained copy, built with the model
+    if late := p.work.late_interaction:
+        head = 2 * projection_parameters(p.arch.hidden, late.dim)
+        frozen += head * p.work.bytes
     return {**row, "predicted_weights": frozen, "predicted_step": p.estimate.peak - frozen,
-            "predicted_phases": p.estimate.phases, "predicted_parameters": p.params.total,
+            "predicted_phases": p.estimate.phases, "predicted_parameters": p.params.total + head,
             "predicted_trainable": p.params.trainable, "predicted_page_tokens": p.work.page_tokens}
 
 
@@ -547,6 +589,13 @@ def measurement_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def overrides_first(argv: Sequence[str]) -> list[str]:
+    """``argv`` with its Hydra overrides (``key=value`` words not starting with ``-``) moved before the options, so
+    that they may follow ``--layers 1 2`` (whose ``nargs="+"`` would otherwise take them as depths)."""
+    overrides = [word for word in argv if "=" in word and not word.startswith("-")]
+    return overrides + [word for word in argv if word not in overrides]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. experiment=hkrag_retriever")
@@ -575,7 +624,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--full-vision-depth", type=int, default=24,
                         help="--path train: CLIP layers extrapolated to (with two CLIP depths measured)")
     parser.add_argument("--measure-one", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(overrides_first(sys.argv[1:] if argv is None else argv))
     cfg = compose_config(args.overrides, "eval" if args.path == "query" else "train")
     if args.measure_one:
         if args.path == "encode":

@@ -41,7 +41,7 @@ from hkrag.data.pairs import TrainingPair
 from hkrag.losses import HybridMaskLoss
 from hkrag.lvlm.phi3v import Phi3VBackend
 from hkrag.models.phi3v import Phi3VConfig, Phi3VForCausalLM
-from hkrag.retriever import LoraSettings, Phi3VRetriever, freeze_unreachable, lora_modules
+from hkrag.retriever import HeadSettings, LoraSettings, Phi3VRetriever, freeze_unreachable, lora_modules
 from hkrag.training.generator import GeneratorDataset, GeneratorTrainer, GeneratorTrainerConfig, causal_lm_lora
 from hkrag.training.gradcache import split_batch
 from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
@@ -429,6 +429,10 @@ bool mask of the maxima, its fp32 gradient and masked_fill's fp32 gradient (4 + 
 16 x 16 x 50 x 2,000 / x 4,000 and 32 x 32 x 40 x 1,000: 12.6 to 13.0 bytes per score."""
 
 
+MAXSIM_PHASE = "MaxSim loss over the global batch (token scores)"
+"""The phase of :func:`late_interaction_bytes` that a smaller chunk does not shrink (it scores the whole batch)."""
+
+
 def projection_parameters(hidden: int, dim: int) -> int:
     """The late-interaction projection's parameters, ``Linear(hidden, dim)``: weight and bias."""
     return hidden * dim + dim
@@ -460,7 +464,7 @@ def late_interaction_bytes(
                                                                     + head.dim * (work.bytes + 4 + 4))}
     if head.scores:
         scores = head.queries * head.pages * head.query_tokens * work.page_tokens
-        phases["MaxSim loss over the global batch (token scores)"] = scores * MAXSIM_BYTES_PER_SCORE
+        phases[MAXSIM_PHASE] = scores * MAXSIM_BYTES_PER_SCORE
     return terms, phases
 
 
@@ -581,6 +585,7 @@ def _random_model(config: Phi3VConfig, device: str, dtype: str | None = None) ->
 def measure_step(
     config: Phi3VConfig, processor: Any, lora: LoraSettings, batch: int, chunk: int, checkpointing: bool,
     query: str, steps: int = 1, device: str = "cpu", loss: Any = None, dtype: str | None = None,
+    head: HeadSettings | None = None,
 ) -> Measurement:
     """Run ``steps`` optimizer steps of the retriever's trainer (gradient cache, ``loss`` — the HKRAG loss unless
     given; VDocRAG's :class:`~hkrag.losses.PretrainingLoss` with its collator as ``train.py`` builds them, ``query``
@@ -597,7 +602,7 @@ def measure_step(
     start = _allocated(cuda)
     model = _random_model(config, device, dtype)
     retriever = Phi3VRetriever.wrap(model, processor, lora=lora, trainable=True,
-                                    gradient_checkpointing=checkpointing)
+                                    gradient_checkpointing=checkpointing, head=head)
     weights = _allocated(cuda) - start
     loss = loss if loss is not None else HybridMaskLoss()
     collator = PretrainingCollator(retriever.collator, loss.max_query_length, loss.max_target_length) \
