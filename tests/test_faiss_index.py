@@ -188,3 +188,19 @@ def test_mapped_store_has_no_read_ahead(docs, tmp_path):
     # FAISS maps with MADV_RANDOM: a re-ranked 3072-d vector is one 12 KB read, not 128 KB of read-ahead
     # (3.7x slower cold here). A FAISS without the hint would make disk re-ranking slow: this test says so.
     assert flags and any("rr" in f for f in flags)
+
+
+def test_mmap_load_reads_a_graph_base_into_memory(docs, tmp_path):
+    """An HNSW base's links and codes are read into memory; only the refine store stays mapped (cold graph walks
+    were one page fault a hop)."""
+    ids, x = docs
+    index = DocumentIndex.build(ids, x, "faiss:HNSW8,SQ8,Refine(Flat);efSearch=16,k_factor_rf=4", use_gpu=False)
+    mapped = DocumentIndex.load(index.save(tmp_path), use_gpu=False, mmap=True)
+    refine = faiss.downcast_index(mapped.faiss_index)
+    graph = faiss.downcast_index(refine.base_index)
+    assert graph.hnsw.neighbors.is_owned and faiss.downcast_index(graph.storage).codes.is_owned
+    assert mapped.mapped_bytes() == len(ids) * 16 * 4 == faiss.downcast_index(refine.refine_index).codes.size()
+    queries = unit(20, seed=3)
+    a, b = index.search(queries, 5), mapped.search(queries, 5)
+    assert a[1] == b[1]
+    np.testing.assert_array_equal(np.stack(a[0]), np.stack(b[0]))

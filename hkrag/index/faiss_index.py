@@ -34,6 +34,7 @@ from hkrag.index.mmap import (  # noqa: E402
     is_mapped_store,
     mapped_refine_store,
     own_inverted_lists,
+    own_refine_base,
     prefetch_candidates,
 )
 from hkrag.index.spec import META_FILE, IndexSpec, read_meta  # noqa: E402
@@ -339,8 +340,8 @@ class DocumentIndex:
         """Load an index written by :meth:`save`, checking ids and vectors agree.
 
         ``mmap=True`` maps the flat code stores (``Flat``, ``SQ`` and ``PQ`` without lists, and refine stages
-        such as ``Refine(Flat)``) from ``index.faiss`` instead of reading them into memory: an IVF base searched
-        in memory with exact re-ranking from disk (:meth:`mapped_bytes` says how much stays on disk). Such an
+        such as ``Refine(Flat)``) from ``index.faiss`` instead of reading them into memory: a base (IVF or HNSW)
+        searched in memory with exact re-ranking from disk (:meth:`mapped_bytes` says how much stays on disk). Such an
         index stays on CPU.
         """
         directory = Path(directory)
@@ -348,6 +349,7 @@ class DocumentIndex:
         ids = json.loads((directory / _IDS_FILE).read_text())
         cpu = faiss.read_index(str(directory / _INDEX_FILE), faiss.IO_FLAG_MMAP_IFC if mmap else 0)
         if mmap:
+            own_refine_base(cpu)
             own_inverted_lists(cpu)
         if not (cpu.ntotal == len(ids) == meta["count"] and cpu.d == meta["dim"]):
             raise ValueError(
