@@ -315,14 +315,14 @@ def test_the_loss_follows_the_head():
     """train.py's loss: the loss group over MaxSim under the late-interaction head; colbert_pairwise only there."""
     from test_experiment import config
 
-    from hkrag.tasks.common import head_settings
+    from hkrag.retriever import HeadSettings
     from hkrag.training.objective import make_loss
 
     late = config("train", ["experiment=reader_li_tiny", "loss=colbert_pairwise"])
-    loss = make_loss(late.loss, head_settings(late.model))
+    loss = make_loss(late.loss, HeadSettings.of(late.model))
     assert isinstance(loss, LateInteractionLoss) and loss.pairwise and loss.tau == 0.05 and not loss.use_din
     assert type(make_loss(config("train", []).loss)) is HybridMaskLoss
     with pytest.raises(ValueError, match="loss.pairwise=true .* needs model.head=late_interaction"):
-        make_loss(late.loss, head_settings(config("train", ["model.head=dense"]).model))
+        make_loss(late.loss, HeadSettings.of(config("train", ["model.head=dense"]).model))
     with pytest.raises(ValueError, match="not hkrag.losses.PretrainingLoss"):
-        make_loss(config("train", ["loss=pretrain"]).loss, head_settings(late.model))
+        make_loss(config("train", ["loss=pretrain"]).loss, HeadSettings.of(late.model))

@@ -107,7 +107,7 @@ def build_retriever(
     """
     adapter = model_cfg.get("adapter")
     lora = LoraSettings(**model_cfg.lora) if trainable and model_cfg.get("lora") and not adapter else None
-    head = head_settings(model_cfg)
+    head = HeadSettings.of(model_cfg)
     if model_cfg.kind == "tiny":
         model, processor = tiny_phi3v(texts=texts or (), num_crops=model_cfg.num_crops, seed=model_cfg.seed,
                                       **model_cfg.get("config", {}))
@@ -121,11 +121,6 @@ def build_retriever(
             gradient_checkpointing=trainable and model_cfg.gradient_checkpointing, head=head,
         )
     raise ValueError(f"model.kind must be 'tiny' or 'phi3v', got {model_cfg.kind!r}")
-
-
-def head_settings(model_cfg: DictConfig) -> HeadSettings:
-    """``model.head`` and ``model.late_interaction`` as :class:`HeadSettings` (dense when a config has neither)."""
-    return HeadSettings.of(model_cfg)
 
 
 def save_tiny_base(model: Phi3VForCausalLM, processor: Phi3VProcessor, directory: Path) -> Path:

@@ -26,7 +26,8 @@ from omegaconf import DictConfig
 from hkrag.data.opendocvqa import load_corpus
 from hkrag.index.shards import check_layout, pending_shards
 from hkrag.retrieval.evaluation import encode_shards, shard_identity
-from hkrag.tasks.common import CONF_DIR, build_retriever, eval_config, evaluated_model, head_settings
+from hkrag.retriever import HeadSettings
+from hkrag.tasks.common import CONF_DIR, build_retriever, eval_config, evaluated_model
 from hkrag.tasks.validation import validate_config
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def encode_part(cfg: DictConfig, corpus_config: str, out_dir: str | Path, part: 
     settings = eval_config(cfg)
     corpus = load_corpus(settings.corpus_source, corpus_config, settings.split)
     model_cfg, given = evaluated_model(cfg)
-    check_layout(out_dir, head_settings(model_cfg).late_interaction)
+    check_layout(out_dir, HeadSettings.of(model_cfg).late_interaction)
     todo = pending_shards(out_dir, len(corpus), settings.shard_size, part, parts)
     logger.info("task %d of %d: %d shard(s) of %s to encode into %s", part, parts, len(todo), corpus.name, out_dir)
     if not todo:

@@ -33,7 +33,7 @@ from hkrag.retrieval.evaluation import (
     TABLE_FILE,
     evaluate_retrieval,
 )
-from hkrag.retriever import Phi3VRetriever
+from hkrag.retriever import HeadSettings, Phi3VRetriever
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
     BASE_DIR,
@@ -42,7 +42,6 @@ from hkrag.tasks.common import (
     eval_config,
     flat_metrics,
     flat_summary,
-    head_settings,
     make_accelerator,
     prepare_data,
     shared_output_dir,
@@ -71,7 +70,7 @@ def run_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
         prepare_data(cfg.data)
     accelerator.wait_for_everyone()
 
-    loss_fn = make_loss(cfg.loss, head_settings(cfg.model))
+    loss_fn = make_loss(cfg.loss, HeadSettings.of(cfg.model))
     pairs, corpus, vocabulary = training_data(cfg, pretraining=isinstance(loss_fn, PretrainingLoss))
     evaluate = cfg.eval_before_after and cfg.get("eval") is not None
     if evaluate:
@@ -156,7 +155,7 @@ RUN_MODEL_KEYS = ("kind", "base", "adapter", "seed", "config", "num_crops", "dty
 def run_settings(cfg: DictConfig) -> dict[str, Any]:
     """Config values a resumed run must share with its checkpoint, beyond what the trainer derives itself."""
     model = {f"model.{k}": cfg.model.get(k) for k in RUN_MODEL_KEYS if k in cfg.model}
-    if head_settings(cfg.model).late_interaction:  # absent for the dense head: its runs keep their identity
+    if HeadSettings.of(cfg.model).late_interaction:  # absent for the dense head: its runs keep their identity
         model.update({"model.head": cfg.model.head, "model.late_interaction": cfg.model.late_interaction})
     data = {k: cfg.data.get(k) for k in ("synthetic", "train")}  # the content itself is fingerprinted by the trainer
     return {**_flatten(model), **_flatten(data, "data."), "trainer.precision": cfg.trainer.get("precision")}
