@@ -28,7 +28,7 @@ from hkrag.data.opendocvqa import CORPUS_FEATURES, Corpus
 from hkrag.data.pairs import TrainingPair
 from hkrag.losses import HybridMaskLoss
 from hkrag.models.attention import default_attn_implementation
-from hkrag.retriever import LoraSettings, Phi3VRetriever, enable_checkpointing
+from hkrag.retriever import LoraSettings, Phi3VRetriever
 from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
 
 
@@ -67,9 +67,8 @@ def main() -> None:
     device = accelerator.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     base = build(args.size, device, dtype, args.num_crops, args.attn)
-    if args.size == "full":
-        enable_checkpointing(base.model)
-    retriever = Phi3VRetriever.wrap(base.model, base.processor, lora=LoraSettings())
+    retriever = Phi3VRetriever.wrap(base.model, base.processor, lora=LoraSettings(),
+                                    gradient_checkpointing=args.size == "full")
     pages = corpus(args.batch, (850, 1100))
     query = "Instruct: I’m looking for an image that answers the question.\nQuery: what is the total revenue in 2021?"
     pairs = [TrainingPair(f"q{i}", query, (f"page-{i}",)) for i in range(args.batch)]

@@ -388,8 +388,6 @@ class Phi3VRetriever(nn.Module):
         without it (a dense warm start) gets it added when ``trainable`` (:func:`train_head`). A dense head refuses
         an adapter holding a projection and the late-interaction one refuses to evaluate an adapter without one.
         """
-        if gradient_checkpointing:
-            enable_checkpointing(model)
         if head is not None and head.late_interaction:
             attach_head(model, head)
             if lora is not None:
@@ -403,6 +401,8 @@ class Phi3VRetriever(nn.Module):
             model = get_peft_model(model, lora.peft_config())
         else:
             model.requires_grad_(trainable)
+        if gradient_checkpointing:  # after peft, which hooks the inputs of a model already checkpointing
+            enable_checkpointing(model)
         freeze_unreachable(model)
         if isinstance(model, PeftModel):
             log_lora_modules(model)
@@ -509,12 +509,23 @@ def weights_fingerprint(module: nn.Module, samples: int = 1024, frozen_only: boo
     return digest.hexdigest()[:16]
 
 
-def enable_checkpointing(model: Phi3VForCausalLM) -> None:
-    """Non-reentrant activation checkpointing (the method was renamed within transformers 5.x)."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable({"use_reentrant": False})
+def enable_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing of ``model`` (a Phi3V model, or a peft model of one: call it after the
+    adapter is attached), with no input made to require a gradient.
+
+    transformers (and peft, on a model that already checkpoints) hook every sub-model's input embeddings so that
+    their outputs require grad, which reentrant checkpointing needs and non-reentrant does not. Phi3V's CLIP tower is
+    such a sub-model: the hook on its patch embedding put a frozen tower in the graph, so every step back-propagated
+    through all its layers (each recomputed) for no gradient, and held each checkpointed layer's input until then
+    (bench/memory_timeline.py located it). The hooks are removed; a trained tower (LoRA in CLIP) is in the graph
+    through its own parameters, and every trainable parameter gets the same gradient (tests/test_retriever.py).
+    """
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    if hasattr(base, "activation_checkpointing_enable"):  # renamed within transformers 5.x
+        base.activation_checkpointing_enable({"use_reentrant": False})
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.disable_input_require_grads()
 
 
 def lora_module_names(retriever: Phi3VRetriever) -> set[str]:

@@ -4,27 +4,19 @@ CUDA autocast runs ``layer_norm`` in fp32 (its fp32 op list; CPU autocast's does
 tensor under CPU bf16 autocast stays bf16). The emulation patches ``F.layer_norm`` to cast its inputs to fp32, as
 CUDA autocast does, and profiles a checkpointed CLIP layer with LoRA on q/k/v under CPU bf16 autocast."""
 
-from unittest import mock
+from contextlib import nullcontext
 
 import pytest
 import torch
-import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from test_preflight import live_peak_per_element
 from torch.utils.checkpoint import checkpoint
 from transformers import CLIPVisionConfig
 from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
-from hkrag.training.memory import DROPOUT_MASK_BYTES, Architecture, Workload, clip_layer_bytes
+from hkrag.training.memory import DROPOUT_MASK_BYTES, Architecture, Workload, clip_layer_bytes, cuda_layer_norms
 
 WIDTH, TOKENS = 64, 1028  # 4 crops of 257 tokens; the tokens distinct from every width
-ORIGINAL_LAYER_NORM = F.layer_norm
-
-
-def fp32_layer_norm(x, shape, weight=None, bias=None, eps=1e-5):
-    """``F.layer_norm`` as CUDA autocast runs it: every floating input cast to fp32, an fp32 output."""
-    return ORIGINAL_LAYER_NORM(x.float(), shape, None if weight is None else weight.float(),
-                               None if bias is None else bias.float(), eps)
 
 
 def test_cuda_autocast_keeps_the_clip_residual_stream_in_fp32_by_hand():
@@ -73,7 +65,7 @@ def emulated_peak(fp32_norms: bool) -> float:
         loss.backward()
         layer.zero_grad(set_to_none=True)
 
-    patch = mock.patch.object(F, "layer_norm", fp32_layer_norm if fp32_norms else ORIGINAL_LAYER_NORM)
+    patch = cuda_layer_norms() if fp32_norms else nullcontext()
     with patch:
         return live_peak_per_element(run, TOKENS * WIDTH)
 

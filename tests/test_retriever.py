@@ -6,6 +6,7 @@ import torch
 from hkrag.data.collators import document_prompt, query_prompt
 from hkrag.retriever import (
     PHI3_LORA_TARGETS,
+    VDOCRAG_LORA_TARGETS,
     LoraSettings,
     Phi3VRetriever,
     enable_checkpointing,
@@ -100,19 +101,65 @@ def test_embeddings_never_touch_the_lm_head(retriever, pages):
     assert torch.isfinite(retriever.encode_documents(pages[:1])).all()
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(pages):
-    def grads(checkpointing):
-        r = Phi3VRetriever.tiny(lora=LoraSettings(r=4, dropout=0.0), seed=0)
-        if checkpointing:
-            enable_checkpointing(r.model.get_base_model())
-        r.train()
-        r(**r.document_inputs(pages[:2])).sum().backward()
-        return {n: p.grad.clone() for n, p in r.named_parameters() if p.requires_grad}
+def trained_grads(pages, targets, mode):
+    """The trainable parameters' gradients of one backward of two pages: ``mode`` plain, checkpointed, or
+    checkpointed with transformers' input-embedding hooks back on (what checkpointing did before)."""
+    r = Phi3VRetriever.tiny(lora=LoraSettings(r=4, dropout=0.0, target_modules=targets), seed=0)
+    if mode != "plain":
+        enable_checkpointing(r.model)
+    if mode == "hooked":
+        r.model.get_base_model().enable_input_require_grads()
+    r.train()
+    r(**r.document_inputs(pages[:2])).sum().backward()
+    return {n: p.grad.clone() for n, p in r.named_parameters() if p.requires_grad}
 
-    plain, checkpointed = grads(False), grads(True)
-    assert plain.keys() == checkpointed.keys()
-    for name in plain:
-        torch.testing.assert_close(plain[name], checkpointed[name], msg=name)
+
+@pytest.mark.parametrize("targets", [PHI3_LORA_TARGETS, VDOCRAG_LORA_TARGETS])
+def test_gradient_checkpointing_gives_the_same_gradients(pages, targets):
+    plain = trained_grads(pages, targets, "plain")
+    for mode in ("checkpointed", "hooked"):
+        grads = trained_grads(pages, targets, mode)
+        assert grads.keys() == plain.keys()
+        for name in plain:
+            torch.testing.assert_close(grads[name], plain[name], msg=f"{mode}: {name}")
+
+
+def outputs_needing_grad(retriever, pages):
+    """Whether CLIP's patch embedding, each CLIP layer and the LM's token embedding put out a tensor that requires
+    grad, in one training forward."""
+    base = retriever.backbone
+    tower = base.vision_embed_tokens.img_processor.vision_model
+    modules = {"patch embedding": tower.embeddings.patch_embedding, "token embedding": base.embed_tokens,
+               **{f"CLIP layer {i}": layer for i, layer in enumerate(tower.encoder.layers)}}
+    seen = {}
+
+    def record(name, output):
+        seen.setdefault(name, (output[0] if isinstance(output, tuple) else output).requires_grad)
+
+    hooks = [m.register_forward_hook(lambda _m, _i, out, name=name: record(name, out)) for name, m in modules.items()]
+    retriever.train()
+    retriever(**retriever.document_inputs(pages[:1]))
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+def test_checkpointing_keeps_a_frozen_vision_tower_and_the_embeddings_out_of_the_graph(pages):
+    """transformers' input hooks made CLIP's patch embedding require grad: a frozen tower was back-propagated
+    through (each layer recomputed) for no gradient."""
+    model, processor = Phi3VRetriever.tiny().model, Phi3VRetriever.tiny().processor
+    r = Phi3VRetriever.wrap(model, processor, lora=LoraSettings(r=4), trainable=True, gradient_checkpointing=True)
+    assert r.backbone.gradient_checkpointing
+    assert not any(outputs_needing_grad(r, pages).values())
+
+
+def test_checkpointing_a_trained_tower_keeps_it_in_the_graph_through_its_lora(pages):
+    model, processor = Phi3VRetriever.tiny().model, Phi3VRetriever.tiny().processor
+    r = Phi3VRetriever.wrap(model, processor, lora=LoraSettings(r=4, target_modules=VDOCRAG_LORA_TARGETS),
+                            trainable=True, gradient_checkpointing=True)
+    seen = outputs_needing_grad(r, pages)
+    assert not seen.pop("patch embedding") and not seen.pop("token embedding")
+    assert seen and all(seen.values())
 
 
 def test_a_trained_image_embedding_has_a_gradient_for_every_trainable_parameter(pages):

@@ -32,7 +32,7 @@ from hkrag.models.phi3v.loading import load_phi3v, load_processor, tiny_phi3v
 from hkrag.rag.records import QueryTruth
 from hkrag.rag.step_report import page_truth, query_truth
 from hkrag.retrieval.generator_pairs import build_generator_pairs
-from hkrag.retriever import LoraSettings, Phi3VRetriever, load_adapter
+from hkrag.retriever import LoraSettings, Phi3VRetriever, enable_checkpointing, load_adapter
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import BASE_DIR, build_retriever, prepare_data, save_tiny_base, trained_model_config
 from hkrag.tasks.rag import question_text
@@ -172,8 +172,7 @@ def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str,
     device = torch.device(gen.device if gen.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     model = causal_lm_lora(model, LoraSettings(**cfg.model.lora)).to(device)
     if cfg.model.get("gradient_checkpointing") and device.type == "cuda":
-        model.get_base_model().gradient_checkpointing_enable()
-        model.enable_input_require_grads()
+        enable_checkpointing(model)
     run_logger = RunLogger(output_dir, project=cfg.logger.project, wandb_mode=cfg.logger.wandb_mode,
                            config=OmegaConf.to_container(cfg, resolve=True), name=cfg.get("run_name"))
     config = GeneratorTrainerConfig(**OmegaConf.to_container(gen.optim, resolve=True))

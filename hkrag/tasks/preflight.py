@@ -197,6 +197,7 @@ def plan(cfg: DictConfig, model_config: str | None = None, processes: int = 1,
         pages = int(cfg.generator.get("top_k", 3))
         tokens = pages * page_tokens + PROMPT_TEXT_TOKENS + ANSWER_TOKENS
         work = Workload(rows=optim.batch_size, page_tokens=tokens, crops=pages * crops, query_tokens=0, batch=0,
+                        gradient_cache=False,
                         dtype=dtype, checkpointing=checkpointing, attention=attention, lm_head_tokens=tokens,
                         logits_transposed=optim.get("loss_mean", "token") == "example",
                         autocast=optim.get("precision") in ("bf16", "fp16"))
@@ -546,9 +547,13 @@ def inference_table(rows: Sequence[dict[str, Any]], full_depth: int) -> str:
 
 def predicted_row(cfg: DictConfig, row: dict[str, Any], model_config: str | None) -> dict[str, Any]:
     """``row`` (a measurement) with the memory model's figures at its depth; the late-interaction projection's two
-    copies (built with the model, before the step) counted with the frozen model as measured."""
+    copies (built with the model, before the step) counted with the frozen model as measured. A row marked
+    ``input_hooks`` ran with transformers' input-embedding hooks (every checkpointed step before they were removed,
+    :attr:`~hkrag.training.memory.Workload.input_hooks`) and is predicted so."""
     p, _ = reduced(cfg, row["layers"], row["vision_layers"], model_config, row.get("device", "cpu"),
                    row.get("dtype"))
+    if row.get("input_hooks"):
+        p = replace(p, estimate=p.with_work(input_hooks=True))
     frozen = p.estimate.terms[f"frozen weights ({p.work.dtype})"] + p.estimate.terms["LoRA adapter (fp32)"]
     head = 0  # the late-interaction projection's frozen original and trained copy, built with the model
     if late := p.work.late_interaction:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import datasets
 import numpy as np
 import torch
+import torch.nn.functional as F
 from accelerate import Accelerator
 from peft import get_peft_model, get_peft_model_state_dict
 from PIL import Image
@@ -41,7 +43,14 @@ from hkrag.data.pairs import TrainingPair
 from hkrag.losses import HybridMaskLoss
 from hkrag.lvlm.phi3v import Phi3VBackend
 from hkrag.models.phi3v import Phi3VConfig, Phi3VForCausalLM
-from hkrag.retriever import HeadSettings, LoraSettings, Phi3VRetriever, freeze_unreachable, lora_modules
+from hkrag.retriever import (
+    HeadSettings,
+    LoraSettings,
+    Phi3VRetriever,
+    enable_checkpointing,
+    freeze_unreachable,
+    lora_modules,
+)
 from hkrag.training.generator import GeneratorDataset, GeneratorTrainer, GeneratorTrainerConfig, causal_lm_lora
 from hkrag.training.gradcache import split_batch
 from hkrag.training.trainer import RetrieverTrainer, TrainerConfig
@@ -61,6 +70,15 @@ CUDA_OVERHEAD = int(1.5 * GIB)
 and the caching allocator's slack; the preflight adds it before comparing with a GPU's memory."""
 FRAGMENTATION = 0.10
 """Headroom on top of the predicted allocated peak for the caching allocator's fragmentation."""
+CUDA_TOWER_BYTES = 23
+"""Bytes per CLIP token and CLIP width that every H200 step of the retriever's trainer with the vision tower in the
+graph under checkpointing held beyond the other terms, in the language model's backward: one constant, the median
+of what six retriever rows imply (23.0-25.0, whatever the LM depth, CLIP depth, chunk, crops or LoRA list; five of
+them had a frozen tower in the graph through the input hooks since removed; ``python bench/memory_recorded.py
+--implied``). Held out, pre-training's row implies 26.6. The generator's step (no gradient cache) implies 0.3: it is
+not counted there. About three bf16 tensors of CLIP's MLP width (24 bytes), not located: the same steps on the CPU,
+CUDA autocast's fp32 layer norms emulated, hold none (bench/memory_timeline.py); a GPU memory profile would name
+them."""
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 """glibc setting under which the resident set tracks live tensors (see :func:`measure_step`)."""
 
@@ -171,6 +189,15 @@ class Workload:
     device: str = "cuda"
     autocast: bool = True
     late_interaction: LateInteractionHead | None = None
+    gradient_cache: bool = True
+    """Whether the step is the retriever's trainer (a no-grad pass over the global batch, then each chunk again with
+    its gradient: retrieval training and VDocRAG pre-training), not the generator's causal-LM step."""
+    input_hooks: bool = False
+    """Whether the step ran with transformers' input-embedding hooks, as every checkpointed step did before
+    :func:`hkrag.retriever.enable_checkpointing` removed them (2026-11-26): CLIP's patch embedding and the token
+    embedding then put out tensors that require grad, so a frozen tower is in the graph, the patch convolution's
+    output and its sum with the position embedding are kept, every CLIP and LM layer's input carries a gradient and
+    a gradient arrives at the input embeddings. Only to re-read steps measured then (bench/memory_recorded.py)."""
 
     @property
     def bytes(self) -> int:
@@ -323,27 +350,28 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
 
     A trained tower under checkpointing adds a third phase, its backward, which runs after the language model's
     (whose layers' inputs are freed by then; it was once summed with the recomputed language-model layer, 19-21 %
-    over the generator's measured step): the tower's kept hidden states and the pixels, the gradients arriving (at
-    the used CLIP layer's output and at the input embeddings, kept to the end of the backward), one recomputed CLIP
-    layer, and quick_gelu's backward (three tensors of the MLP's width: the gradient of ``fc2``'s input and the two
-    products of the gate's backward; the phases were located on CPU with ``torch.profiler``'s memory timeline).
+    over the generator's measured step): the used layers' kept inputs and the pixels, the gradient arriving at the
+    used CLIP layer's output (and, with :attr:`Workload.input_hooks`, at the input embeddings), one recomputed CLIP
+    layer (one whose input carries a gradient: not the first, unless it is the only one), and quick_gelu's backward
+    (three tensors of the MLP's width: the gradient of ``fc2``'s input and the two products of the gate's backward;
+    the phases were located on CPU with ``torch.profiler``'s memory timeline, bench/memory_timeline.py).
 
     With gradient checkpointing the language model keeps each layer's input plus one layer recomputed (never at
-    the same time as the LM head's logits and log-softmax, RCG's and the generator's: the head's backward runs and
-    frees them before the first layer is recomputed), and the
-    vision tower's checkpointed layers keep, until the backward and even where the tower is frozen, one fp32
-    hidden state per CLIP layer (per-layer slope measured on CPU in fp32 and on an H200 in bf16; on CUDA the
-    residual stream is fp32, :attr:`Workload.clip_stream_bytes`), and a frozen tower also one layer's quick_gelu
-    intermediates (measured on an H200: the remainder, independent of both depths and proportional to the rows;
-    its cause is not established).
+    the same time as the LM head's logits and log-softmax, RCG's and the generator's, nor the final norm's input:
+    their backward runs and frees them before the first layer is recomputed), and a trained vision tower's
+    checkpointed layers keep their inputs, one hidden state per used CLIP layer (fp32 on CUDA,
+    :attr:`Workload.clip_stream_bytes`), until the backward; on CUDA the retriever's trainer then also holds
+    :data:`CUDA_TOWER_BYTES` (measured, not located). A frozen tower is not in the graph and keeps nothing.
+    Eager attention's backward peaks at the softmax's, when the MLP, the output projection's LoRA input and qkv's
+    output have been freed (``torch.profiler``: bench/memory_timeline.py).
     """
     s, rows = work.bytes, work.rows
     clip_tokens = rows * work.crops * arch.crop_tokens
     clip_targets, lm_targets = params.targets("vision"), params.targets("language")
-    clip_grad = bool(clip_targets)
+    clip_grad = bool(clip_targets) or work.input_hooks
     state = clip_tokens * arch.clip_hidden * work.clip_stream_bytes
     hidden_states = (arch.clip_layers + 1) * state
-    pixels = rows * work.crops * 3 * arch.crop_size**2 * (4 + s)  # the processor's fp32 pixels and their cast
+    pixels = rows * work.crops * 3 * arch.crop_size**2 * (4 + (s if s != 4 else 0))  # fp32 pixels, their cast
     gelu = 3 * clip_tokens * arch.clip_intermediate * s
     clip_graph = sum(clip_layer_bytes(arch, work, clip_targets, clip_tokens, layer > 0)
                      for layer in range(arch.clip_used_layers)) if clip_grad and not work.checkpointing else 0
@@ -354,10 +382,12 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
     layers = [lm_layer_bytes(arch, work, lm_targets, tokens, clip_grad or layer > 0) for layer in range(arch.layers)]
     recompute_clip = 0
     if work.checkpointing:
-        kept_clip = arch.clip_layers * clip_tokens * arch.clip_hidden * 4 + (0 if clip_grad else gelu)
+        embeddings = 2 * clip_tokens * arch.clip_hidden * s if work.input_hooks else 0  # the patches, + positions
+        kept_clip = arch.clip_used_layers * state + embeddings if clip_grad else 0  # each used layer's input
         kept = kept_clip + arch.layers * tokens * arch.hidden * s + max(layers)
-        if clip_grad:
-            recompute_clip = clip_layer_bytes(arch, work, clip_targets, clip_tokens, True)
+        if clip_grad:  # the largest recomputed layer: one whose input carries a gradient, unless only the first is
+            grad_in = arch.clip_used_layers > 1 or work.input_hooks
+            recompute_clip = clip_layer_bytes(arch, work, clip_targets, clip_tokens, grad_in)
     else:
         kept = clip_graph + sum(layers)
     projection = tokens * arch.hidden * s if clip_grad else 0  # the image projection's GELU input (an upper bound)
@@ -365,21 +395,27 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
     head = rows * work.lm_head_tokens * arch.vocab * head_bytes_per_logit(s, work.logits_transposed)
     backward = 2 * tokens * arch.intermediate * s
     top = max(layers)
-    if work.attention == "eager":  # after the MLP's backward: the probabilities' and the scores' gradients
+    if work.attention == "eager":  # the softmax's backward: the probabilities' and the scores' gradients
         scores = rows * arch.heads * (tokens // rows) ** 2
-        mlp = lm_mlp_bytes(arch, work, lm_targets, tokens, True)
+        # freed by then: the MLP, the output projection's LoRA input, and qkv's output (the value's view keeps it
+        # whole until the product with the probabilities has run its backward)
+        freed = lm_mlp_bytes(arch, work, lm_targets, tokens, True) + tokens * (arch.hidden + 2 * arch.kv_width) * s
+        if "o_proj" in lm_targets:
+            freed += work.lora_input(tokens, arch.hidden, True)
         attention_backward = scores * (eager_backward_bytes() - eager_saved_bytes(s))
-        recomputed = max(top + backward, top - mlp + attention_backward)
+        recomputed = max(top + backward, top - freed + attention_backward)
     else:
         recomputed = top + backward
-    if work.checkpointing:  # the head's backward frees its logits before any checkpointed layer is recomputed
-        lm_phase = kept - top + projection + final_norm + max(head, recomputed)
+    if work.checkpointing:  # the head's backward (with the final norm's) is done before any layer is recomputed
+        lm_phase = kept - top + projection + max(final_norm + head, recomputed)
     else:
         lm_phase = kept - top + projection + final_norm + head + recomputed
     lm_phase += rows * work.crops * 3 * arch.crop_size**2 * 4  # the chunk's fp32 pixels, alive until its end
+    if clip_grad and work.checkpointing and work.gradient_cache and work.device == "cuda":
+        lm_phase += CUDA_TOWER_BYTES * clip_tokens * arch.clip_hidden
     phases = {"vision tower forward (one chunk)": clip_phase, "language model backward (one chunk)": lm_phase}
     if recompute_clip:  # after the language model's backward has freed its layers' inputs
-        arriving = state + tokens * arch.hidden * s
+        arriving = state + (tokens * arch.hidden * s if work.input_hooks else 0)  # at the used layer (and embeddings)
         clip_backward = 3 * clip_tokens * arch.clip_intermediate * s
         phases["vision tower backward (one chunk, a recomputed layer)"] = (
             kept_clip + pixels + arriving + recompute_clip + clip_backward)
@@ -541,6 +577,11 @@ def adapter_round_trip(model: Any) -> tuple[int, bool]:
     return size, bool(trained) and equal
 
 
+STEP_RANGE = "hkrag.measured_step"
+"""The ``torch.profiler`` range around each measured optimizer step (``bench/memory_timeline.py`` reads the live
+tensors within it)."""
+
+
 def _peak_of_steps(step: Any, steps: int, cuda: bool) -> tuple[int, float, float]:
     """Run ``step()`` (one optimizer step, returning its loss) ``steps`` times; the peak bytes of the last above
     the bytes live before the first, its seconds and its loss."""
@@ -553,10 +594,29 @@ def _peak_of_steps(step: Any, steps: int, cuda: bool) -> tuple[int, float, float
         else:
             _reset_peak()
         started = time.perf_counter()
-        loss = step()
+        with torch.profiler.record_function(STEP_RANGE):
+            loss = step()
         seconds = time.perf_counter() - started
     peak = (torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")) - before
     return peak, seconds, loss
+
+
+@contextmanager
+def cuda_layer_norms() -> Iterator[None]:
+    """Run ``F.layer_norm`` as CUDA autocast does, its floating inputs cast to fp32 and an fp32 output (CPU autocast
+    leaves it in bf16): a CPU step in bf16 then keeps CLIP's residual stream in fp32 as a GPU step does
+    (:attr:`Workload.clip_stream_bytes`; tests/test_memory_cuda_autocast.py, bench/memory_timeline.py)."""
+    layer_norm = F.layer_norm
+
+    def fp32(x, shape, weight=None, bias=None, eps=1e-5):
+        return layer_norm(x.float(), shape, None if weight is None else weight.float(),
+                          None if bias is None else bias.float(), eps)
+
+    F.layer_norm = fp32
+    try:
+        yield
+    finally:
+        F.layer_norm = layer_norm
 
 
 def _malloc_pinned() -> bool:
@@ -659,7 +719,7 @@ def measure_generator_step(
     model = _random_model(config, device, dtype)
     model = causal_lm_lora(model, lora)
     if checkpointing:  # as generator training does on CUDA (it trains without on CPU)
-        model.get_base_model().gradient_checkpointing_enable()
+        enable_checkpointing(model)
     weights = _allocated(cuda) - start
     doc_ids = tuple(f"page-{i}" for i in range(pages))
     pairs = [GeneratorPair(f"q{i}", question, (answer,), doc_ids) for i in range(batch_size * steps)]
