@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 from hkrag.tasks.preflight import compose_config, predicted_row
-from hkrag.training import memory
 
 RUNS = Path(__file__).resolve().parent / "runs"
 RETRIEVER_4_CROPS = ["experiment=hkrag_retriever", "model.num_crops=4", "model.attn_implementation=sdpa",
@@ -52,6 +49,9 @@ SOURCES: dict[str, dict[str, Any]] = {
         "overrides": [*RETRIEVER_4_CROPS, "model.head=late_interaction"]},
     "2026-11-26-cpu/pre_vdocrag_checkpointing_fp32.json": {"overrides": PRETRAINING_4_CROPS},
     "2026-11-26-cpu/gen_vdocrag_checkpointing_fp32.json": {"overrides": GENERATOR_ONE_PAGE},
+    "2026-11-26-cpu/retriever_pretrained_checkpointing_bf16.json": {"overrides": [
+        "experiment=hkrag_retriever_pretrained", "model.num_crops=4", "model.attn_implementation=sdpa",
+        "trainer.global_batch_size=2", "trainer.chunk_size=1"]},
 }
 """Each file's rows with what its rows do not say themselves: the command's overrides, and whether they were measured
 with transformers' input-embedding hooks (every checkpointed step before they were removed)."""
@@ -85,31 +85,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def implied_tower_bytes(model_config: str | None) -> list[tuple[str, float]]:
-    """What each recorded row with :data:`~hkrag.training.memory.CUDA_TOWER_BYTES` in its prediction implies for it:
-    (measured - predicted without the term) / (its bytes per unit of the term), the term's derivation."""
-    with mock.patch.object(memory, "CUDA_TOWER_BYTES", 0):
-        without = recorded(model_config)
-    with mock.patch.object(memory, "CUDA_TOWER_BYTES", 1):
-        unit = recorded(model_config)
-    return [(f"{a['source']} {' '.join(a['overrides'][1:])} {a['layers']}/{a['vision_layers']}",
-             (a["step_peak"] - a["predicted_step"]) / (b["predicted_step"] - a["predicted_step"]))
-            for a, b in zip(without, unit) if b["predicted_step"] != a["predicted_step"]]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-config", default="../shared/reference/phi3v",
                         help="folder with Phi-3-vision's config.json and tokenizer")
-    parser.add_argument("--implied", action="store_true",
-                        help="print what each row implies for CUDA_TOWER_BYTES (bytes per CLIP token and width)")
     args = parser.parse_args()
-    if args.implied:
-        implied = implied_tower_bytes(args.model_config)
-        for name, value in implied:
-            print(f"{value:6.2f}  {name}")
-        print(f"median {statistics.median(v for _, v in implied):.2f} (the model: {memory.CUDA_TOWER_BYTES})")
-        return
     print(table(recorded(args.model_config)))
 
 

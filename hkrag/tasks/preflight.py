@@ -197,7 +197,6 @@ def plan(cfg: DictConfig, model_config: str | None = None, processes: int = 1,
         pages = int(cfg.generator.get("top_k", 3))
         tokens = pages * page_tokens + PROMPT_TEXT_TOKENS + ANSWER_TOKENS
         work = Workload(rows=optim.batch_size, page_tokens=tokens, crops=pages * crops, query_tokens=0, batch=0,
-                        gradient_cache=False,
                         dtype=dtype, checkpointing=checkpointing, attention=attention, lm_head_tokens=tokens,
                         logits_transposed=optim.get("loss_mean", "token") == "example",
                         autocast=optim.get("precision") in ("bf16", "fp16"))

@@ -70,15 +70,6 @@ CUDA_OVERHEAD = int(1.5 * GIB)
 and the caching allocator's slack; the preflight adds it before comparing with a GPU's memory."""
 FRAGMENTATION = 0.10
 """Headroom on top of the predicted allocated peak for the caching allocator's fragmentation."""
-CUDA_TOWER_BYTES = 23
-"""Bytes per CLIP token and CLIP width that every H200 step of the retriever's trainer with the vision tower in the
-graph under checkpointing held beyond the other terms, in the language model's backward: one constant, the median
-of what six retriever rows imply (23.0-25.0, whatever the LM depth, CLIP depth, chunk, crops or LoRA list; five of
-them had a frozen tower in the graph through the input hooks since removed; ``python bench/memory_recorded.py
---implied``). Held out, pre-training's row implies 26.6. The generator's step (no gradient cache) implies 0.3: it is
-not counted there. About three bf16 tensors of CLIP's MLP width (24 bytes), not located: the same steps on the CPU,
-CUDA autocast's fp32 layer norms emulated, hold none (bench/memory_timeline.py); a GPU memory profile would name
-them."""
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 """glibc setting under which the resident set tracks live tensors (see :func:`measure_step`)."""
 
@@ -189,9 +180,6 @@ class Workload:
     device: str = "cuda"
     autocast: bool = True
     late_interaction: LateInteractionHead | None = None
-    gradient_cache: bool = True
-    """Whether the step is the retriever's trainer (a no-grad pass over the global batch, then each chunk again with
-    its gradient: retrieval training and VDocRAG pre-training), not the generator's causal-LM step."""
     input_hooks: bool = False
     """Whether the step ran with transformers' input-embedding hooks, as every checkpointed step did before
     :func:`hkrag.retriever.enable_checkpointing` removed them (2026-11-26): CLIP's patch embedding and the token
@@ -299,6 +287,20 @@ def lm_mlp_bytes(arch: Architecture, work: Workload, targets: Iterable[str], tok
     return total
 
 
+def recompute_transients(arch: Architecture, work: Workload, targets: Iterable[str], tokens: int) -> int:
+    """What a checkpointed Phi-3 layer's recomputation leaves alive beside its saved tensors when it stops (after
+    the last saved tensor, ``down_proj``'s LoRA input, is recomputed): the forward's locals — the MLP's product
+    (``down_proj``'s input), the post-attention norm's output and, with LoRA on ``down_proj``, its base output and
+    peft's fp32 copies (the input cast to the adapter's fp32 unless already fp32, and the dropout's fp32 output where
+    autocast's bf16 copy is what ``lora_A`` saves) — and the gradient arriving at the layer (two tensors of the
+    hidden width). Located with bench/memory_timeline.py in fp32 and under bf16 autocast."""
+    h, i, s, t = arch.hidden, arch.intermediate, work.bytes, tokens
+    total = t * i * s + t * h * s + 2 * t * h * s
+    if "down_proj" in set(targets):
+        total += t * h * s + t * i * ((4 if s != 4 else 0) + (4 if work.autocast else 0))
+    return total
+
+
 def clip_layer_bytes(arch: Architecture, work: Workload, targets: Iterable[str], tokens: int, grad_in: bool) -> int:
     """Bytes autograd keeps for one CLIP encoder layer over ``tokens`` crop tokens: layer_norm1's input (a hidden
     state), each wrapped projection's LoRA input, SDPA's query, key, value and output, layer_norm2's input (the
@@ -360,8 +362,9 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
     the same time as the LM head's logits and log-softmax, RCG's and the generator's, nor the final norm's input:
     their backward runs and frees them before the first layer is recomputed), and a trained vision tower's
     checkpointed layers keep their inputs, one hidden state per used CLIP layer (fp32 on CUDA,
-    :attr:`Workload.clip_stream_bytes`), until the backward; on CUDA the retriever's trainer then also holds
-    :data:`CUDA_TOWER_BYTES` (measured, not located). A frozen tower is not in the graph and keeps nothing.
+    :attr:`Workload.clip_stream_bytes`), until the backward. A frozen tower is not in the graph and keeps nothing.
+    The recomputed layer's peak is the larger of the backward's working set and what the recomputation leaves
+    alive when it stops (:func:`recompute_transients`).
     Eager attention's backward peaks at the softmax's, when the MLP, the output projection's LoRA input and qkv's
     output have been freed (``torch.profiler``: bench/memory_timeline.py).
     """
@@ -393,7 +396,7 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
     projection = tokens * arch.hidden * s if clip_grad else 0  # the image projection's GELU input (an upper bound)
     final_norm = 4 * tokens * arch.hidden + 4 * tokens
     head = rows * work.lm_head_tokens * arch.vocab * head_bytes_per_logit(s, work.logits_transposed)
-    backward = 2 * tokens * arch.intermediate * s
+    backward = max(2 * tokens * arch.intermediate * s, recompute_transients(arch, work, lm_targets, tokens))
     top = max(layers)
     if work.attention == "eager":  # the softmax's backward: the probabilities' and the scores' gradients
         scores = rows * arch.heads * (tokens // rows) ** 2
@@ -411,8 +414,6 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
     else:
         lm_phase = kept - top + projection + final_norm + head + recomputed
     lm_phase += rows * work.crops * 3 * arch.crop_size**2 * 4  # the chunk's fp32 pixels, alive until its end
-    if clip_grad and work.checkpointing and work.gradient_cache and work.device == "cuda":
-        lm_phase += CUDA_TOWER_BYTES * clip_tokens * arch.clip_hidden
     phases = {"vision tower forward (one chunk)": clip_phase, "language model backward (one chunk)": lm_phase}
     if recompute_clip:  # after the language model's backward has freed its layers' inputs
         arriving = state + (tokens * arch.hidden * s if work.input_hooks else 0)  # at the used layer (and embeddings)
