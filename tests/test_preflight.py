@@ -186,17 +186,18 @@ def test_a_frozen_tower_keeps_nothing_for_the_backward():
 
 def test_a_recomputations_transients_by_hand():
     """What a checkpointed layer's recomputation leaves alive when it stops (bench/memory_timeline.py): the MLP's
-    product, the norm's output, two hidden-width gradients and, with LoRA on down_proj, its base output and peft's
-    fp32 copies (the input's cast unless fp32; the dropout's fp32 output where autocast's bf16 copy is saved)."""
+    product, the norm's output, two hidden-width gradients, the residual sum beside the norm's fp32 copy (not in
+    fp32) and, with LoRA on down_proj, its base output and peft's fp32 copies (the input's cast unless fp32; the
+    dropout's fp32 output where autocast's bf16 copy is saved)."""
     arch = Architecture.of(tiny_phi3v_config())
     h, i, t = arch.hidden, arch.intermediate, 10
     fp32 = Workload(rows=1, page_tokens=t, crops=1, query_tokens=1, batch=0, dtype="float32", autocast=False)
     bf16 = replace(fp32, dtype="bfloat16", autocast=True)
     down = set(VDOCRAG_LORA_TARGETS)
     assert recompute_transients(arch, fp32, down, t) == t * i * 4 + 4 * t * h * 4
-    assert recompute_transients(arch, bf16, down, t) == t * i * (2 + 4 + 4) + 4 * t * h * 2
-    assert recompute_transients(arch, replace(bf16, autocast=False), down, t) == t * i * (2 + 4) + 4 * t * h * 2
-    assert recompute_transients(arch, bf16, {"qkv_proj"}, t) == t * i * 2 + 3 * t * h * 2
+    assert recompute_transients(arch, bf16, down, t) == t * i * (2 + 4 + 4) + 5 * t * h * 2
+    assert recompute_transients(arch, replace(bf16, autocast=False), down, t) == t * i * (2 + 4) + 5 * t * h * 2
+    assert recompute_transients(arch, bf16, {"qkv_proj"}, t) == t * i * 2 + 4 * t * h * 2
 
 
 def test_extrapolated_per_layer_from_the_two_deepest_rows():
@@ -470,7 +471,7 @@ def test_one_hkrag_query_routed_hqp_through_the_local_backend_at_full_width(tmp_
 RSS_ARTEFACT = {"2026-11-26-cpu/retriever_pretrained_bf16.json",
                 "2026-11-26-cpu/retriever_pretrained_checkpointing_bf16.json"}
 """Rows whose resident set holds ~0.05 GiB outside torch's tensors (the retriever's trainer in bf16 on the CPU:
-oneDNN's primitive cache and memory not found); their live tensors are within 4 % of the model (bench/RESULTS.md,
+oneDNN's primitive cache and memory not found); their live tensors are within 5 % of the model (bench/RESULTS.md,
 "The frozen tower was in the graph")."""
 
 
@@ -486,3 +487,49 @@ def test_every_recorded_measurement_is_within_10_percent_of_the_model():
     errors = {(row["source"], row["layers"], row["vision_layers"]): row["step_peak"] / row["predicted_step"] - 1
               for row in rows if row["source"] not in RSS_ARTEFACT}
     assert {key: f"{error:+.1%}" for key, error in errors.items() if abs(error) >= 0.10} == {}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_checkpointed_layers_backward_peaks_where_the_model_says(dtype):
+    """One checkpointed Phi-3 layer, LoRA on o_proj and down_proj (VDocRAG's list), Phi-3's MLP-to-hidden ratio, bf16
+    under CPU bf16 autocast as on a GPU: the live peak of its forward and backward is the layer's saved tensors plus
+    the larger of what the recomputation leaves alive and the backward's working set (and the layer's output), within
+    5 %. In bf16 the two MLP-width gradients the model counted before fall 20 % short: peft's fp32 copies are
+    alive."""
+    from torch.utils.checkpoint import checkpoint
+
+    config = tiny_phi3v_config()
+    config.intermediate_size = 3 * config.hidden_size  # Phi-3: 8,192 / 3,072
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    base = Phi3VForCausalLM(config).to(getattr(torch, dtype))
+    lora = LoraSettings(target_modules=VDOCRAG_LORA_TARGETS)
+    model = get_peft_model(base, lora.peft_config())
+    model.train()
+    backbone = model.get_base_model().model
+    tokens, bf16 = 1024, dtype == "bfloat16"
+    x = torch.randn(1, tokens, config.hidden_size, dtype=base.dtype, requires_grad=True)
+    cos, sin = backbone.rotary_emb(x, torch.arange(tokens)[None])
+    probe = torch.randn(1, tokens, config.hidden_size)
+    layer = backbone.layers[1]
+
+    def run() -> None:
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            out = checkpoint(layer, x, None, use_reentrant=False, position_embeddings=(cos, sin))
+            loss = (out.float() * probe).sum()
+        loss.backward()
+        x.grad = None
+        model.zero_grad(set_to_none=True)
+
+    arch, params = Architecture.of(config), count_parameters(config, lora)
+    work = Workload(rows=1, page_tokens=tokens, crops=1, query_tokens=1, batch=1, dtype=dtype, device="cpu",
+                    autocast=bf16)
+    targets, s = params.targets("language"), work.bytes
+    saved = lm_layer_bytes(arch, work, targets, tokens, True)
+    output = tokens * arch.hidden * s
+    two_gradients = 2 * tokens * arch.intermediate * s
+    peak = live_peak_per_element(run, 1)
+    predicted = saved + max(two_gradients, recompute_transients(arch, work, targets, tokens)) + output
+    assert peak == pytest.approx(predicted, rel=0.05)
+    if bf16:
+        assert peak > 1.2 * (saved + two_gradients + output)

@@ -290,12 +290,13 @@ def lm_mlp_bytes(arch: Architecture, work: Workload, targets: Iterable[str], tok
 def recompute_transients(arch: Architecture, work: Workload, targets: Iterable[str], tokens: int) -> int:
     """What a checkpointed Phi-3 layer's recomputation leaves alive beside its saved tensors when it stops (after
     the last saved tensor, ``down_proj``'s LoRA input, is recomputed): the forward's locals — the MLP's product
-    (``down_proj``'s input), the post-attention norm's output and, with LoRA on ``down_proj``, its base output and
-    peft's fp32 copies (the input cast to the adapter's fp32 unless already fp32, and the dropout's fp32 output where
-    autocast's bf16 copy is what ``lora_A`` saves) — and the gradient arriving at the layer (two tensors of the
-    hidden width). Located with bench/memory_timeline.py in fp32 and under bf16 autocast."""
+    (``down_proj``'s input), the post-attention norm's output, the residual sum where the norm keeps an fp32 copy of
+    it instead (not in fp32) and, with LoRA on ``down_proj``, its base output and peft's fp32 copies (the input cast
+    to the adapter's fp32 unless already fp32, and the dropout's fp32 output where autocast's bf16 copy is what
+    ``lora_A`` saves) — and the gradient arriving at the layer (two tensors of the hidden width). Located with
+    bench/memory_timeline.py in fp32 and under bf16 autocast (tests/test_preflight.py measures one layer)."""
     h, i, s, t = arch.hidden, arch.intermediate, work.bytes, tokens
-    total = t * i * s + t * h * s + 2 * t * h * s
+    total = t * i * s + t * h * s + 2 * t * h * s + (t * h * s if s != 4 else 0)
     if "down_proj" in set(targets):
         total += t * h * s + t * i * ((4 if s != 4 else 0) + (4 if work.autocast else 0))
     return total
