@@ -213,6 +213,12 @@ class Workload:
         return tokens * width * (saved + mask) + tokens * self.lora_rank * saved
 
 
+def cast_bytes(source: int, target: int) -> int:
+    """Bytes per element that casting a ``source``-byte tensor to ``target`` bytes allocates: none where the dtype is
+    already the target's (``.to`` and ``.float()`` return the tensor itself)."""
+    return target if source != target else 0
+
+
 def head_bytes_per_logit(dtype_bytes: int, transposed: bool) -> int:
     """Peak bytes per logit of the LM head's cross-entropy: the larger of its forward and its backward.
 
@@ -225,7 +231,7 @@ def head_bytes_per_logit(dtype_bytes: int, transposed: bool) -> int:
     as ``dtype_bytes + 4 + 4``, 10 in bf16, which under-predicted every bf16 step whose peak is the head (located
     with ``torch.profiler``'s memory events on CPU in bf16; docs/training.md "Memory").
     """
-    forward = dtype_bytes + (4 if dtype_bytes != 4 else 0) + 4 + (4 if transposed else 0)
+    forward = dtype_bytes + cast_bytes(dtype_bytes, 4) + 4 + (4 if transposed else 0)
     return max(forward, 3 * 4)
 
 
@@ -233,7 +239,7 @@ def eager_saved_bytes(dtype_bytes: int) -> int:
     """Bytes per attention score eager attention keeps for its backward: the fp32 probabilities
     (``softmax(..., dtype=torch.float32)``, saved by the softmax) and their cast to the model's dtype (saved by
     the product with the values; in fp32 the cast is the same tensor)."""
-    return 4 + (dtype_bytes if dtype_bytes != 4 else 0)
+    return 4 + cast_bytes(4, dtype_bytes)
 
 
 def eager_backward_bytes() -> int:
@@ -296,9 +302,10 @@ def recompute_transients(arch: Architecture, work: Workload, targets: Iterable[s
     ``lora_A`` saves) — and the gradient arriving at the layer (two tensors of the hidden width). Located with
     bench/memory_timeline.py in fp32 and under bf16 autocast (tests/test_preflight.py measures one layer)."""
     h, i, s, t = arch.hidden, arch.intermediate, work.bytes, tokens
-    total = t * i * s + t * h * s + 2 * t * h * s + (t * h * s if s != 4 else 0)
-    if "down_proj" in set(targets):
-        total += t * h * s + t * i * ((4 if s != 4 else 0) + (4 if work.autocast else 0))
+    residual = t * h * s if cast_bytes(s, 4) else 0  # in fp32 the norm's copy is the residual itself
+    total = t * i * s + t * h * s + residual + 2 * t * h * s  # product, norm output, residual; gradients
+    if "down_proj" in set(targets):  # its base output; peft's fp32 input and, under autocast, dropout output
+        total += t * h * s + t * i * (cast_bytes(s, 4) + (4 if work.autocast else 0))
     return total
 
 
@@ -375,7 +382,7 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
     clip_grad = bool(clip_targets) or work.input_hooks
     state = clip_tokens * arch.clip_hidden * work.clip_stream_bytes
     hidden_states = (arch.clip_layers + 1) * state
-    pixels = rows * work.crops * 3 * arch.crop_size**2 * (4 + (s if s != 4 else 0))  # fp32 pixels, their cast
+    pixels = rows * work.crops * 3 * arch.crop_size**2 * (4 + cast_bytes(4, s))  # fp32 pixels, their cast
     gelu = 3 * clip_tokens * arch.clip_intermediate * s
     clip_graph = sum(clip_layer_bytes(arch, work, clip_targets, clip_tokens, layer > 0)
                      for layer in range(arch.clip_used_layers)) if clip_grad and not work.checkpointing else 0
