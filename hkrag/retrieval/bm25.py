@@ -1,6 +1,5 @@
-"""BM25 over page text (the paper's Table 2 opens with it): ``retriever=bm25`` scored by the ``bm25s`` library, and
-``retriever=bm25_vidore``, ViDoRe's BM25 baseline (``rank_bm25``'s BM25Okapi over NLTK tokens), for figures that
-compare with ViDoRe's tables.
+"""BM25 over page text (the paper's Table 2 opens with it): ``retriever=bm25`` scored by the ``bm25s`` library; the
+text, indexing and ranking rules shared with ``retriever=bm25_vidore`` (:mod:`hkrag.retrieval.bm25_vidore`).
 
 **Text.** A page's text is the corpus column ``text_column``: ``text`` (default) holds the strings the built-in
 corpus draws on each page and the text layer of PDF ingestion; ``python -m hkrag.data.ocr`` writes OCR text into
@@ -25,30 +24,22 @@ to ``k1=1.2``): for a page ``d`` of a corpus of ``N`` pages of mean length ``avg
 (a token repeated in the query counts once per occurrence; tokens no page holds count 0). ``method`` picks
 bm25s's other variants (``robertson``, ``atire``, ``bm25l``, ``bm25+``; ``delta`` for the last two).
 
-**``bm25_vidore``** (:class:`VidoreBM25Ranker`) follows ``BM25Retriever`` of illuin-tech/vidore-benchmark
-(``src/vidore_benchmark/retrievers/bm25_retriever.py``): tokens are NLTK's ``word_tokenize`` (Punkt sentences,
-then the Treebank word rules), kept when ``str.isalnum()`` (so ``"P.3"``, ``"U.S."`` and ``"'s"`` go), lowercased,
-NLTK's English stop words removed; scored by ``rank_bm25.BM25Okapi`` at its defaults (``k1=1.5``, ``b=0.75``,
-``epsilon=0.25``): the same tf part as above, ``idf(t) = ln((N - df + 0.5) / (df + 0.5))``, and an idf below 0
-replaced by ``epsilon`` times the mean idf. As in ViDoRe, every page is ranked, those scoring 0 too. NLTK's data
-(``punkt_tab``, ``stopwords``) cannot be downloaded at run time here: it is read from NLTK's own search path or,
-failing that, from the copy llama-index-core ships (``llama_index/core/_static/nltk_cache``); the English
-stop-word list there has 198 words (45 of them contractions such as ``don't``, which the ``isalnum`` test drops
-before the stop-word test anyway). Install with ``pip install -e ".[bm25-vidore]"``.
-
 **Ranking.** Pages by score descending; each query keeps its top ``depth`` pages and every page tied with the
 ``depth``-th score (:func:`hkrag.retrieval.metrics.cut_with_ties`), so no doc id decides which pages a run holds
 and the tie-aware metrics are exact. ``bm25`` does not retrieve a page sharing no token with the query (score 0),
 so a query may return fewer pages; ``bm25_vidore`` does.
+
+**Text without tokens.** A page or query whose text tokenises to nothing (blank, symbols only, a script the
+tokeniser drops) scores 0 against everything. Each corpus logs a warning with how many of its pages have no token,
+each ranking one with how many queries have none, and :meth:`PageTextRanker.report_extras` puts both counts in the
+evaluation report (``pages_without_tokens``, ``queries_without_tokens``).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 import bm25s
@@ -60,8 +51,11 @@ from hkrag.retrieval.metrics import cut_with_ties
 
 METHODS = ("lucene", "robertson", "atire", "bm25l", "bm25+")
 DEFAULT_TOKEN_PATTERN = r"(?u)\b\w\w+\b"
-INSTALL_VIDORE = 'pip install -e ".[bm25-vidore]"'
-NLTK_RESOURCES = {"tokenizers/punkt_tab/english/": "punkt_tab", "corpora/stopwords/english": "stopwords"}
+
+log = logging.getLogger(__name__)
+
+Scorer = Callable[[Sequence[str]], np.ndarray]
+"""A tokenised query -> every page's score, in corpus order."""
 
 
 @dataclass
@@ -74,6 +68,7 @@ class PageTextRanker:
     text_column: str = "text"
     allow_empty: bool = False
     _indexes: dict[tuple[str, int], BM25Index] = field(default_factory=dict, init=False, repr=False)
+    _tokenless: dict[str, dict[str, int]] = field(default_factory=dict, init=False, repr=False)
     retrieve_zero: ClassVar[bool] = False
     """Whether pages scoring 0 are retrieved (as one tie group) or left out."""
 
@@ -81,26 +76,52 @@ class PageTextRanker:
         """Each text's tokens."""
         raise NotImplementedError
 
-    def scorer(self, tokens: Sequence[list[str]]) -> Callable[[Sequence[str]], np.ndarray]:
+    def scorer(self, tokens: Sequence[list[str]]) -> Scorer:
         """Scores of every page (holding ``tokens``, at least one page has a token) for a tokenised query."""
         raise NotImplementedError
+
+    def page_scorer(self, corpus: Corpus, texts: Sequence[str]) -> Scorer | None:
+        """The scorer of the pages holding ``texts`` (``None`` when no page has a token); warns of tokenless pages."""
+        tokens = self.tokenize(texts)
+        self.count_tokenless(corpus, "pages", [not t for t in tokens], texts)
+        return self.scorer(tokens) if any(tokens) else None
 
     def index(self, corpus: Corpus) -> BM25Index:
         """The BM25 index of ``corpus``'s page texts (built on first use)."""
         key = (corpus.name, hash(tuple(corpus.doc_ids)))
         if key not in self._indexes:
-            tokens = self.tokenize(page_texts(corpus, self.text_column, self.allow_empty))
-            scorer = self.scorer(tokens) if any(tokens) else None
-            self._indexes[key] = BM25Index(corpus.doc_ids, scorer, self.retrieve_zero)
+            texts = page_texts(corpus, self.text_column, self.allow_empty)
+            self._indexes[key] = BM25Index(corpus.doc_ids, self.page_scorer(corpus, texts), self.retrieve_zero)
         return self._indexes[key]
 
     def rank(self, qa: Sequence[QAExample], corpus: Corpus, depth: int, corpus_key: str = "corpus") -> dict:
         """``{query_id: {doc_id: score}}``: each query's top ``depth`` pages of ``corpus`` and the pages tied with the
         ``depth``-th."""
         index = self.index(corpus)
-        queries = self.tokenize([ex.query.removeprefix(QUERY_PREFIX) for ex in qa])
+        texts = [ex.query.removeprefix(QUERY_PREFIX) for ex in qa]
+        queries = self.tokenize(texts)
+        self.count_tokenless(corpus, "queries", [not t for t in queries], texts, [ex.query_id for ex in qa])
         return {ex.query_id: index.top(tokens, depth)
                 for ex, tokens in zip(tqdm(qa, desc=f"{self.name} {corpus_key}", leave=False), queries)}
+
+    def count_tokenless(self, corpus: Corpus, what: str, empty: Sequence[bool], texts: Sequence[str],
+                        ids: Sequence[str] | None = None) -> None:
+        """Record how many of ``texts`` (the corpus's pages or the queries ranked on it) have no token, and warn
+        naming a few when some have none: they score 0 against everything."""
+        count = sum(empty)
+        self._tokenless.setdefault(corpus.name, {})[f"{what}_without_tokens"] = count
+        if count:
+            ids = corpus.doc_ids if ids is None else ids
+            examples = [(i, t[:40]) for i, t, e in zip(ids, texts, empty) if e][:3]
+            blank = sum(1 for t, e in zip(texts, empty) if e and not t.strip())
+            log.warning("%s on %s: %d of %d %s have no token (%d blank; e.g. %s), so they score 0 against every %s",
+                        self.name, corpus.name, count, len(empty), what, blank, examples,
+                        "query" if what == "pages" else "page")
+
+    def report_extras(self, run: dict, qa: Sequence[QAExample], corpus: Corpus) -> dict[str, float]:
+        """Entries for the evaluation report beside the metrics: how many pages of ``corpus`` and queries ranked on
+        it had no token."""
+        return dict(self._tokenless.get(corpus.name, {}))
 
 
 @dataclass
@@ -126,71 +147,10 @@ class BM25Ranker(PageTextRanker):
         return bm25s.tokenize(list(texts), lower=self.lower, token_pattern=self.token_pattern,
                               stopwords=self.stopwords or [], return_ids=False, show_progress=False)
 
-    def scorer(self, tokens: Sequence[list[str]]) -> Callable[[Sequence[str]], np.ndarray]:
+    def scorer(self, tokens: Sequence[list[str]]) -> Scorer:
         model = bm25s.BM25(k1=self.k1, b=self.b, delta=self.delta, method=self.method)
         model.index(list(tokens), show_progress=len(tokens) > 10_000)
         return lambda query: model.get_scores_from_ids(model.get_tokens_ids(list(query)))
-
-
-@dataclass
-class VidoreBM25Ranker(PageTextRanker):
-    """ViDoRe's BM25 baseline (config ``retriever=bm25_vidore``): NLTK tokens, rank_bm25's BM25Okapi; every page
-    ranked (module docstring)."""
-
-    name: str = "bm25_vidore"
-    k1: float = 1.5
-    b: float = 0.75
-    epsilon: float = 0.25
-    retrieve_zero: ClassVar[bool] = True
-
-    def tokenize(self, texts: Sequence[str]) -> list[list[str]]:
-        """ViDoRe's ``preprocess_text``: NLTK word tokens that are alphanumeric, lowercased, minus English stop
-        words."""
-        word_tokenize, stop_words = nltk_english()
-        return [[word.lower() for word in word_tokenize(text) if word.isalnum() and word.lower() not in stop_words]
-                for text in texts]
-
-    def scorer(self, tokens: Sequence[list[str]]) -> Callable[[Sequence[str]], np.ndarray]:
-        try:
-            from rank_bm25 import BM25Okapi
-        except ImportError as error:
-            raise ImportError(f"retriever=bm25_vidore needs rank_bm25: {INSTALL_VIDORE}") from error
-        model = BM25Okapi([list(t) for t in tokens], k1=self.k1, b=self.b, epsilon=self.epsilon)
-        return lambda query: model.get_scores(list(query))
-
-
-@functools.cache
-def nltk_english() -> tuple[Callable[[str], list[str]], frozenset[str]]:
-    """NLTK's ``word_tokenize`` and English stop words, their data read offline: NLTK's search path first, then the
-    copy llama-index-core ships. Raises ImportError naming what to install when neither has it."""
-    try:
-        import nltk
-    except ImportError as error:
-        raise ImportError(f"retriever=bm25_vidore needs nltk: {INSTALL_VIDORE}") from error
-    shipped = _llama_index_nltk_data()
-    for resource, package in NLTK_RESOURCES.items():
-        try:
-            nltk.data.find(resource)
-        except LookupError:
-            if shipped is None or str(shipped) in nltk.data.path:
-                raise ImportError(f"NLTK data {package!r} not found (NLTK's path: {nltk.data.path}); install "
-                                  f"llama-index-core, which ships it, or run nltk.download({package!r})") from None
-            nltk.data.path.append(str(shipped))
-            nltk.data.find(resource)
-    from nltk.corpus import stopwords
-    from nltk.tokenize import word_tokenize
-
-    return word_tokenize, frozenset(stopwords.words("english"))
-
-
-def _llama_index_nltk_data() -> Path | None:
-    """llama-index-core's bundled NLTK data folder (found without importing llama_index.core), or None."""
-    try:
-        spec = importlib.util.find_spec("llama_index.core")
-    except ModuleNotFoundError:
-        return None
-    folders = [Path(p) / "_static" / "nltk_cache" for p in (spec.submodule_search_locations or [])] if spec else []
-    return next((f for f in folders if f.is_dir()), None)
 
 
 class BM25Index:
@@ -198,7 +158,7 @@ class BM25Index:
     page has a token (every page blank, e.g. OCR of heavily degraded pages read nothing): every score is 0.
     ``retrieve_zero``: whether pages scoring 0 are retrieved (ranked as a tie) or left out."""
 
-    def __init__(self, doc_ids: Sequence[str], scorer: Callable[[Sequence[str]], np.ndarray] | None = None,
+    def __init__(self, doc_ids: Sequence[str], scorer: Scorer | None = None,
                  retrieve_zero: bool = False):
         self.doc_ids, self.scorer, self.retrieve_zero = list(doc_ids), scorer, retrieve_zero
 

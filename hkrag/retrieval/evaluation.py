@@ -230,8 +230,13 @@ class Ranker(Protocol):
     ``depth`` pages (fewer when it finds fewer); ``corpus_key`` names the corpus (its config, e.g. ``all``) for
     rankers that keep work on disk (the dense one's embedding shards). ``name`` labels the ranker in reports.
     Implementations: :class:`DenseRanker`, :class:`hkrag.retrieval.bm25.BM25Ranker`,
+    :class:`hkrag.retrieval.bm25_vidore.VidoreBM25Ranker`,
     :class:`hkrag.retrieval.fusion.HybridRanker`. Under ``accelerate launch`` every rank calls ``rank`` and only
     rank 0's run is scored.
+
+    Optional: ``evaluated_queries(qa) -> qa``, the queries a ranker's reference evaluates (ViDoRe's BM25 drops
+    repeated query texts), and ``report_extras(run, qa, corpus) -> {name: value}``, entries added to the report's
+    ``all`` block (the BM25 rankers' counts of tokenless pages and queries, ViDoRe's corpus-order MRR).
     """
 
     name: str
@@ -347,6 +352,7 @@ def evaluate_ranker(
     per_query: dict[str, dict[str, dict[str, Any]]] = {}
     for dataset in cfg.datasets:
         qa = load_qa_fn(cfg.qa_source, dataset, cfg.split)
+        qa = ranker.evaluated_queries(qa) if hasattr(ranker, "evaluated_queries") else qa
         configs = {pool: pools(dataset)[pool] for pool in cfg.pools}
         corpora = {pool: load_corpus_fn(cfg.corpus_source, config, cfg.split) for pool, config in configs.items()}
         for pool in sorted(cfg.pools, key=lambda p: -len(corpora[p])):
@@ -357,6 +363,8 @@ def evaluate_ranker(
             check_qrels(qrels(qa), corpus_pages(corpus))  # counted warning: such documents score as misses
             runs.setdefault(dataset, {})[pool] = run
             results.setdefault(dataset, {})[pool] = score(run, qa)
+            if hasattr(ranker, "report_extras"):
+                results[dataset][pool]["all"].update(ranker.report_extras(run, qa, corpus))
             per_query.setdefault(dataset, {})[pool] = per_query_scores(run, qa)
             logger.info("%s/%s nDCG@5 %.4f", dataset, pool, results[dataset][pool]["all"]["ndcg@5"])
         if is_main():
