@@ -204,6 +204,21 @@ def test_a_page_that_fails_is_named_and_kept(tesseract, tmp_path, caplog):
     assert "default/train:broken" in caplog.text and "1 pages could not be read" in caplog.text
 
 
+def test_the_command_fails_when_no_page_was_ocred(tesseract, tmp_path, capsys):
+    image, _ = render_page(SPEC)
+    broken = {"bytes": b"not a png", "path": None}
+    save_split([{"doc_id": "a", "image": broken}, {"doc_id": "b", "image": broken}], tmp_path / "bad", "default",
+               "train", CORPUS_FEATURES)
+    assert ocr.main([str(tmp_path / "bad"), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "error: no page was OCRed: all 2 pages that needed OCR failed" in err and FAILURES_FILE in err
+    assert len(json.loads((tmp_path / "out" / FAILURES_FILE).read_text())) == 2  # the copy and its record are kept
+    save_split([{"doc_id": "good", "image": image}, {"doc_id": "c", "image": broken}], tmp_path / "half", "default",
+               "train", CORPUS_FEATURES)
+    assert ocr.main([str(tmp_path / "half"), "--out", str(tmp_path / "out2")]) == 0  # one page read: a warning only
+    assert "no page was OCRed" not in capsys.readouterr().err
+
+
 def test_pdf_text_layer_is_preferred_over_ocr(tesseract, tmp_path, counting):
     from matplotlib.backends.backend_pdf import PdfPages
     from matplotlib.figure import Figure

@@ -26,7 +26,8 @@ OCR results are cached one file per page under ``cache_dir`` (default ``<out>/.c
 the stored image bytes and the engine settings (language, page segmentation mode, upscale, Tesseract version):
 a rerun OCRs nothing again, an interrupted run resumes where it stopped, and a page shared by two configs is read
 once. A page that cannot be read (corrupt image, Tesseract error) keeps an empty text, is listed in
-``<out>/ocr_failures.json``, the report and a warning, and is retried by the next run; it is never dropped.
+``<out>/ocr_failures.json``, the report and a warning, and is retried by the next run; it is never dropped. When
+pages needed OCR and every one of them failed, the command says so and exits 1 (the copy is still written).
 See docs/data.md, "Page text (OCR)".
 """
 
@@ -536,6 +537,10 @@ def main(argv: Iterable[str] | None = None) -> int:
     except (OcrUnavailable, DataError, ValueError, FileNotFoundError) as error:
         parser.exit(2, f"error: {error}\n")
     print(report.summary(args.out))
+    if report.failed and not report.ocr + report.cached:
+        print(f"error: no page was OCRed: all {len(report.failed)} pages that needed OCR failed (why, per page: "
+              f"{Path(args.out) / FAILURES_FILE})", file=sys.stderr)
+        return 1
     return 0 if report.pages else 1
 
 
