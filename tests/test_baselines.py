@@ -68,6 +68,7 @@ def test_vidore_bm25_runs_from_the_config(tmp_path):
     assert (tmp_path / "v" / TABLE_FILE).read_text().startswith("E[ndcg@5] (x100)")
     scores = result["results"]["synchart"]["single"]["all"]
     assert 0 < scores["E[ndcg@5]"] <= 1 and scores["recall@10"] == 1.0  # every page is ranked, score 0 or not
+    assert 0 < scores["vidore_mrr@10"] <= 1  # ViDoRe's MRR, ties in corpus order, beside the report's metrics
 
 
 def test_the_dense_search_keeps_every_page_tied_at_the_depth():

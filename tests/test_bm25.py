@@ -1,7 +1,9 @@
 """BM25 over page text (hkrag/retrieval/bm25.py): bm25s's scores against the Lucene BM25 formula written out by
-hand, ranking order and ties, tokenisation settings, and pages without text."""
+hand, ranking order and ties, tokenisation settings, pages without text, and text without tokens counted and warned
+of in both BM25 rankers (and through the hybrid and region rankers that hold one)."""
 
 import io
+import logging
 import math
 
 import datasets
@@ -9,7 +11,8 @@ import pytest
 from PIL import Image
 
 from hkrag.data.opendocvqa import CORPUS_FEATURES, QUERY_PREFIX, Corpus, DataError, QAExample, format_query
-from hkrag.retrieval.bm25 import BM25Ranker, VidoreBM25Ranker
+from hkrag.retrieval.bm25 import BM25Ranker
+from hkrag.retrieval.bm25_vidore import VidoreBM25Ranker
 
 PAGES = {
     "d1": "Rainfall chart: rainfall",  # tokens: rainfall chart rainfall
@@ -120,42 +123,58 @@ def test_text_comes_from_the_configured_column():
     assert list(BM25Ranker(text_column="ocr_text").rank(queries("sales"), corpus, 10)["q0"]) == ["d2"]
 
 
-def test_vidore_tokens_by_hand():
-    text = "The RAINFALL chart, sourced from OSCAR. REF R4 P.3: Dr. Smith's 3.5% rise? It's U.S.-made"
-    # word_tokenize: The RAINFALL chart , sourced from OSCAR . REF R4 P.3 : Dr. Smith 's 3.5 % rise ? It 's U.S.-made
-    # kept if alphanumeric (not "P.3", "Dr.", "'s", "3.5", "U.S.-made"), lowercased, minus NLTK's English stop words
-    # ("the", "from", "it"); Punkt ends the sentence after "OSCAR", so "OSCAR" loses its period and stays
-    assert VidoreBM25Ranker().tokenize([text]) == [["rainfall", "chart", "sourced", "oscar", "ref", "r4", "smith",
-                                                    "rise"]]
-    assert VidoreBM25Ranker().tokenize(["Is this it?", ""]) == [[], []]  # stop words only; nothing
+TOKENLESS = {  # text that tokenises to nothing, for each ranker
+    "symbols": "§§ —— *** · • ¶",
+    "hindi": "हिन्दी भाषा",  # vowel signs are not alphanumeric: no run of two word characters, no isalnum word
+    "punctuation": "... ?! -- (( ))",
+}
 
 
-def okapi_bm25(query, docs, k1=1.5, b=0.75, epsilon=0.25):
-    """rank_bm25's BM25Okapi by its formula: idf(t) = ln((N - df + 0.5) / (df + 0.5)), an idf below 0 replaced by
-    epsilon x the mean idf over the corpus's terms; score = sum over t in q of idf(t) tf (k1 + 1) / (tf + k1 (1 - b +
-    b |d| / avgdl))."""
-    n, avgdl = len(docs), sum(map(len, docs.values())) / len(docs)
-    terms = {t for d in docs.values() for t in d}
-    idf = {t: math.log((n - (df := sum(t in d for d in docs.values())) + 0.5) / (df + 0.5)) for t in terms}
-    floor = epsilon * sum(idf.values()) / len(idf)
-    idf = {t: floor if v < 0 else v for t, v in idf.items()}
-    return {doc_id: sum(idf.get(t, 0.0) * doc.count(t) * (k1 + 1) / (doc.count(t) + k1 * (1 - b + b * len(doc) /
-                                                                                          avgdl)) for t in query)
-            for doc_id, doc in docs.items()}
+@pytest.mark.parametrize("ranker", [BM25Ranker(), VidoreBM25Ranker()], ids=["bm25", "bm25_vidore"])
+def test_tokenless_pages_and_queries_are_counted_and_warned_of(ranker, caplog):
+    pages = {**PAGES, **{f"x_{name}": text for name, text in TOKENLESS.items()}}
+    corpus = corpus_of(pages)
+    qa = queries("rainfall chart", *TOKENLESS.values(), "12.5 %")
+    with caplog.at_level(logging.WARNING, logger="hkrag.retrieval.bm25"):
+        run = ranker.rank(qa, corpus, 10)
+    pages_line, queries_line = (r.getMessage() for r in caplog.records)
+    assert pages_line.startswith(f"{ranker.name} on toy: 3 of 7 pages have no token (0 blank; e.g. [('x_symbols',")
+    assert pages_line.endswith("so they score 0 against every query")
+    tokenless_queries = 4 if ranker.name == "bm25_vidore" else 3  # "12.5 %": bm25 keeps "12", ViDoRe drops "12.5"
+    assert queries_line.startswith(f"{ranker.name} on toy: {tokenless_queries} of 5 queries have no token (0 blank")
+    assert ranker.report_extras(run, qa, corpus) | {"vidore_mrr@10": 0} == {
+        "pages_without_tokens": 3, "queries_without_tokens": tokenless_queries, "vidore_mrr@10": 0}
+    assert all(run[f"q{i}"][d] == 0 for i in (1, 2, 3) for d in run[f"q{i}"])  # every page 0 (bm25: none at all)
+    assert all(run["q0"].get(d, 0) == 0 for d in pages if d.startswith("x_"))
 
 
-def test_vidore_scores_equal_bm25okapi_and_rank_every_page():
-    pages = {**PAGES, "d5": "Rainfall"}
-    tokens = {"d1": ["rainfall", "chart", "rainfall"], "d2": ["sales", "chart"], "d3": ["rainfall", "ref", "r4"],
-              "d4": ["profit", "table", "2019"], "d5": ["rainfall"]}  # "a" is a stop word
-    assert VidoreBM25Ranker().tokenize(list(pages.values())) == list(tokens.values())
-    run = VidoreBM25Ranker().rank(queries("Rainfall chart?"), corpus_of(pages), depth=10)["q0"]
-    expected = okapi_bm25(["rainfall", "chart"], tokens)
-    assert run == pytest.approx(expected, rel=1e-9)
-    assert expected["d1"] > 0 and expected["d4"] == 0.0 and "d4" in run  # a page scoring 0 is ranked, as in ViDoRe
-    # df(rainfall) = 3 of N = 5: idf = ln(2.5 / 3.5) < 0, replaced by 0.25 x the mean idf (> 0 here)
-    rainfall = VidoreBM25Ranker().rank(queries("rainfall"), corpus_of(pages), depth=10)["q0"]
-    mean_idf = (6 * math.log(4.5 / 1.5) + math.log(3.5 / 2.5) + math.log(2.5 / 3.5)) / 8  # 6 terms in 1 page, chart 2
-    assert rainfall["d5"] == pytest.approx(0.25 * mean_idf * 2.5 / (1 + 1.5 * (0.25 + 0.75 * 1 / 2.4)), rel=1e-9)
-    blank = VidoreBM25Ranker(allow_empty=True).rank(queries("rainfall"), corpus_of({"a": "", "b": "the"}), 1)
-    assert blank == {"q0": {"b": 0.0, "a": 0.0}}  # no page has a token: every page ties at 0
+def test_no_warning_and_no_report_entry_when_every_text_has_a_token(caplog):
+    ranker = BM25Ranker()
+    with caplog.at_level(logging.WARNING, logger="hkrag.retrieval.bm25"):
+        run = ranker.rank(queries("rainfall"), corpus_of(PAGES), 10)
+    assert caplog.records == [] and ranker.report_extras(run, queries("rainfall"), corpus_of(PAGES)) == {}
+
+
+def test_blank_pages_allowed_are_counted_as_blank(caplog):
+    pages = {**PAGES, "blank": " ", "none": None}
+    with caplog.at_level(logging.WARNING, logger="hkrag.retrieval.bm25"):
+        BM25Ranker(allow_empty=True).rank(queries("rainfall"), corpus_of(pages), 10)
+    assert [r.getMessage() for r in caplog.records] == [
+        "bm25 on toy: 2 of 6 pages have no token (2 blank; e.g. [('blank', ' '), ('none', '')]), so they score 0 "
+        "against every query"]
+
+
+def test_the_hybrid_ranker_warns_through_its_bm25(caplog):
+    from hkrag.retrieval.fusion import HybridRanker
+
+    class Dense:
+        name = "dense"
+
+        def rank(self, qa, corpus, depth, corpus_key="corpus"):
+            return {ex.query_id: {corpus.doc_ids[0]: 1.0} for ex in qa}
+
+    corpus = corpus_of({**PAGES, "x": TOKENLESS["symbols"]})
+    with caplog.at_level(logging.WARNING, logger="hkrag.retrieval.bm25"):
+        HybridRanker(dense=Dense(), lexical=BM25Ranker()).rank(queries("§§"), corpus, 5, "all")
+    assert [r.getMessage()[:44] for r in caplog.records] == ["bm25 on toy: 1 of 5 pages have no token (0 b",
+                                                             "bm25 on toy: 1 of 1 queries have no token (0"]

@@ -31,8 +31,8 @@ so a query may return fewer pages; ``bm25_vidore`` does.
 
 **Text without tokens.** A page or query whose text tokenises to nothing (blank, symbols only, a script the
 tokeniser drops) scores 0 against everything. Each corpus logs a warning with how many of its pages have no token,
-each ranking one with how many queries have none, and :meth:`PageTextRanker.report_extras` puts both counts in the
-evaluation report (``pages_without_tokens``, ``queries_without_tokens``).
+each ranking one with how many queries have none, and :meth:`PageTextRanker.report_extras` puts the counts that are
+not 0 in the evaluation report's ``all`` block (``pages_without_tokens``, ``queries_without_tokens``).
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ class PageTextRanker:
 
     def report_extras(self, run: dict, qa: Sequence[QAExample], corpus: Corpus) -> dict[str, float]:
         """Entries for the evaluation report beside the metrics: how many pages of ``corpus`` and queries ranked on
-        it had no token."""
-        return dict(self._tokenless.get(corpus.name, {}))
+        it had no token, when some had none (so a report's keys stay those of the dense retriever's otherwise)."""
+        return {key: count for key, count in self._tokenless.get(corpus.name, {}).items() if count}
 
 
 @dataclass

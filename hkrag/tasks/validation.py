@@ -92,6 +92,8 @@ RULES: dict[str, Rule] = {
     "eval.shard_size": POSITIVE,
     "retriever.k1": Rule(float, low=0),
     "retriever.b": FRACTION,
+    "retriever.epsilon": Rule(float, low=0),
+    "retriever.chunk_chars": OPTIONAL_POSITIVE,
     "retriever.lexical.k1": Rule(float, low=0),
     "retriever.lexical.b": FRACTION,
     "retriever.rrf_k": Rule(float, low=0),
