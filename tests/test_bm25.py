@@ -178,3 +178,16 @@ def test_the_hybrid_ranker_warns_through_its_bm25(caplog):
         HybridRanker(dense=Dense(), lexical=BM25Ranker()).rank(queries("§§"), corpus, 5, "all")
     assert [r.getMessage()[:44] for r in caplog.records] == ["bm25 on toy: 1 of 5 pages have no token (0 b",
                                                              "bm25 on toy: 1 of 1 queries have no token (0"]
+
+
+def test_the_region_ranker_warns_through_its_bm25_of_tokenless_units(caplog):
+    from hkrag.data.region_corpus import PAGE_COLUMN
+    from hkrag.retrieval.regions import RegionRanker
+
+    units = corpus_of({"p1#0": "Rainfall chart", "p1#1": TOKENLESS["symbols"], "p2#0": TOKENLESS["hindi"]})
+    units = Corpus(units.dataset.add_column(PAGE_COLUMN, ["p1", "p1", "p2"]), name="units")
+    with caplog.at_level(logging.WARNING, logger="hkrag.retrieval.bm25"):
+        run = RegionRanker(inner=BM25Ranker()).rank(queries("rainfall", "—"), units, 5, "all")
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["bm25 on units: 2 of 3 pages have no token",
+                                                                       "bm25 on units: 1 of 2 queries have no token"]
+    assert list(run["q0"]) == ["p1"] and run["q1"] == {}
