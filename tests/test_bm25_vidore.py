@@ -8,6 +8,7 @@ import math
 import nltk
 import numpy as np
 import pytest
+import pytrec_eval
 from _eval_config import tiny_eval_config
 from test_bm25 import PAGES, corpus_of, queries
 
@@ -163,6 +164,11 @@ def test_the_evaluation_dedupes_queries_and_reports_mrr_with_ties_in_corpus_orde
     assert result["all"]["vidore_mrr@10"] == pytest.approx((1 / 3 + 1) / 2)
     assert result["all"]["mrr@10"] == pytest.approx(1.0)
     assert result["all"]["E[mrr@10]"] == pytest.approx((11 / 18 + 1) / 2)
+    # ViDoRe's nDCG@5: pytrec_eval over its full results (every page, scores folded from BM25Okapi's) = ndcg@5 here
+    full = {q: reference_run(list(TIED.values()), list(TIED), VidoreBM25Ranker().tokenize([text])[0])
+            for q, text in (("q0", "fine"), ("q1", "words"))}
+    ndcg = pytrec_eval.RelevanceEvaluator({"q0": {"c": 1}, "q1": {"d": 1}}, {"ndcg_cut.5"}).evaluate(full)
+    assert result["all"]["ndcg@5"] == pytest.approx(np.mean([v["ndcg_cut_5"] for v in ndcg.values()]))
     assert corpus_order_mrr({"q": {"c": 1.0, "a": 1.0}}, {"q": {"c": 1}}, ["a", "c"]) == 0.5
     assert corpus_order_mrr({}, {"q": {"c": 1}}, ["c"]) == 0.0  # a judged query without a run scores 0
 
