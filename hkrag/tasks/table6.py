@@ -503,7 +503,8 @@ def summarize(rows: Sequence[Mapping[str, Any]], trained: Mapping[int, Sequence[
                      **crossed_difference(_matrix(by_run, claim.better, seeds, keys),
                                           _matrix(by_run, claim.worse, seeds, keys), questions, confidence),
                      "testable": reason is None, "reason": reason,
-                     "caveats": caveats(configs[claim.better], configs[claim.worse], component, pages, trained_all)}
+                     "caveats": [] if reason else caveats(configs[claim.better], configs[claim.worse], component,
+                                                          pages, trained_all)}
             test = (tuple(keys), same[claim.better], same[claim.worse])
             if reason is None and test in tested:
                 first = family[tested[test]]
