@@ -115,11 +115,14 @@ def test_changed_rules_are_refused_naming_both_hashes(tmp_path, monkeypatch):
         table6.register_rules(table6.Table6Config(tmp_path / "old", seeds=[0]))
 
 
-def test_the_registered_rules_are_the_committed_file():
+def test_the_registered_rules_are_the_committed_file(capsys):
     assert table6.RULES_FILE == Path(__file__).resolve().parents[1] / "docs" / "rules" / "table6.md"
     assert "identical by construction" in table6.RULES_FILE.read_text()
     with pytest.raises(table6.RulesChangedError, match="records no registered verdict rules"):
         table6.render(json.loads((COMMITTED / "table6.json").read_text()))  # made under the old, post-hoc rule
+    with pytest.raises(SystemExit) as exit_info:
+        table6.main(["--render", str(COMMITTED / "table6.json")])
+    assert exit_info.value.code == 2 and "records no registered verdict rules" in capsys.readouterr().err
 
 
 def synthetic_rows(seed_effects: dict[str, float], n_questions: int = 12, seeds: int = 3) -> list[dict]:

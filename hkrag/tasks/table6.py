@@ -677,7 +677,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.render:
         report = json.loads(args.render.read_text())
-        print(render(report))
+        try:
+            print(render(report))
+        except RulesChangedError as error:
+            parser.exit(2, f"{parser.prog}: error: {args.render}: {error}\n")
         return report
     if args.out is None:
         parser.error("--out is required (but with --render)")
@@ -691,7 +694,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                               command=command.strip())
     except ValueError as error:
         parser.error(str(error))
-    report = run_table6(config)
+    try:
+        report = run_table6(config)
+    except RulesChangedError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     print((config.out / "table6.md").read_text())
     return report
 
