@@ -2,7 +2,9 @@
 Table 5 claims, and a rerun skips finished jobs and redoes unfinished ones."""
 
 import json
+from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
@@ -139,3 +141,13 @@ def test_bad_settings_are_named():
         ReplicaConfig("out", seeds=(), steps=2)
     with pytest.raises(ValueError, match="workers=0"):
         ReplicaConfig("out", workers=0)
+
+
+def test_the_readmes_table_5_verdicts_are_the_committed_report():
+    root = Path(__file__).resolve().parents[1]
+    verdicts = json.loads((root / "docs" / "replica" / "replica.json").read_text())["tables"]["table5"]["verdicts"]
+    readme = " ".join((root / "README.md").read_text().split())
+    counts = Counter(v["verdict"] for v in verdicts)
+    assert (len(verdicts), counts["inconclusive"], counts["not reproduced"]) == (14, 13, 1)
+    assert ("Of the 14 verdicts on the paper's Table 5 claims (7 claims × 2 pools), 13 are *inconclusive*" in readme
+            and "and one is *not reproduced*" in readme)

@@ -5,6 +5,7 @@ nothing."""
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -215,3 +216,21 @@ def test_a_second_invocation_re_runs_nothing(tmp_path, monkeypatch):
     assert set(steps) == {f"{pages}-{g}" for pages in ("gold", "retrieved") for g in ("single_pass", "no_decoupler")}
     assert steps["gold-single_pass"]["queries"] == 2 * 3  # two seeds' runs of 3 questions, pooled
     assert len(read_rows(tmp_path / "t6" / table6.QUERIES_FILE)) == 2 * 2 * (3 + 6)  # seeds x configs x rows
+
+
+def test_the_readmes_verdicts_are_the_committed_reports():
+    """README's Table 6 verdict table, cell by cell, is docs/table6/table6.json's (difference, interval, verdicts)."""
+    readme = (COMMITTED.parents[1] / "README.md").read_text()
+    table = readme.split("| claim | gold pages | retrieved pages |\n|---|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    report = json.loads((COMMITTED / "table6.json").read_text())
+    cell = re.compile(r"([+−-]\d+\.\d) \[([+−-]\d+\.\d), ([+−-]\d+\.\d)\] ([a-z ]+) \(([a-z ]+)\)")
+    for line, claim in zip(table.splitlines(), table6.CLAIMS, strict=True):
+        for text, pages in zip(line.strip("|").split("|")[1:], ("gold", "retrieved"), strict=True):
+            committed = next(c for c in report["sets"][pages]["claims"] if c["text"] == claim[0].text)
+            if committed["verdict"] == "not testable":
+                assert text.strip().startswith("not testable")
+                continue
+            diff, low, high, raw, corrected = cell.fullmatch(text.strip()).groups()
+            numbers = [float(x.replace("−", "-")) for x in (diff, low, high)]
+            assert numbers == [round(100 * committed[k], 1) for k in ("diff", "low", "high")]
+            assert (raw, corrected) == (committed["verdict"], committed["corrected_verdict"])
