@@ -27,7 +27,7 @@ def done(tmp_path_factory):
     out = tmp_path_factory.mktemp("replica")
     data_dir = f"paths.data_dir={out / 'data'}"
     config = ReplicaConfig(out / "run", seeds=(0, 1), steps=2, eval_every=1, alphas=(0.5,), betas=(1.0,),
-                           similarity=False, overrides=[data_dir, *TINY], n_resamples=200, generator_steps=2,
+                           similarity=False, overrides=[data_dir, *TINY], generator_steps=2,
                            hard_negatives=2,
                            thresholds=(0.5, 0.8), eval_overrides=[data_dir, *DATA, "rag.max_queries=3"])
     return config, run_replica(config)
