@@ -426,23 +426,27 @@ class Claim:
 
 
 VERDICTS = ("reproduced", "not reproduced", "inconclusive", "not testable")
-VERDICT_RULE = ("the smallest effect of interest is tested first: *not reproduced* when the interval of better − "
-                "worse lies wholly below the margin (even if above 0); *reproduced* when it lies above 0 and reaches "
-                "the margin; else *inconclusive*; *not testable* when the two configurations cannot be told apart "
-                "by construction (the reason is given)")
-""":func:`verdict`'s rule in words, for reports to quote (with the margin)."""
+VERDICT_RULE = ("*not testable* only when the two configurations are identical by construction (decided from the code "
+                "path and the configs before any run, never from the outcomes; the reason is given); a zero-width "
+                "interval (low = high: no variation to estimate an uncertainty from, e.g. no discordant pair) is "
+                "*inconclusive*; otherwise the smallest effect of interest is tested first: *not reproduced* when the "
+                "interval of better − worse lies wholly below the margin (even if above 0); *reproduced* when it lies "
+                "above 0 and reaches the margin; else *inconclusive*")
+""":func:`verdict`'s rule in words, for reports to quote (with the margin; docs/statistics.md, docs/rules/)."""
 
 
 def verdict(low: float, high: float, margin: float, testable: bool = True, reason: str | None = None) -> str:
     """The verdict on a claim "better beats worse" from the interval ``[low, high]`` of better − worse.
 
-    The rule (:data:`VERDICT_RULE`) tests the smallest effect of interest ``margin`` (≥ 0) first:
+    The rule (:data:`VERDICT_RULE`):
 
-    - ``not testable`` when ``testable`` is False (e.g. the two configurations coincide on the set, or a component
-      never runs); ``reason`` must then say why (reports show it beside the label);
-    - ``not reproduced`` when ``high < margin``: no gain as large as the margin is compatible with the data,
-      even when the interval lies above 0 (a real but negligible gain does not reproduce a claimed one);
-    - ``reproduced`` when ``low > 0`` (and, by the first test, ``high ≥ margin``);
+    - ``not testable`` when ``testable`` is False: the caller decided, before any run, that the two configurations
+      are identical by construction; ``reason`` must say why (reports show it beside the label);
+    - ``inconclusive`` when the interval has zero width (``low == high``): a zero standard error is no evidence of
+      no effect (two configurations that differ on no sampled query), so it never reads *not reproduced*;
+    - ``not reproduced`` when ``high < margin`` (``margin`` ≥ 0, the smallest effect of interest): no gain as large
+      as the margin is compatible with the data, even when the interval lies above 0;
+    - ``reproduced`` when ``low > 0`` (and, by the previous test, ``high ≥ margin``);
     - ``inconclusive`` otherwise (the interval holds 0 and reaches the margin).
     """
     if margin < 0:
@@ -451,8 +455,10 @@ def verdict(low: float, high: float, margin: float, testable: bool = True, reaso
         raise ValueError(f"an interval needs low <= high, got [{low}, {high}]")
     if not testable:
         if not reason:
-            raise ValueError("a claim that is not testable needs a reason (e.g. 'identical calls on every query')")
+            raise ValueError("a claim that is not testable needs a reason (e.g. 'identical configurations')")
         return "not testable"
+    if low == high:
+        return "inconclusive"
     if high < margin:
         return "not reproduced"
     return "reproduced" if low > 0 else "inconclusive"
@@ -464,8 +470,15 @@ def corrected_verdicts(
     """Raw and family-corrected p-values, intervals and verdicts of a family of claims (e.g. a table's verdicts).
 
     ``results[i]`` is claim i's :func:`crossed_interval` (or :func:`crossed_difference`) result: ``mean``, ``se``,
-    ``df``, ``p_value``, ``low``, ``high``; a ``"testable": False`` entry (with ``"reason"``) is a claim that
-    cannot be tested and is left out of the family. With m testable claims:
+    ``df``, ``p_value``, ``low``, ``high``. Two kinds of entry stay out of the family:
+
+    - ``"testable": False`` (with ``"reason"``): two configurations identical by construction;
+    - ``"duplicate_of": j``: the same test as entry ``j`` (the same configurations on the same queries, e.g. a
+      subset that holds every query of its set), listed once in the family: it takes entry ``j``'s corrected
+      p-value, interval and verdicts.
+
+    A zero-width interval is a member like any other (its verdict is *inconclusive*, :func:`verdict`). With m
+    members:
 
     - ``p_holm``: Holm's adjusted p-value of mean = 0 (:func:`holm`);
     - ``corrected_low``/``corrected_high``: the Bonferroni-level interval at ``corrected_confidence`` = 1 − alpha/m
@@ -479,23 +492,34 @@ def corrected_verdicts(
     """
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    tested = [i for i, result in enumerate(results) if result.get("testable", True)]
-    adjusted = dict(zip(tested, holm([results[i]["p_value"] for i in tested])))
-    confidence = 1 - alpha / max(1, len(tested))
-    out = []
+    for i, result in enumerate(results):
+        j = result.get("duplicate_of")
+        if j is not None and not (0 <= j < len(results) and j != i and results[j].get("duplicate_of") is None):
+            raise ValueError(f"claim {i}: duplicate_of={j} must name another claim of the family that is not itself "
+                             "a duplicate")
+    members = [i for i, result in enumerate(results)
+               if result.get("testable", True) and result.get("duplicate_of") is None]
+    adjusted = dict(zip(members, holm([results[i]["p_value"] for i in members])))
+    confidence = 1 - alpha / max(1, len(members))
+    out: list[dict[str, Any]] = []
     for i, result in enumerate(results):
         testable, reason = result.get("testable", True), result.get("reason")
         entry = {**result, "verdict": verdict(result["low"], result["high"], margin, testable, reason),
                  "p_holm": None, "corrected_low": None, "corrected_high": None,
-                 "corrected_confidence": confidence, "corrected_verdict": "not testable", "family_size": len(tested)}
-        if testable:
+                 "corrected_confidence": confidence, "corrected_verdict": "not testable", "family_size": len(members)}
+        if i in adjusted:
             low, high = interval_at(result, confidence)
             entry.update(p_holm=adjusted[i], corrected_low=low, corrected_high=high,
                          corrected_verdict=verdict(low, high, margin))
         out.append(entry)
+    for entry in out:
+        if (j := entry.get("duplicate_of")) is not None:
+            entry.update({key: out[j][key] for key in ("verdict", "p_holm", "corrected_low", "corrected_high",
+                                                        "corrected_verdict")})
     return out
 
 
-CORRECTION = ("Holm–Bonferroni over the table's m testable claims (adjusted p), Bonferroni-level intervals at "
-              "confidence 1 − alpha/m for the corrected verdicts")
+CORRECTION = ("Holm–Bonferroni over the table's family of m claims (adjusted p; a claim identical by construction "
+              "is out of it, a duplicated test counted once, a zero-width interval in it), Bonferroni-level intervals "
+              "at confidence 1 − alpha/m for the corrected verdicts")
 """:func:`corrected_verdicts`' correction in words, for reports to quote."""

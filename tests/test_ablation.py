@@ -136,12 +136,13 @@ def test_verdicts_on_the_table_5_claims_that_ran(multirun):
     # no_din did not run: its claims are left out; every other claim is judged in both pools
     assert {key[:3] for key in verdicts} == {("hkrag", "infonce", "all"), ("hkrag", "no_sin", "all"),
                                              ("no_sin", "infonce", "all"), ("hkrag", "no_sin", "fine_print")}
-    assert verdicts["no_sin", "infonce", "all", "single"]["verdict"] == "not reproduced"  # identical: [0, 0]
-    fine = verdicts["hkrag", "no_sin", "fine_print", "single"]  # +0.25 on every seed and query
-    assert (fine["low"], fine["high"], fine["verdict"]) == (pytest.approx(0.25), pytest.approx(0.25), "reproduced")
+    # a zero-width interval is inconclusive, never (not) reproduced: identical runs give [0, 0] ...
+    assert verdicts["no_sin", "infonce", "all", "single"]["verdict"] == "inconclusive"
+    fine = verdicts["hkrag", "no_sin", "fine_print", "single"]  # ... and +0.25 on every seed and query [0.25, 0.25]
+    assert (fine["low"], fine["high"], fine["verdict"]) == (pytest.approx(0.25), pytest.approx(0.25), "inconclusive")
     text = (multirun / "ablation.md").read_text()
     assert "## Verdicts on the paper's claims" in text and "| fine_print | single | +25.0 [+25.0, +25.0] | < 1e-4 | " \
-        "reproduced | < 1e-4 | [+25.0, +25.0] | **reproduced** |" in text
+        "inconclusive | < 1e-4 | [+25.0, +25.0] | **inconclusive** |" in text
     assert "margin (smallest effect of interest) 1 nDCG@5 points" in text and "m = 8 verdicts" in text
     # Holm over the 8 verdicts: the smallest p is multiplied by 8; intervals at 1 - 0.05/8 = 99.375 %
     everything = verdicts["hkrag", "infonce", "all", "single"]

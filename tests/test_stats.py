@@ -236,7 +236,9 @@ def test_holm_by_hand():
     (-0.02, 0.005, "not reproduced"),
     (-0.05, -0.01, "not reproduced"),
     (-0.02, 0.03, "inconclusive"),
-    (0.0, 0.0, "not reproduced"),
+    (0.0, 0.0, "inconclusive"),  # zero width: no discordant pair is no evidence of no effect
+    (0.005, 0.005, "inconclusive"),  # zero width below the margin: still no interval to judge by
+    (0.03, 0.03, "inconclusive"),
 ])
 def test_verdict_rule_tests_the_margin_first(low, high, expected):
     assert verdict(low, high, margin=0.01) == expected
@@ -279,3 +281,20 @@ def test_bounds_intersect_the_interval_with_the_range_of_the_mean():
     assert free["low"] < 0 and bounded["low"] == 0.0 and bounded["high"] == free["high"]
     with pytest.raises(ValueError, match="outside the bounds"):
         crossed_interval([[2.0, 3.0]], bounds=(0.0, 1.0))
+
+
+def test_a_zero_width_interval_is_a_family_member_and_a_duplicate_is_counted_once():
+    results = [{"mean": 0.05, "se": 0.015, "df": 10.0}, {"mean": 0.0, "se": 0.0, "df": 4.0, "p_value": 1.0},
+               {"mean": 0.05, "se": 0.015, "df": 10.0, "duplicate_of": 0}]
+    for result in (results[0], results[2]):
+        result["p_value"] = 2 * scipy_stats.t.sf(result["mean"] / result["se"], result["df"])
+    for result in results:
+        result["low"], result["high"] = interval_at(result, 0.95)
+    out = corrected_verdicts(results, margin=0.01)
+    assert out[0]["family_size"] == 2 and out[0]["corrected_confidence"] == 0.975  # the zero-width claim counts
+    assert out[1]["verdict"] == out[1]["corrected_verdict"] == "inconclusive" and out[1]["p_holm"] == 1.0
+    assert out[0]["p_holm"] == pytest.approx(2 * results[0]["p_value"])
+    assert {k: out[2][k] for k in ("p_holm", "corrected_low", "corrected_verdict")} == {
+        k: out[0][k] for k in ("p_holm", "corrected_low", "corrected_verdict")}
+    with pytest.raises(ValueError, match="duplicate_of=2 must name another claim"):
+        corrected_verdicts([results[0], {**results[1], "duplicate_of": 2}, results[2]], margin=0.01)

@@ -1,7 +1,11 @@
-"""Table 6's command (hkrag/tasks/table6.py): *not testable* read from the traces, Holm over the table's family, the
-committed figures re-derived from the committed per-query data, and a rerun that re-runs nothing."""
+"""Table 6's command (hkrag/tasks/table6.py): *not testable* decided from the configs alone, zero-width intervals
+inconclusive and in the family, duplicated tests counted once, Holm over the table's family, the registered rules'
+hash checked, the committed figures re-derived from the committed per-query data, and a rerun that re-runs
+nothing."""
 
+import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -9,78 +13,117 @@ import pytest
 import yaml
 
 import hkrag.tasks.common as common
-from hkrag.rag.records import CallRecord, QueryOutcome
 from hkrag.stats import crossed_interval
 from hkrag.tasks import table6
-from hkrag.tasks.table6 import judge_testability, query_row, read_rows, summarize
+from hkrag.tasks.table6 import identical_by_construction, read_rows, summarize
 
 COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "table6"
 ALL_STEPS = ("single_pass", "pruner", "answer", "verify", "salient", "fine_print", "decouple", "integrate")
 
 
-def outcome(query_id: str, calls: list[tuple[str, str, list[str], str]], answer: str = "R4",
-            retrieved: tuple[str, ...] = ("p1", "p2", "p3")) -> QueryOutcome:
-    """A retrieved-pages outcome whose calls are ``(agent, step, pages, reply)``; its gold answer is R4; the pages
-    kept are those of its last call."""
-    records = [CallRecord(agent=agent, prompt=f"{step} about {query_id}", page_ids=pages, step=step, output=reply)
-               for agent, step, pages, reply in calls]
-    kept = calls[-1][2] if calls else list(retrieved)
-    return QueryOutcome(query_id=query_id, question="What is the code?", gold=["R4"], dataset="synchart",
-                        pool="single", retrieved=list(retrieved), kept=list(kept), route="LQP", answer=answer,
-                        calls=records, metrics={"relaxed_accuracy": float(answer == "R4")})
+CONFIGS = table6.shipped_configs()
+"""conf/generator's four configurations, as eval.py composes them."""
 
 
-def rows(outcomes: list[QueryOutcome], generator: str = "hkrag") -> list[dict]:
-    return [query_row(o, "retrieved", generator, 0, {"p1"}) for o in outcomes]
+def test_not_testable_is_decided_from_the_configs_alone():
+    hkrag, no_pruner = CONFIGS["hkrag"], CONFIGS["no_pruner"]
+    # one page in the Pruner's buffer: it asks nothing and keeps the page the fixed top-k keeps
+    assert "differ only in `pruner`" in identical_by_construction(hkrag, no_pruner, buffer=1)
+    assert identical_by_construction(hkrag, no_pruner, buffer=3) is None  # it can prune: a result, whatever it does
+    assert identical_by_construction(hkrag, {**hkrag, "name": "copy"}, buffer=3).startswith("identical configurations")
+    # the Pruner alone against the baseline on one page: verify's prompt against single_pass's, different calls
+    assert identical_by_construction(CONFIGS["no_decoupler"], CONFIGS["single_pass"], buffer=1) is None
+    assert identical_by_construction(hkrag, CONFIGS["no_decoupler"], buffer=1) is None
+    assert identical_by_construction({**hkrag, "threshold": 0.5}, no_pruner, buffer=1) is None
 
 
-AGENTIC = [("pruner", "pruner", ["p1"], "yes"), ("judger", "answer", ["p1"], "R4"),
-           ("summarizer", "verify", ["p1"], "R4")]
+def test_a_config_handing_the_pruner_one_page_is_not_testable_whatever_the_runs_answered():
+    data = synthetic_rows({"single_pass": 0.2, "no_pruner": 0.5, "no_decoupler": 0.35, "hkrag": 0.8})
+    for row in data:  # one gold page each: hkrag's calls and answers differ from no_pruner's, which changes nothing
+        row["ranked"] = 1
+    claims = summarize(data, {seed: ALL_STEPS for seed in range(3)}, configs=CONFIGS)["sets"]["gold"]["claims"]
+    by = {(c["better"], c["worse"]): c for c in claims}
+    assert not by["hkrag", "no_pruner"]["testable"] and "at most 1 page" in by["hkrag", "no_pruner"]["reason"]
+    # the Pruner alone against the baseline stays testable (other prompts), its confound named beside the verdict
+    pruner_alone = by["no_decoupler", "single_pass"]
+    assert pruner_alone["testable"] and pruner_alone["verdict"] != "not testable"
+    assert any("Pruner cannot run" in note for note in pruner_alone["caveats"])
+    # hkrag and no_pruner are one configuration here: "Gen w/o pruner beats the baseline" is the same test as
+    # "HKRAG-Gen beats the baseline", counted once; the family is 3 claims
+    duplicate = by["no_pruner", "single_pass"]
+    assert duplicate["duplicate_of"] == claims.index(by["hkrag", "single_pass"]) and not duplicate["caveats"]
+    assert duplicate["p_holm"] == by["hkrag", "single_pass"]["p_holm"] and claims[0]["family_size"] == 3
 
 
-def test_identical_traces_are_not_testable_and_one_other_reply_is():
-    first = rows([outcome("q1", AGENTIC), outcome("q2", AGENTIC)])
-    same = rows([outcome("q1", AGENTIC), outcome("q2", AGENTIC)], "no_decoupler")
-    testable, reason = judge_testability(first, same, "pruner", ALL_STEPS)
-    assert not testable and "identical calls" in reason
-    other_reply = [*AGENTIC[:2], ("summarizer", "verify", ["p1"], "R5")]
-    differs = rows([outcome("q1", AGENTIC), outcome("q2", other_reply, answer="R5")], "no_decoupler")
-    assert judge_testability(first, differs, "pruner", ALL_STEPS) == (True, None)
+def test_a_pruner_that_keeps_every_page_is_a_result_and_a_zero_width_interval_inconclusive_in_the_family():
+    data = synthetic_rows({"single_pass": 0.2, "no_pruner": 0.5, "no_decoupler": 0.35, "hkrag": 0.8})
+    no_pruner = {(r["seed"], r["query_id"]): r["score"] for r in data if r["generator"] == "no_pruner"}
+    for row in data:  # three pages; hkrag's Pruner keeps all three and every answer equals no_pruner's
+        if row["generator"] == "hkrag":
+            row.update(score=no_pruner[row["seed"], row["query_id"]], kept=3)
+    summary = summarize(data, {seed: ALL_STEPS for seed in range(3)}, configs=CONFIGS)
+    claim = next(c for c in summary["sets"]["gold"]["claims"] if (c["better"], c["worse"]) == ("hkrag", "no_pruner"))
+    assert claim["testable"] and (claim["low"], claim["high"]) == (0.0, 0.0)
+    assert claim["verdict"] == claim["corrected_verdict"] == "inconclusive"  # never "not reproduced"
+    assert claim["p_holm"] == 1.0 and summary["family_size"] == 5  # a member of the family
 
 
-def test_a_component_that_changes_no_other_call_is_not_testable():
-    # hkrag's Pruner asks and keeps every page: the calls after it are no_pruner's, call for call
-    kept_all = [("pruner", "pruner", ["p1"], "no"), ("pruner", "pruner", ["p1", "p2"], "no"),
-                ("judger", "answer", ["p1", "p2", "p3"], "R4"), ("summarizer", "verify", ["p1", "p2", "p3"], "R4")]
-    with_pruner = rows([outcome("q1", kept_all)])
-    without = rows([outcome("q1", kept_all[2:])], "no_pruner")
-    testable, reason = judge_testability(with_pruner, without, "pruner", ALL_STEPS)
-    assert not testable and reason == ("the Pruner never prunes on this set (it keeps every page of every query); the "
-                                       "two configurations coincide: the pruner calls changed no other call on any "
-                                       "query and seed (same pages, prompts and replies after them)")
-    single_pass = rows([outcome("q1", [("single_pass", "single_pass", ["p1", "p2", "p3"], "R5")], answer="R5")],
-                       "single_pass")  # the Pruner alone against the baseline: other prompts, but no pruning
-    assert judge_testability(with_pruner, single_pass, "pruner", ALL_STEPS) == (
-        False, "the Pruner never prunes on this set (it keeps every page of every query)")
-    pruned = rows([outcome("q1", AGENTIC)])  # it kept page 1 alone: later calls see other pages
-    assert judge_testability(pruned, without, "pruner", ALL_STEPS) == (True, None)
+def test_prompts_the_generator_was_not_trained_on_are_a_caveat_not_a_verdict():
+    data = synthetic_rows({"single_pass": 0.2, "no_pruner": 0.5, "no_decoupler": 0.35, "hkrag": 0.8})
+    claims = summarize(data, {seed: ["single_pass"] for seed in range(3)}, configs=CONFIGS)["sets"]["gold"]["claims"]
+    first = claims[0]  # HKRAG-Gen beats the baseline, on a generator trained on the single-pass prompt only
+    assert first["testable"] and first["caveats"] == [
+        "the generator was not trained on the prompt(s) answer, decouple, fine_print, integrate, pruner, salient, "
+        "verify: the contrast also tests the training"]
 
 
-def test_a_component_that_never_runs_is_not_testable():
-    one_page = [("judger", "answer", ["p1"], "R4"), ("summarizer", "verify", ["p1"], "R4")]
-    better = rows([outcome("q1", one_page)])  # hkrag on one gold page: the Pruner's loop never runs
-    worse = rows([outcome("q1", [("single_pass", "single_pass", ["p1"], "R5")], answer="R5")], "single_pass")
-    testable, reason = judge_testability(better, worse, "pruner", ALL_STEPS)
-    assert not testable and reason == "the Pruner never runs on this set (no pruner call)"
+def test_a_subset_holding_every_query_of_its_set_is_counted_once():
+    data = [{**row, "pages": "retrieved", "pool": pool, "set": "first"} for pool in ("single", "all")
+            for row in synthetic_rows({"single_pass": 0.2, "no_pruner": 0.5, "no_decoupler": 0.35, "hkrag": 0.8})]
+    summary = summarize(data, {seed: ALL_STEPS for seed in range(3)}, configs=CONFIGS)
+    assert list(summary["sets"]) == ["retrieved", "first"] and summary["family_size"] == 5
+    retrieved, first = summary["sets"]["retrieved"]["claims"], summary["sets"]["first"]["claims"]
+    assert [c["duplicate_of"] for c in first] == [0, 1, 2, 3, 4]
+    assert [c["corrected_verdict"] for c in first] == [c["corrected_verdict"] for c in retrieved]
+    assert "counted once" in table6.markdown(summary)
 
 
-def test_prompts_the_generator_was_not_trained_on_are_not_testable():
-    better = rows([outcome("q1", AGENTIC)])
-    worse = rows([outcome("q1", [("single_pass", "single_pass", ["p1", "p2", "p3"], "R5")], answer="R5")],
-                 "single_pass")
-    testable, reason = judge_testability(better, worse, None, ["single_pass"])  # today's generator: one prompt
-    assert not testable and reason == "the generator was not trained on the prompt(s) answer, pruner, verify"
-    assert judge_testability(better, worse, None, ALL_STEPS) == (True, None)
+def test_changed_rules_are_refused_naming_both_hashes(tmp_path, monkeypatch):
+    rules = tmp_path / "table6.md"
+    rules.write_text("the registered rules\n")
+    monkeypatch.setattr(table6, "RULES_FILE", rules)
+    config = table6.Table6Config(tmp_path / "out", seeds=[0])
+    registered = table6.register_rules(config)
+    assert json.loads((tmp_path / "out" / "rules.json").read_text()) == registered
+    assert registered["sha256"] == hashlib.sha256(b"the registered rules\n").hexdigest()
+    assert table6.register_rules(config) == registered  # a rerun under the same rules
+    data = synthetic_rows({"single_pass": 0.2, "no_pruner": 0.5, "no_decoupler": 0.35, "hkrag": 0.8})
+    summary = summarize(data, {seed: ALL_STEPS for seed in range(3)}, configs=CONFIGS, rules=registered)
+    assert summary["rules"] == registered and "Registered before the runs" in table6.markdown(summary)
+    rules.write_text("a rule changed after the results\n")
+    changed = hashlib.sha256(b"a rule changed after the results\n").hexdigest()
+    for refused in (lambda: table6.register_rules(config), lambda: table6.markdown(summary),
+                    lambda: summarize(data, {seed: ALL_STEPS for seed in range(3)}, configs=CONFIGS, rules=registered)):
+        with pytest.raises(table6.RulesChangedError, match=f"sha256 {registered['sha256']}.*now hashes to {changed}"):
+            refused()
+    rules.write_text("the registered rules\n")  # the same text again, another margin
+    with pytest.raises(table6.RulesChangedError, match="registered margin=0.02 before its runs, not 0.05"):
+        table6.register_rules(table6.Table6Config(tmp_path / "out", seeds=[0], margin=0.05))
+    with pytest.raises(table6.RulesChangedError, match="records no registered verdict rules"):
+        table6.markdown({**summary, "rules": None})
+    (tmp_path / "old" / "runs" / "gold-hkrag-s0").mkdir(parents=True)  # runs made before any registration
+    with pytest.raises(table6.RulesChangedError, match="holds runs but no rules.json"):
+        table6.register_rules(table6.Table6Config(tmp_path / "old", seeds=[0]))
+
+
+def test_the_registered_rules_are_the_committed_file(capsys):
+    assert table6.RULES_FILE == Path(__file__).resolve().parents[1] / "docs" / "rules" / "table6.md"
+    assert "identical by construction" in table6.RULES_FILE.read_text()
+    with pytest.raises(table6.RulesChangedError, match="records no registered verdict rules"):
+        table6.render(json.loads((COMMITTED / "table6.json").read_text()))  # made under the old, post-hoc rule
+    with pytest.raises(SystemExit) as exit_info:
+        table6.main(["--render", str(COMMITTED / "table6.json")])
+    assert exit_info.value.code == 2 and "records no registered verdict rules" in capsys.readouterr().err
 
 
 def synthetic_rows(seed_effects: dict[str, float], n_questions: int = 12, seeds: int = 3) -> list[dict]:
@@ -109,7 +152,7 @@ def synthetic_rows(seed_effects: dict[str, float], n_questions: int = 12, seeds:
 
 def test_holm_runs_over_the_testable_claims_of_the_table():
     data = synthetic_rows({"single_pass": 0.2, "no_pruner": 0.5, "no_decoupler": 0.35, "hkrag": 0.8})
-    summary = summarize(data, {seed: ALL_STEPS for seed in range(3)}, margin=0.02)
+    summary = summarize(data, {seed: ALL_STEPS for seed in range(3)}, margin=0.02, configs=CONFIGS)
     claims = summary["sets"]["gold"]["claims"]
     assert [c["testable"] for c in claims] == [True] * 5 and summary["family_size"] == 5
     raw = [c["p_value"] for c in claims]
@@ -121,15 +164,6 @@ def test_holm_runs_over_the_testable_claims_of_the_table():
     assert [c["p_holm"] for c in claims] == pytest.approx(expected)
     assert claims[0]["corrected_confidence"] == pytest.approx(1 - 0.05 / 5)
     assert all(c["corrected_low"] <= c["low"] and c["corrected_high"] >= c["high"] for c in claims)
-    # with the Pruner's calls gone from every hkrag row, hkrag vs no_pruner coincide: the family shrinks to 4
-    for row in data:
-        if row["generator"] == "hkrag":
-            row["calls"] = [[a, s, sig.replace("hkrag", "no_pruner")] for a, s, sig in row["calls"] if s != "pruner"]
-            row["score"] = next(r["score"] for r in data if r["generator"] == "no_pruner" and r["seed"] == row["seed"]
-                                and r["query_id"] == row["query_id"])
-    summary = summarize(data, {seed: ALL_STEPS for seed in range(3)}, margin=0.02)
-    claims = summary["sets"]["gold"]["claims"]
-    assert summary["family_size"] == 4 and claims[1]["verdict"] == "not testable" and claims[1]["p_holm"] is None
 
 
 def test_a_committed_interval_is_re_derived_from_the_committed_per_query_data():
@@ -171,9 +205,32 @@ def test_a_second_invocation_re_runs_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "run_job", lambda *job: ran.append(job[0]) or 0.0)
     again = table6.main(argv)
     assert ran == [] and again == first
-    claim = again["sets"]["gold"]["claims"][0]
-    assert claim["verdict"] == "not testable" and "never runs" in claim["reason"]  # one gold page: no Pruner call
+    claim = again["sets"]["gold"]["claims"][0]  # the Pruner alone on one gold page: judged, its confound named
+    assert claim["testable"] and any("Pruner cannot run" in note for note in claim["caveats"])
+    assert again["rules"] == json.loads((tmp_path / "t6" / "rules.json").read_text())
+    assert again["rules"]["sha256"] == table6.rules_digest()
+    rendered = json.loads((tmp_path / "t6" / "table6.json").read_text())  # --render: the same table6.md again
+    assert table6.main(["--render", str(tmp_path / "t6" / "table6.json")]) == rendered
+    assert table6.render(rendered) == (tmp_path / "t6" / "table6.md").read_text()
     steps = json.loads((tmp_path / "t6" / "steps.json").read_text())  # the per-step report of the same runs
     assert set(steps) == {f"{pages}-{g}" for pages in ("gold", "retrieved") for g in ("single_pass", "no_decoupler")}
     assert steps["gold-single_pass"]["queries"] == 2 * 3  # two seeds' runs of 3 questions, pooled
     assert len(read_rows(tmp_path / "t6" / table6.QUERIES_FILE)) == 2 * 2 * (3 + 6)  # seeds x configs x rows
+
+
+def test_the_readmes_verdicts_are_the_committed_reports():
+    """README's Table 6 verdict table, cell by cell, is docs/table6/table6.json's (difference, interval, verdicts)."""
+    readme = (COMMITTED.parents[1] / "README.md").read_text()
+    table = readme.split("| claim | gold pages | retrieved pages |\n|---|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    report = json.loads((COMMITTED / "table6.json").read_text())
+    cell = re.compile(r"([+−-]\d+\.\d) \[([+−-]\d+\.\d), ([+−-]\d+\.\d)\] ([a-z ]+) \(([a-z ]+)\)")
+    for line, claim in zip(table.splitlines(), table6.CLAIMS, strict=True):
+        for text, pages in zip(line.strip("|").split("|")[1:], ("gold", "retrieved"), strict=True):
+            committed = next(c for c in report["sets"][pages]["claims"] if c["text"] == claim[0].text)
+            if committed["verdict"] == "not testable":
+                assert text.strip().startswith("not testable")
+                continue
+            diff, low, high, raw, corrected = cell.fullmatch(text.strip()).groups()
+            numbers = [float(x.replace("−", "-")) for x in (diff, low, high)]
+            assert numbers == [round(100 * committed[k], 1) for k in ("diff", "low", "high")]
+            assert (raw, corrected) == (committed["verdict"], committed["corrected_verdict"])

@@ -129,7 +129,6 @@ class ReplicaConfig:
     overrides: Sequence[str] = ()
     eval_overrides: Sequence[str] = ()
     """``eval.py`` overrides for every Table 6 run (e.g. ``paths.data_dir=...``, ``rag.max_queries=...``)."""
-    n_resamples: int = 2000
     margin: float = 0.01
     workers: int = 1
     """Jobs run side by side, each in its own process with ``cpus // workers`` threads (``--workers``)."""
@@ -324,7 +323,7 @@ def _settings(config: ReplicaConfig) -> dict[str, Any]:
             "experiment": config.experiment, "warm_overrides": list(config.warm_overrides),
             "overrides": list(config.overrides),
             "conditions": {c.name: list(c.overrides) for c in config.conditions()}, "margin": config.margin,
-            "n_resamples": config.n_resamples, "generator_steps": config.generator_steps,
+            "generator_steps": config.generator_steps,
             "thresholds": list(config.thresholds), "eval_overrides": list(config.eval_overrides),
             "hard_negatives": config.hard_negatives}
 

@@ -2,6 +2,11 @@
 
     python -m hkrag.tasks.table6 --out outputs/table6                          # 5 generator seeds
     python -m hkrag.tasks.table6 --out outputs/table6 --seeds 0 1 --eval rag.max_queries=10   # a quick look
+    python -m hkrag.tasks.table6 --render outputs/table6/table6.json       # a report again, under its rules
+
+0. **Rules**: the verdict rules are registered before any job (:func:`register_rules`: the sha256 of
+   ``docs/rules/table6.md``, the margin and alpha into ``<out>/rules.json``); a rerun, a judgement or a rendering
+   under other rules is refused (:class:`RulesChangedError`, naming both hashes).
 
 1. **Generators**: one ``train.py`` run per seed (``experiment=<--experiment>``, ``generator_training.optim.seed``)
    into ``<out>/generators/generator-s<seed>``; its ``report.json`` lists the prompts it was trained on
@@ -21,9 +26,10 @@
    each configuration's relaxed accuracy with its crossed seeds × questions interval
    (:func:`hkrag.stats.crossed_interval`; rows of one question in two pools are one column,
    :func:`hkrag.stats.cluster_rows`), its routes and its cost per query (LVLM calls, input and output tokens,
-   seconds: Fig. 4), and a verdict on each claim of the paper (:data:`CLAIMS`): *not testable* when the traces show
-   it cannot be tested (:func:`judge_testability`), else the stats' rule with the margin, raw and Holm-corrected over
-   the table's family (:func:`hkrag.stats.corrected_verdicts`).
+   seconds: Fig. 4), and a verdict on each claim of the paper (:data:`CLAIMS`) by the registered rules: *not
+   testable* only where the two configurations are identical by construction (:func:`identical_by_construction`,
+   from the configs the runs were made with, never from their answers), else the stats' rule with the margin, raw
+   and Holm-corrected over the table's one family (:data:`FAMILY`, :func:`hkrag.stats.corrected_verdicts`).
 
 Finished jobs (``report.json`` / ``rag.json`` written) are skipped by a rerun, unfinished ones started again
 (:func:`hkrag.tasks.common.run_jobs`); every report file is written atomically.
@@ -43,7 +49,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
+from agents.steps import longest_route
 from hkrag.data.opendocvqa import QAExample, load_qa
 from hkrag.io import write_bytes, write_json, write_text
 from hkrag.rag.records import CallRecord, QueryOutcome
@@ -104,6 +113,15 @@ QUERIES_FILE = "table6_queries.jsonl.gz"
 EXPERIMENT = "generator_agents_tiny"
 """The default generator experiment (``--experiment``)."""
 WEIGHTS_DIR = CONF_DIR.parent / "weights"
+RULES_NAME = "docs/rules/table6.md"
+RULES_FILE = CONF_DIR.parent / RULES_NAME
+"""The registered verdict rules: their sha256 is recorded before any run (:func:`register_rules`) and in the
+report, and a report is judged or rendered only under the same text (:func:`check_rules`)."""
+RULES_RECORD = "rules.json"
+FAMILY = ("every claim of CLAIMS on every set of SETS with at least 2 questions, less the claims whose two "
+          "configurations are identical by construction; a claim whose configurations (up to identity by "
+          "construction) and queries another claim already has is listed once")
+"""Table 6's one family for the correction, in words (docs/rules/table6.md)."""
 
 
 @dataclass
@@ -166,6 +184,7 @@ def serve_overrides(config: Table6Config, seed: int) -> list[str]:
 def run_table6(config: Table6Config) -> dict[str, Any]:
     """Train every seed's generator and run every configuration (skipping finished jobs), then write the report."""
     out = config.out
+    register_rules(config)
     timings = read_timings(out)
     steps = [f"generator_training.optim.max_steps={config.generator_steps}"] if config.generator_steps else []
 
@@ -299,50 +318,82 @@ def set_rows(rows: Sequence[Mapping[str, Any]], name: str
     for row in rows:
         if in_set(row, name):
             by_run.setdefault((row["generator"], row["seed"]), {})[_key(row)] = row
-    keys = sorted(next(iter(by_run.values()), {}))
+    first = next(iter(by_run.values()), {})
+    keys = sorted(first)
     for run, members in by_run.items():
-        if sorted(members) != keys:
-            raise ValueError(f"set {name!r}: run {run} answered other queries than the others (the retrieved pages "
-                             "must be the same for every configuration and seed)")
+        if sorted(members) != keys or any(members[key]["ranked"] != first[key]["ranked"] for key in keys):
+            raise ValueError(f"set {name!r}: run {run} answered other queries, or was handed other numbers of pages, "
+                             "than the others (the pages must be the same for every configuration and seed)")
     return keys, by_run
 
 
-def judge_testability(better: Sequence[Mapping[str, Any]], worse: Sequence[Mapping[str, Any]], component: str | None,
-                trained: Iterable[str]) -> tuple[bool, str | None]:
-    """Whether a claim "``better`` beats ``worse``" can be tested on a set, from the two configurations' rows (the
-    same queries and seeds, in the same order), the agent the claim is about and the prompts the generator was
-    trained on. Not testable, with every reason that holds:
+def generator_config(config: Table6Config, generator: str) -> dict[str, Any]:
+    """The ``generator`` config every run of ``generator`` was made with (its ``rag_config.json`` identity); runs of
+    one configuration with different generator configs are refused."""
+    found = {json.dumps(json.loads((run_folder(config, pages, generator, seed) / RUN_CONFIG_FILE).read_text())
+                        ["identity"]["generator"], sort_keys=True) for pages in PAGES for seed in config.seeds}
+    if len(found) != 1:
+        raise ValueError(f"the runs of {generator!r} in {config.folders['runs']} were made with {len(found)} different "
+                         "generator configs: one configuration, one config")
+    return json.loads(found.pop())
 
-    - the generator was not trained on a prompt either configuration sends (a contrast of a trained prompt with an
-      untrained one tests the training, not the component);
-    - ``component`` never runs in ``better`` on the set (no call of that agent, e.g. the Pruner with one page), or
-      the Pruner runs but never prunes (it keeps every page of every query: what follows it sees the pages it
-      would have seen without it);
-    - the two coincide: on every query and seed the calls of the steps both configurations send are identical
-      (step, pages, prompt and reply), so their answers are equal by construction; either every call is identical,
-      or the component ran and changed no other call (e.g. the Pruner kept every page).
-    """
-    reasons = []
-    sent = {call[1] for row in (*better, *worse) for call in row["calls"]}
-    untrained = sorted(sent - set(trained))
+
+def shipped_configs(generators: Sequence[str] = GENERATORS) -> dict[str, dict[str, Any]]:
+    """``conf/generator``'s config of each of ``generators``, as ``eval.py generator=<name>`` composes it."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return {name: OmegaConf.to_container(compose("eval", [f"generator={name}"]).generator, resolve=True)
+                for name in generators}
+
+
+def pruner_buffer(config: Mapping[str, Any], rows: Iterable[Mapping[str, Any]]) -> int:
+    """The most pages the Pruner's buffer holds on a set: per query ``min(generator.top_k, pages handed)``, the pages
+    handed (``ranked``: the gold pages capped by ``rag.top_k``, or the reader's top ``rag.top_k``) being an input
+    that the task fixes before any generator call, the same for every configuration."""
+    return max((min(int(config["top_k"]), int(row["ranked"])) for row in rows), default=0)
+
+
+def identical_by_construction(better: Mapping[str, Any], worse: Mapping[str, Any], buffer: int) -> str | None:
+    """Why two generator configs send the same calls on every query of a set whose Pruner buffer holds at most
+    ``buffer`` pages, or None when they may differ. Decided from the configs and the code path alone (never from
+    what the runs answered), as docs/rules/table6.md registers:
+
+    - the configs are equal (their ``name`` aside);
+    - both are agentic and differ only in ``pruner`` while ``buffer`` ≤ 1: the Pruner asks for n = 1 … k−1 only
+      (agents/pruner.py), so with one page it asks nothing and keeps the page the fixed top-k keeps.
+
+    Equal calls give equal answers because the agents decode greedily (every request at temperature 0,
+    agents/context.py)."""
+    a, b = ({k: v for k, v in c.items() if k != "name"} for c in (better, worse))
+    if a == b:
+        return "identical configurations (their generator configs are equal)"
+    if a.get("kind") == b.get("kind") == "agentic" and buffer <= 1 and {**a, "pruner": False} == {**b, "pruner": False}:
+        return (f"identical by construction: the configs differ only in `pruner`, and the Pruner's buffer holds at "
+                f"most {buffer} page on this set (generator.top_k={a['top_k']}), so the Pruner asks nothing and keeps "
+                "the page the fixed top-k keeps; greedy decoding then makes every call the same")
+    return None
+
+
+def possible_steps(config: Mapping[str, Any], buffer: int) -> set[str]:
+    """The prompts a generator config can send on a set whose Pruner buffer holds at most ``buffer`` pages: its
+    longest route (:func:`agents.steps.longest_route`), the Judger's LQP route (``verify``) with it, no Pruner call
+    with one page."""
+    steps = set(longest_route(config["kind"], bool(config["pruner"]) and buffer > 1, bool(config["decoupler"])))
+    return steps | ({"verify"} if config["kind"] == "agentic" else set())
+
+
+def caveats(better: Mapping[str, Any], worse: Mapping[str, Any], component: str | None, buffer: int,
+            trained: Iterable[str]) -> list[str]:
+    """What a testable claim's contrast also measures, from the configs (reported beside the verdict, never
+    changing it): prompts the generator was not trained on, a component that cannot run on the set."""
+    notes = []
+    untrained = sorted((possible_steps(better, buffer) | possible_steps(worse, buffer)) - set(trained))
     if untrained:
-        reasons.append(f"the generator was not trained on the prompt(s) {', '.join(untrained)}")
-    if component and not any(call[0] == component for row in better for call in row["calls"]):
-        reasons.append(f"the {component.capitalize()} never runs on this set (no {component} call)")
-    elif component == "pruner" and all(row["kept"] == row["ranked"] for row in better):
-        reasons.append("the Pruner never prunes on this set (it keeps every page of every query)")
-    shared = {call[1] for row in better for call in row["calls"]} & {call[1] for row in worse for call in row["calls"]}
-
-    def calls(row: Mapping[str, Any], steps: set[str] | None = None) -> list[list[str]]:
-        return [call for call in row["calls"] if steps is None or call[1] in steps]
-
-    if all(calls(b) == calls(w) for b, w in zip(better, worse, strict=True)):
-        reasons.append("the two configurations coincide: identical calls (steps, pages, prompts, replies) on every "
-                       "query and seed")
-    elif shared and all(calls(b, shared) == calls(w, shared) for b, w in zip(better, worse, strict=True)):
-        reasons.append(f"the two configurations coincide: the {component or 'extra'} calls changed no other call on "
-                       "any query and seed (same pages, prompts and replies after them)")
-    return not reasons, "; ".join(reasons) or None
+        notes.append(f"the generator was not trained on the prompt(s) {', '.join(untrained)}: the contrast also tests "
+                     "the training")
+    if component == "pruner" and buffer <= 1:
+        notes.append("the Pruner cannot run on this set (at most one page in its buffer): the contrast is the other "
+                     "steps', not the Pruner's")
+    return notes
 
 
 def _matrix(by_run: Mapping[tuple[str, int], Mapping[Key, Mapping[str, Any]]], generator: str,
@@ -350,15 +401,77 @@ def _matrix(by_run: Mapping[tuple[str, int], Mapping[Key, Mapping[str, Any]]], g
     return np.array([[float(by_run[generator, seed][key][value]) for key in keys] for seed in seeds])
 
 
+class RulesChangedError(ValueError):
+    """A Table 6 report, or an output folder, made under other verdict rules than the registered ones."""
+
+
+def rules_digest(path: Path | None = None) -> str:
+    """The sha256 of the registered rules' text (its bytes; default :data:`RULES_FILE`)."""
+    path = RULES_FILE if path is None else path
+    if not path.is_file():
+        raise RulesChangedError(f"the registered verdict rules {path} are missing: Table 6 judges nothing without them")
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def current_rules(margin: float, alpha: float) -> dict[str, Any]:
+    """The rules a judgement is made under: the registered text's hash, the margin and alpha."""
+    return {"file": RULES_NAME, "sha256": rules_digest(), "margin": margin, "alpha": alpha}
+
+
+def check_rules(recorded: Mapping[str, Any] | None, margin: float, alpha: float, what: str) -> dict[str, Any]:
+    """The current rules (:func:`current_rules`) if ``recorded`` (the rules ``what`` was made under) are the same;
+    else :class:`RulesChangedError` naming both hashes (or the margin / alpha that differ)."""
+    current = current_rules(margin, alpha)
+    if not recorded or "sha256" not in recorded:
+        raise RulesChangedError(f"{what} records no registered verdict rules: it was made before {RULES_NAME} was "
+                                f"registered (now sha256 {current['sha256']}); run Table 6 into a new --out")
+    if recorded["sha256"] != current["sha256"]:
+        raise RulesChangedError(f"{what} was made under the verdict rules sha256 {recorded['sha256']}, but "
+                                f"{RULES_NAME} now hashes to {current['sha256']}: the rules changed since the run. "
+                                "Judging it under other rules than it was run under is refused: restore the registered "
+                                "text, or run Table 6 into a new --out under the new rules")
+    for key in ("margin", "alpha"):
+        if recorded.get(key) != current[key]:
+            raise RulesChangedError(f"{what} registered {key}={recorded.get(key)} before its runs, not {current[key]}: "
+                                    f"the {key} is fixed with the rules (sha256 {current['sha256']})")
+    return current
+
+
+def register_rules(config: Table6Config) -> dict[str, Any]:
+    """Record the rules in ``<out>/rules.json`` before any job runs, or check the ones recorded there: a rerun
+    under changed rules is refused (:func:`check_rules`), and so is a folder whose runs were made before any
+    registration."""
+    record = config.out / RULES_RECORD
+    if record.is_file():
+        return check_rules(json.loads(record.read_text()), config.margin, config.alpha, str(config.out))
+    if config.folders["runs"].is_dir() and any(config.folders["runs"].iterdir()):
+        raise RulesChangedError(f"{config.out} holds runs but no {RULES_RECORD}: they were made before the verdict "
+                                f"rules were registered (now sha256 {rules_digest()}); run Table 6 into a new --out")
+    rules = current_rules(config.margin, config.alpha)
+    write_json(record, rules)
+    return rules
+
+
 def summarize(rows: Sequence[Mapping[str, Any]], trained: Mapping[int, Sequence[str]], margin: float = 0.02,
-              alpha: float = 0.05, generators: Sequence[str] = GENERATORS) -> dict[str, Any]:
-    """Table 6 from the per-query rows (module docstring): per set its rows and claims; the claims of every set
-    form one family for the correction."""
+              alpha: float = 0.05, generators: Sequence[str] = GENERATORS,
+              configs: Mapping[str, Mapping[str, Any]] | None = None,
+              rules: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Table 6 from the per-query rows under the registered rules (docs/rules/table6.md): per set its rows and
+    claims, the claims of every set one family for the correction.
+
+    ``configs`` are the generator configs the runs were made with (default: ``conf/generator``'s,
+    :func:`shipped_configs`); a claim is *not testable* only where they are :func:`identical_by_construction` on
+    the set, and a claim whose configurations and queries another claim of the family already has is listed once
+    (``duplicate_of``). ``rules``: the rules the runs were registered under (:func:`register_rules`; default: the
+    current ones); changed rules are refused (:class:`RulesChangedError`)."""
+    rules = check_rules(rules, margin, alpha, "the runs") if rules is not None else current_rules(margin, alpha)
+    configs = configs if configs is not None else shipped_configs(generators)
     seeds = sorted({row["seed"] for row in rows})
     trained_all = set.intersection(*(set(trained[seed]) for seed in seeds))
     confidence = 1 - alpha
     tables: dict[str, dict[str, Any]] = {}
-    family = []
+    family: list[dict[str, Any]] = []
+    tested: dict[tuple[Any, ...], int] = {}
     for name, title in SETS.items():
         keys, by_run = set_rows(rows, name)
         questions = [(dataset, query_id) for dataset, _, query_id in keys]
@@ -376,24 +489,36 @@ def summarize(rows: Sequence[Mapping[str, Any]], trained: Mapping[int, Sequence[
                 "cost": {cost: float(np.mean([len(r["calls"]) if cost == "lvlm_calls" else r[cost] for r in members]))
                          for cost in COSTS},
                 "failed": sum(bool(r["failed"]) for r in members)}
+        handed = list(by_run[generators[0], seeds[0]].values())
+        buffers = {g: pruner_buffer(configs[g], handed) for g in generators}
+        same = {g: next(h for h in generators if h == g or identical_by_construction(
+            configs[h], configs[g], max(buffers[g], buffers[h]))) for g in generators}
         for claim, component in CLAIMS:
             if claim.better not in generators or claim.worse not in generators:
                 continue
-            better = [by_run[claim.better, seed][key] for seed in seeds for key in keys]
-            worse = [by_run[claim.worse, seed][key] for seed in seeds for key in keys]
-            testable, reason = judge_testability(better, worse, component, trained_all)
-            family.append({"set": name, "text": claim.text, "better": claim.better, "worse": claim.worse,
-                           "component": component,
-                           **crossed_difference(_matrix(by_run, claim.better, seeds, keys),
-                                                _matrix(by_run, claim.worse, seeds, keys), questions, confidence),
-                           "testable": testable, "reason": reason})
+            pages = max(buffers[claim.better], buffers[claim.worse])
+            reason = identical_by_construction(configs[claim.better], configs[claim.worse], pages)
+            entry = {"set": name, "text": claim.text, "better": claim.better, "worse": claim.worse,
+                     "component": component, "pruner_buffer": pages,
+                     **crossed_difference(_matrix(by_run, claim.better, seeds, keys),
+                                          _matrix(by_run, claim.worse, seeds, keys), questions, confidence),
+                     "testable": reason is None, "reason": reason,
+                     "caveats": [] if reason else caveats(configs[claim.better], configs[claim.worse], component,
+                                                          pages, trained_all)}
+            test = (tuple(keys), same[claim.better], same[claim.worse])
+            if reason is None and test in tested:
+                first = family[tested[test]]
+                entry.update(duplicate_of=tested[test], same_as=f"{first['text']} ({SETS[first['set']]})")
+            elif reason is None:
+                tested[test] = len(family)
+            family.append(entry)
         tables[name] = table
     claims = corrected_verdicts(family, margin, alpha)
     for name, table in tables.items():
         table["claims"] = [claim for claim in claims if claim["set"] == name]
     return {"metric": METRIC, "seeds": seeds, "trained_steps": sorted(trained_all), "margin": margin, "alpha": alpha,
-            "confidence": confidence, "rule": VERDICT_RULE, "correction": CORRECTION, "family_size": len(
-                [c for c in claims if c["testable"]]), "sets": tables}
+            "confidence": confidence, "rule": VERDICT_RULE, "correction": CORRECTION, "rules": rules,
+            "family": FAMILY, "family_size": claims[0]["family_size"] if claims else 0, "sets": tables}
 
 
 def write_rows(path: Path, rows: Sequence[Mapping[str, Any]]) -> Path:
@@ -427,19 +552,26 @@ def verdict_rows(table: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]]:
                         for c in table["claims"]]
 
 
+def _note(notes: list[str], *texts: str) -> str:
+    """Append ``texts`` to a table's numbered notes; their marks, e.g. `` (2) (3)``."""
+    notes.extend(texts)
+    return "".join(f" ({len(notes) - len(texts) + i})" for i in range(1, len(texts) + 1))
+
+
 def markdown(summary: Mapping[str, Any], header: str = "") -> str:
-    """Table 6 as Markdown: the rule, then per set the configurations' scores and costs and the verdicts."""
+    """Table 6 as Markdown: the rule, then per set the configurations' scores and costs and the verdicts; refused
+    when the rules the summary was judged under are not the registered ones now (:func:`check_rules`)."""
+    rules = check_rules(summary.get("rules"), summary["margin"], summary["alpha"], "the Table 6 report")
     lines = [header] if header else []
     confidence = 100 * summary["confidence"]
     lines += [f"**Rule.** {summary['metric']} ×100 with {confidence:.0f} % intervals, crossed seeds × questions "
               f"(seeds {summary['seeds']}; a t interval from the two-way random-effects ANOVA, Satterthwaite degrees "
               "of freedom, a score's bounded to [0, 100]; a question asked in both pools is one column, never two "
-              "rows). Verdict on each claim "
-              f"(better − worse): {summary['rule']}; margin (smallest effect of interest) "
-              f"{100 * summary['margin']:.0f} points. Correction: {summary['correction']}, over the "
-              f"{summary['family_size']} testable claims of every set below (one family, alpha "
-              f"{summary['alpha']:g}). Prompts the generator was trained on (every seed): "
-              f"{', '.join(summary['trained_steps'])}.\n"]
+              f"rows). Registered before the runs: `{rules['file']}` (sha256 `{rules['sha256'][:16]}…`). Verdict on "
+              f"each claim (better − worse): {summary['rule']}; margin (smallest effect of interest) "
+              f"{100 * summary['margin']:.0f} points. Correction: {summary['correction']}, over one family "
+              f"({summary['family']}): {summary['family_size']} claims, alpha {summary['alpha']:g}. Prompts the "
+              f"generator was trained on (every seed): {', '.join(summary['trained_steps'])}.\n"]
     for table in summary["sets"].values():
         lines += [f"### {table['title']}\n", f"{table['rows']} rows, {table['questions']} questions.\n",
                   "| generator | score [95%] | routes | LVLM calls / query | input tok. | output tok. | s / query | "
@@ -453,32 +585,51 @@ def markdown(summary: Mapping[str, Any], header: str = "") -> str:
         corrected = 100 * table["claims"][0]["corrected_confidence"] if table["claims"] else confidence
         lines += ["", f"Verdicts by the rule above (margin {100 * summary['margin']:.0f} points); p (Holm) and the "
                   f"corrected interval ({corrected:.2f} %) over the table's family of {summary['family_size']} "
-                  "testable claims.\n",
+                  "claims.\n",
                   "| claim | difference [95%] | p | p (Holm) | corrected interval | verdict | corrected verdict |",
                   "|---|---|---|---|---|---|---|"]
-        notes = []
+        notes: list[str] = []
         for claim in table["claims"]:
             name = f"{claim['text']} (`{claim['better']}` vs `{claim['worse']}`)"
             interval = f"{_pct(claim['diff'])} [{_pct(claim['low'])}, {_pct(claim['high'])}]"
-            if claim["testable"]:
-                corrected = f"[{_pct(claim['corrected_low'])}, {_pct(claim['corrected_high'])}]"
-                lines.append(f"| {name} | {interval} | {claim['p_value']:.2g} | {claim['p_holm']:.2g} | {corrected} "
-                             f"| **{claim['verdict']}** | **{claim['corrected_verdict']}** |")
-            else:
-                notes.append(claim["reason"])
-                lines.append(f"| {name} | {interval} | – | – | – | **not testable** ({len(notes)}) | "
-                             f"**not testable** ({len(notes)}) |")
+            if not claim["testable"]:
+                tag = _note(notes, claim["reason"])
+                lines.append(f"| {name} | {interval} | – | – | – | **not testable**{tag} | **not testable**{tag} |")
+                continue
+            duplicate = [f"the same test as {claim['same_as']}, counted once in the family"] if claim.get("same_as") \
+                else []
+            tag = _note(notes, *claim["caveats"], *duplicate)
+            corrected = f"[{_pct(claim['corrected_low'])}, {_pct(claim['corrected_high'])}]"
+            lines.append(f"| {name}{tag} | {interval} | {claim['p_value']:.2g} | {claim['p_holm']:.2g} | {corrected} "
+                         f"| **{claim['verdict']}** | **{claim['corrected_verdict']}** |")
         lines += [""] + [f"({number}) {note}." for number, note in enumerate(notes, 1)] + [""]
     return "\n".join(lines)
 
 
+def render(report: Mapping[str, Any]) -> str:
+    """``table6.md`` from a ``table6.json`` report: its header (command, seeds, compute) and :func:`markdown`, which
+    refuses a report whose registered rules changed since its run."""
+    settings, compute = report["settings"], sum(report["timings"].values())
+    header = ("# Table 6 at CPU scale: the generator ablation\n\n"
+              f"`{settings['command'] or 'python -m hkrag.tasks.table6'}`: `experiment={settings['experiment']}` "
+              f"trained once per seed ({', '.join(str(s) for s in settings['seeds'])}; steps "
+              f"{sorted(set(settings['generator_steps'].values()), key=str)}), each served to every configuration on "
+              f"the gold pages and on the top 3 of `{Path(settings['reader']).name}`. Compute {compute / 60:.1f} min "
+              f"(`timings.json`); per-query data: `{QUERIES_FILE}` (one JSON line per seed × configuration × "
+              "query).\n")
+    return markdown(report, header)
+
+
 def write_report(config: Table6Config, timings: Mapping[str, float],
                  extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """``table6.{md,json}`` and the per-query rows (:data:`QUERIES_FILE`) in ``config.out``; returns the JSON."""
+    """``table6.{md,json}`` and the per-query rows (:data:`QUERIES_FILE`) in ``config.out``, judged under the rules
+    registered before the runs (:func:`register_rules`); returns the JSON."""
+    rules = register_rules(config)
     rows = query_rows(config)
     reports = generator_reports(config)
     trained = trained_steps(reports)
-    summary = summarize(rows, trained, config.margin, config.alpha, config.generators)
+    configs = {generator: generator_config(config, generator) for generator in config.generators}
+    summary = summarize(rows, trained, config.margin, config.alpha, config.generators, configs, rules)
     write_rows(config.out / QUERIES_FILE, rows)
     write_step_reports(config)
     settings = {"command": config.command, "experiment": config.experiment, "seeds": list(config.seeds),
@@ -488,16 +639,8 @@ def write_report(config: Table6Config, timings: Mapping[str, float],
                 "eval_overrides": list(config.eval_overrides),
                 "generators": list(config.generators)}
     report = {"settings": settings, "timings": dict(timings), **summary, **(extra or {})}
-    compute = sum(timings.values())
-    header = ("# Table 6 at CPU scale: the generator ablation\n\n"
-              f"`{config.command or 'python -m hkrag.tasks.table6'}`: `experiment={config.experiment}` trained once "
-              f"per seed ({', '.join(str(s) for s in config.seeds)}; steps "
-              f"{sorted(set(settings['generator_steps'].values()))}), each served to every configuration on the gold "
-              f"pages and on the top 3 of `{config.reader.name}`. Compute {compute / 60:.1f} min "
-              f"(`timings.json`); per-query data: `{QUERIES_FILE}` (one JSON line per seed × configuration × "
-              "query).\n")
     write_json(config.out / "table6.json", report)
-    write_text(config.out / "table6.md", markdown(summary, header))
+    write_text(config.out / "table6.md", render(report))
     return report
 
 
@@ -505,7 +648,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Resumable: a rerun skips every finished generator and run.")
-    parser.add_argument("--out", type=Path, required=True, help="folder of the runs and reports (resumed if present)")
+    parser.add_argument("--out", type=Path, help="folder of the runs and reports (resumed if present; required but "
+                        "with --render)")
+    parser.add_argument("--render", type=Path, metavar="TABLE6_JSON",
+                        help="print a table6.json report as Markdown and exit (refused if its rules changed)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4],
                         help="generator training seeds (generator_training.optim.seed; default: 0 1 2 3 4)")
     parser.add_argument("--experiment", default=EXPERIMENT,
@@ -529,6 +675,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("overrides", nargs="*", help="train.py overrides for every generator (e.g. paths.data_dir=...)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.render:
+        report = json.loads(args.render.read_text())
+        try:
+            print(render(report))
+        except RulesChangedError as error:
+            parser.exit(2, f"{parser.prog}: error: {args.render}: {error}\n")
+        return report
+    if args.out is None:
+        parser.error("--out is required (but with --render)")
     command = "python -m hkrag.tasks.table6 " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
         config = Table6Config(args.out, seeds=args.seeds, experiment=args.experiment,
@@ -539,7 +694,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                               command=command.strip())
     except ValueError as error:
         parser.error(str(error))
-    report = run_table6(config)
+    try:
+        report = run_table6(config)
+    except RulesChangedError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     print((config.out / "table6.md").read_text())
     return report
 
