@@ -518,3 +518,33 @@ def test_a_shipped_detector_is_checked_against_its_manifest(corpus, detector, tm
     weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
     with pytest.raises(LayoutError, match=r"model.safetensors has sha256 .* but .*manifest.json says sha256"):
         load_detector(shipped / "model")
+
+
+def test_region_boxes_that_are_no_regions_of_the_page_stop_the_build_naming_page_and_box(corpus, tmp_path):
+    page = gold_pages(corpus, "test")[0]
+    for region, message in ((Region((200, 100, 230, 120), "title", 0.9), r"box \(200.0, 100.0, 230.0, 120.0\) lies "
+                                                                         r"outside the 224x168 page"),
+                            (Region((-1, 0, 20, 20), "title", 0.9), "lies outside the 224x168 page"),
+                            (Region((10, 10, 10, 20), "title", 0.9), "has zero area"),
+                            (Region((10, 10, 20, 9), "title", 0.9), "has zero area"),
+                            (Region((10, float("nan"), 20, 30), "title", 0.9), "a box is four finite numbers"),
+                            (Region((10, 10, 20, 30), "table", 0.9), "has class 'table', not one of SCAN's"),
+                            (Region((10, 10, 20, 30), "semantic_box+global", 0.9), r"has class 'semantic_box\+")):
+        for mode in ("all-box", "concatenation"):
+            with pytest.raises(DataError, match=rf"page '{page.doc_id}', region 1: .*{message}.*: no unit is cut"):
+                page_units(page.doc_id, page.image, [page.regions[1], region], mode)
+    # the same from a detect folder: named with its page, never a raw imaging error
+    regions = tmp_path / "regions" / "all"
+    regions.mkdir(parents=True)
+    rows = [{"doc_id": p.doc_id, "size": list(p.size), "candidates": [],
+             "selected": [[*r.box, r.label, 1.0] for r in p.regions]} for p in gold_pages(corpus, "test")]
+    rows[2]["selected"][0][2] = float("nan")
+    (regions / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=rf"page '{rows[2]['doc_id']}', region 0: a box is four finite numbers"):
+        build_region_corpus(corpus / "corpus", tmp_path / "out", "all-box", regions=tmp_path / "regions",
+                            configs=["all"])
+    for broken in ({**rows[0], "selected": [[1, 2, 3]]}, {"doc_id": "x"}, "[1, 2]"):
+        (regions / "test.jsonl").write_text(json.dumps(rows[1]) + "\n" + json.dumps(broken) + "\n")
+        with pytest.raises(DataError, match=r"test.jsonl, line 2 is not a detect row with selected boxes"):
+            build_region_corpus(corpus / "corpus", tmp_path / "out", "all-box", regions=tmp_path / "regions",
+                                configs=["all"])
