@@ -329,7 +329,7 @@ def test_training_runs_by_steps_the_same_on_every_call(corpus, detector, tmp_pat
     # the fixture's two steps again, from the command line: the same weights, byte for byte
     assert main(["train", str(corpus), "--out", str(tmp_path / "again"), "--steps", "2", "--batch-size", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert (report["steps"], report["seed"], report["train_pages"]) == (2, 0, 4)
+    assert (report["steps"], report["seed"], report["train_pages"], report["threads"]) == (2, 0, 4, 1)
     for name in ("model.safetensors", "config.json", "trained_on.json"):
         assert (tmp_path / "again" / "model" / name).read_bytes() == (detector / name).read_bytes()
     assert json.loads((detector / "trained_on.json").read_text()) == sorted(
@@ -344,7 +344,8 @@ def test_training_runs_by_steps_the_same_on_every_call(corpus, detector, tmp_pat
                                    ("--batch-size", "0", r"batch size must be an integer in \[1, 4096\], got 0"),
                                    ("--lr", "nan", r"lr must be a number in \(0, 1\], got nan"),
                                    ("--lr", "0", r"lr must be a number in \(0, 1\], got 0.0"),
-                                   ("--lr", "inf", r"lr must be a number in \(0, 1\], got inf")):
+                                   ("--lr", "inf", r"lr must be a number in \(0, 1\], got inf"),
+                                   ("--threads", "0", r"threads must be an integer in \[1, 1024\], got 0")):
         capsys.readouterr()
         with pytest.raises(SystemExit) as exit_info:
             main(["train", str(corpus), "--out", str(tmp_path / "bad"), option, value])
@@ -477,6 +478,13 @@ def test_cross_fitting_never_detects_a_page_with_a_detector_that_trained_on_it(c
         expected = runs / f"fold-{folds['pages'][row['doc_id']]}" / "model" if row["doc_id"] in train else \
             runs / "model"
         assert Path(row["detector"]) == expected
+    # region_corpus build cross-fits with layout.folds, the same detections
+    build = ["build", str(corpus / "corpus"), "--mode", "all-box", "--config", "default", "--out", str(tmp_path / "u"),
+             f"layout.model={runs / 'model'}", f"layout.folds={runs}", "layout.threshold=0"]
+    assert region_corpus_main(build) == 0
+    built = [json.loads(line) for line in (tmp_path / "u" / ".layout" / "default" / "train.jsonl").open()]
+    assert {r["doc_id"]: r["detector"] for r in built} == {r["doc_id"]: r["detector"] for r in rows
+                                                           if r["doc_id"] in train}
     # without folds the full detector detects its own training pages: counted and warned about
     plain = write_regions(corpus / "corpus", tmp_path / "plain", runs / "model", SelectionSettings(threshold=0),
                           configs=["default"])

@@ -14,11 +14,11 @@ must come back identical, else the folder was written by other code and is refus
 
 The *detector* is SCAN's own architecture, RT-DETR (Sec. 3.1.2), from the ``transformers`` library the project
 already depends on (``RTDetrForObjectDetection``; Apache-2.0): a small random-initialised configuration
-(:func:`new_detector`) trained on the built-in train split for a number of steps (deterministic given the seed on
-one machine and thread count), or a user's detector loaded with ``--model PATH`` from a folder in the library's own
-format (``save_pretrained``: ``config.json``, weights, ``preprocessor_config.json``; any ``transformers``
-object-detection model whose labels are SCAN's classes). Its boxes go through SCAN's selection
-(:func:`hkrag.data.regions.select`) and are scored by the matching-based IoU. ``ship`` writes a run with its
+(:func:`new_detector`) trained on the built-in train split for a number of steps (the same weights on every run of
+one seed and thread count, by default one thread, on one machine), or a user's detector loaded with ``--model
+PATH`` from a folder in the library's own format (``save_pretrained``: ``config.json``, weights,
+``preprocessor_config.json``; any ``transformers`` object-detection model whose labels are SCAN's classes). Its
+boxes go through SCAN's selection (:func:`hkrag.data.regions.select`) and are scored by the matching-based IoU. ``ship`` writes a run with its
 evaluation and a manifest of sha256 (``weights/layout_tiny``, the shipped one), checked whenever it is loaded.
 
 ``detect`` writes, for every config/split of a corpus, ``<out>/<config>/<split>.jsonl`` (one row per page:
@@ -103,6 +103,7 @@ STEPS = 600
 BATCH_SIZE = 8
 LR = 1e-3
 MAX_STEPS = 10**7
+THREADS = 1
 """The detector's training settings (``train``'s defaults; docs/data.md, "The detector")."""
 
 
@@ -329,34 +330,38 @@ def training_steps(
 
 def fit_detector(
     pages: Sequence[GoldPage], out: str | Path, steps: int = STEPS, batch_size: int = BATCH_SIZE, lr: float = LR,
-    seed: int = 0, **record: Any,
+    seed: int = 0, threads: int = THREADS, **record: Any,
 ) -> dict[str, Any]:
-    """:func:`new_detector` trained on ``pages`` (:func:`training_steps`), written to ``<out>/model``
+    """:func:`new_detector` trained on ``pages`` (:func:`training_steps`) on ``threads`` intra-op threads (the
+    float sums, so the weights, depend on the thread count: the default 1 fixes it; another CPU's vector
+    instructions or another torch build may still change the last bits, not tested), written to ``<out>/model``
     (``save_pretrained``, with :data:`TRAINED_ON` naming the pages) and ``<out>/train_report.json`` (the settings,
     ``record`` and the loss); returns the report."""
+    import torch
+
     steps = check_number(steps, "steps", 1, MAX_STEPS, integer=True)
     batch_size = check_number(batch_size, "batch size", 1, 4096, integer=True)
     lr = check_number(lr, "lr", 0, 1, open_low=True)
-    model, processor = new_detector(pages[0].size, seed)
-    start = time.monotonic()
-    losses = [round(loss, 4) for loss in training_steps(model, processor, pages, steps, batch_size, lr, seed)]
+    threads = check_number(threads, "threads", 1, 1024, integer=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model, processor = new_detector(pages[0].size, seed)
+        start = time.monotonic()
+        losses = [round(loss, 4) for loss in training_steps(model, processor, pages, steps, batch_size, lr, seed)]
+    finally:
+        torch.set_num_threads(before)
     out = Path(out)
     with atomic_directory(out / "model") as folder:
         model.save_pretrained(folder)
         processor.save_pretrained(folder)
         write_json(folder / TRAINED_ON, sorted(p.doc_id for p in pages))
     report = {**record, "train_pages": len(pages), "steps": steps, "batch_size": batch_size, "lr": lr,
-              "seed": seed, "threads": _threads(), "seconds": round(time.monotonic() - start, 1),
+              "seed": seed, "threads": threads, "seconds": round(time.monotonic() - start, 1),
               "loss_first": losses[:5], "loss_last": losses[-5:],
               "parameters": sum(p.numel() for p in model.parameters())}
     write_json(out / TRAIN_REPORT, report)
     return report
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def fold_of(doc_id: str, folds: int, seed: int = 0) -> int:
@@ -368,7 +373,7 @@ def fold_of(doc_id: str, folds: int, seed: int = 0) -> int:
 
 def train_detector(
     root: str | Path, out: str | Path, steps: int = STEPS, batch_size: int = BATCH_SIZE, lr: float = LR,
-    seed: int = 0, folds: int = 0,
+    seed: int = 0, folds: int = 0, threads: int = THREADS,
 ) -> dict[str, Any]:
     """Train :func:`new_detector` on the built-in corpus's train pages for ``steps`` steps into ``<out>/model`` and
     ``<out>/train_report.json`` (:func:`fit_detector`). With ``folds`` K >= 2, also K cross-fitting detectors:
@@ -379,7 +384,7 @@ def train_detector(
     if folds == 1 or folds < 0:
         raise LayoutError(f"--folds {folds}: cross-fitting needs at least 2 folds (0: none)")
     pages = gold_pages(root, "train")
-    settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed}
+    settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "threads": threads}
     report = fit_detector(pages, out, **settings, corpus=str(root))
     if not folds:
         return report
@@ -684,7 +689,8 @@ def train_command(report: dict[str, Any], out: str | Path) -> str:
     """The ``train`` command that makes a run of ``report``'s settings into ``out``."""
     folds = f" --folds {len(report['folds'])}" if report.get("folds") else ""
     return (f"python -m hkrag.data.layout train {report['corpus']} --out {out} --steps {report['steps']} "
-            f"--batch-size {report['batch_size']} --lr {report['lr']} --seed {report['seed']}{folds}")
+            f"--batch-size {report['batch_size']} --lr {report['lr']} --seed {report['seed']} --threads "
+            f"{report['threads']}{folds}")
 
 
 def ship_detector(run: str | Path, out: str | Path, evaluation: str | Path, replace: bool = False) -> dict[str, Any]:
@@ -718,7 +724,7 @@ def ship_detector(run: str | Path, out: str | Path, evaluation: str | Path, repl
                     "evaluate": f"python -m hkrag.data.layout evaluate {report['corpus']} --model {out / 'model'} "
                                 f"--split {result['split']} --threshold {result['threshold']} --alpha "
                                 f"{result['alpha']} --beta {result['beta']}",
-                    "config": {**settings, "folds": len(report.get("folds") or ())}, "threads": report["threads"],
+                    "config": {**settings, "threads": report["threads"], "folds": len(report.get("folds") or ())},
                     "matching_iou": result["selected"]["pooled"], "boxes_per_page": result["boxes_per_page"],
                     "files": {str(path.relative_to(tmp)): file_sha256(path)
                               for path in sorted(tmp.rglob("*")) if path.is_file()}}
@@ -740,6 +746,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     train.add_argument("--batch-size", type=int, default=BATCH_SIZE)
     train.add_argument("--lr", type=float, default=LR)
     train.add_argument("--seed", type=int, default=0, help="weights, denoising queries, batches and folds (default 0)")
+    train.add_argument("--threads", type=int, default=THREADS,
+                       help=f"intra-op threads; the weights depend on it (default {THREADS}: the same run anywhere)")
     train.add_argument("--folds", type=int, default=0,
                        help="also train K cross-fitting detectors, each without one fold of the documents (detect "
                             "--folds; default 0: none)")
@@ -779,7 +787,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     try:
         if args.command == "train":
             result = train_detector(args.corpus, args.out, args.steps, args.batch_size, args.lr, args.seed,
-                                    args.folds)
+                                    args.folds, args.threads)
         elif args.command == "evaluate":
             result = evaluate_detector(args.corpus, args.model, args.split, _settings(args))
             if args.out:
