@@ -18,8 +18,9 @@ already depends on (``RTDetrForObjectDetection``; Apache-2.0): a small random-in
 one seed and thread count, by default one thread, on one machine), or a user's detector loaded with ``--model
 PATH`` from a folder in the library's own format (``save_pretrained``: ``config.json``, weights,
 ``preprocessor_config.json``; any ``transformers`` object-detection model whose labels are SCAN's classes). Its
-boxes go through SCAN's selection (:func:`hkrag.data.regions.select`) and are scored by the matching-based IoU. ``ship`` writes a run with its
-evaluation and a manifest of sha256 (``weights/layout_tiny``, the shipped one), checked whenever it is loaded.
+boxes go through SCAN's selection (:func:`hkrag.data.regions.select`) and are scored by the matching-based IoU.
+``ship`` writes a run with its evaluation and a manifest of sha256 (``weights/layout_tiny``, the shipped one),
+checked whenever it is loaded.
 
 ``detect`` writes, for every config/split of a corpus, ``<out>/<config>/<split>.jsonl`` (one row per page:
 ``doc_id``, page ``size``, the ``detector`` folder that detected it, the detector's ``candidates`` and the
