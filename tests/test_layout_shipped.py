@@ -10,7 +10,7 @@ import pytest
 
 from hkrag.data.layout import BATCH_SIZE, LR, STEPS, THREADS, evaluate_detector, load_detector, train_command
 from hkrag.data.regions import CLASSES
-from hkrag.data.synthetic import SyntheticConfig, generate
+from hkrag.data.synthetic import DEMO, generate
 from hkrag.tasks.ship import file_hashes
 
 SHIPPED = Path(__file__).resolve().parents[1] / "weights" / "layout_tiny"
@@ -46,7 +46,7 @@ def test_it_loads_with_scans_classes():
 def test_its_evaluation_re_derives_from_the_repository(tmp_path):
     """The demo corpus drawn again (python -m hkrag.data.synthetic's defaults) and the shipped detector evaluated on
     its test split: the very figures the manifest holds."""
-    root = generate(tmp_path / "synthetic", SyntheticConfig()).root
+    root = generate(tmp_path / "synthetic", DEMO).root
     shipped = json.loads((SHIPPED / "evaluation.json").read_text())
     result = evaluate_detector(root, SHIPPED / "model", shipped["split"])
     assert result["selected"] == shipped["selected"]
