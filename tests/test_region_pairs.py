@@ -100,9 +100,12 @@ def test_training_set_keeps_held_out_documents_apart(workspace, tmp_path):
 
 
 def widened(box, width):
-    """``box`` 2 px wider: on the right, or on the left where it reaches the page's right edge."""
+    """``box`` 2 px wider: on the right, or on the left where it reaches the page's right edge, or 2 px taller where
+    it spans the page's width (a box stays inside its page: a region corpus refuses one that does not)."""
     x0, y0, x1, y1 = box
-    return (x0, y0, x1 + 2, y1) if x1 + 2 <= width else (x0 - 2, y0, x1, y1)
+    if x1 + 2 <= width:
+        return (x0, y0, x1 + 2, y1)
+    return (x0 - 2, y0, x1, y1) if x0 >= 2 else (x0, y0, x1, y1 + 2)
 
 
 @pytest.fixture(scope="module")
