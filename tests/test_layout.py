@@ -497,9 +497,11 @@ def test_cross_fitting_never_detects_a_page_with_a_detector_that_trained_on_it(c
     (runs / "folds.json").write_text("{")
     with pytest.raises(LayoutError, match=r"folds.json is not a cross-fitting folder's folds.json"):
         write_regions(corpus / "corpus", tmp_path / "bad", runs / "model", folds=runs, configs=["default"])
-    for folds_count, message in ((1, "at least 2 folds"), (-2, "at least 2 folds"), (9, r"fold\(s\) \[")):
+    for folds_count, message in ((1, r"needs an integer in \[2, 1000\]"), (-2, "needs an integer"),
+                                 (10**6, "needs an integer"), (9, r"fold\(s\) \[")):
         with pytest.raises(LayoutError, match=message):
             train_detector(corpus, tmp_path / "x", steps=1, batch_size=2, folds=folds_count)
+        assert not (tmp_path / "x").exists()  # refused before any training
 
 
 def test_a_shipped_detector_is_checked_against_its_manifest(corpus, detector, tmp_path):

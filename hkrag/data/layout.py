@@ -382,17 +382,17 @@ def train_detector(
     ``<out>/folds.json`` mapping each train page to its fold, which ``detect --folds`` reads so that no page is
     detected by a detector that trained on it (module docstring). Returns the full detector's report, with the
     folds' reports under ``folds``."""
-    if folds == 1 or folds < 0:
-        raise LayoutError(f"--folds {folds}: cross-fitting needs at least 2 folds (0: none)")
+    if not isinstance(folds, int) or folds == 1 or not 0 <= folds <= 1000:
+        raise LayoutError(f"--folds {folds}: cross-fitting needs an integer in [2, 1000] (0: none)")
     pages = gold_pages(root, "train")
+    assignment = {p.doc_id: fold_of(p.doc_id, folds, seed) for p in pages} if folds else {}
+    empty = sorted(set(range(folds)) - set(assignment.values()))
+    if empty:  # checked before any training
+        raise LayoutError(f"--folds {folds}: fold(s) {empty} of {root}'s train documents are empty; use fewer folds")
     settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "threads": threads}
     report = fit_detector(pages, out, **settings, corpus=str(root))
     if not folds:
         return report
-    assignment = {p.doc_id: fold_of(p.doc_id, folds, seed) for p in pages}
-    empty = sorted(set(range(folds)) - set(assignment.values()))
-    if empty or len(set(assignment.values())) < 2:
-        raise LayoutError(f"--folds {folds}: fold(s) {empty} of {root}'s train documents are empty; use fewer folds")
     report["folds"] = [fit_detector([p for p in pages if assignment[p.doc_id] != k], Path(out) / f"fold-{k}",
                                     **settings, corpus=str(root), fold=k, folds=folds)
                        for k in range(folds)]
