@@ -4,8 +4,10 @@
         --mode all-box --out data/units_det_all-box                          # detected boxes (layout detect)
     python -m hkrag.data.region_corpus build data/synthetic/corpus --gold data/synthetic \\
         --mode concatenation --out data/units_gold_concatenation             # the built-in corpus's own boxes
-    python -m hkrag.data.region_corpus build data/synthetic/corpus --mode all-box --out data/units \\
-        layout.model=runs/layout/model                                       # detect and cut in one command
+    python -m hkrag.data.region_corpus build data/synthetic/corpus --mode all-box \\
+        --out data/units                                    # detect (the shipped weights/layout_tiny), cut: one command
+    python -m hkrag.data.region_corpus build data/synthetic/corpus --mode all-box --out data/units_cf \\
+        layout.model=runs/layout_cf/model layout.folds=runs/layout_cf        # training pages cross-fitted
     python -m hkrag.data.ocr data/units_det_all-box --out data/units_det_all-box_ocr --column ocr_text
     python -m hkrag.data.region_corpus stitch data/synthetic/corpus --units data/units_det_all-box_ocr \\
         --column ocr_text --out data/synthetic_region_ocr                    # page text from its units' text
@@ -313,7 +315,8 @@ def main(argv: Iterable[str] | None = None) -> int:
         command.add_argument("--config", action="append", dest="configs", help="config (repeat; default: all)")
         command.add_argument("--split", action="append", dest="splits", help="split (repeat; default: all)")
     parser.epilog = ("build without --regions or --gold takes Hydra settings of the boxes after its arguments "
-                     "(conf/region_units.yaml), e.g. layout.model=runs/layout/model or layout=gold")
+                     "(conf/region_units.yaml), e.g. layout.model=runs/layout/model layout.folds=runs/layout or "
+                     "layout=gold (default: the shipped weights/layout_tiny/model)")
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides = [item for item in argv if OVERRIDE.match(item)]
     args = parser.parse_args([item for item in argv if not OVERRIDE.match(item)])
