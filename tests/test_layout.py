@@ -4,30 +4,38 @@ format and refusals, and the resumable ``detect`` command."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from hkrag.data.layout import (
     CLASS_COLOURS,
+    GoldPage,
     LayoutError,
     SelectionSettings,
+    class_agreement,
+    detect,
     draw_regions,
     evaluate_detector,
     figure,
+    fold_of,
     gold_pages,
     load_detector,
     main,
     new_detector,
     reselect,
+    ship_detector,
     train_detector,
     write_regions,
 )
 from hkrag.data.opendocvqa import DataError, load_corpus, text_kinds
 from hkrag.data.region_corpus import build_region_corpus, crop, jittered, page_units
 from hkrag.data.region_corpus import main as region_corpus_main
-from hkrag.data.regions import CLASSES, Region, select
+from hkrag.data.regions import CLASSES, Region, corpus_matching_iou, select
 from hkrag.data.synthetic import PageSpec, SyntheticConfig, generate, page_regions, render_page
 
 TINY = SyntheticConfig(seed=1, n_train=4, n_test=4, train_groups_per_style=1, test_groups_per_style=1, group_size=1)
@@ -90,7 +98,7 @@ def test_gold_pages_refuse_foreign_folders(corpus, tmp_path):
 def detector(corpus, tmp_path_factory):
     """Two training steps: a detector folder in the library's format (its boxes are not expected to be good)."""
     out = tmp_path_factory.mktemp("layout")
-    report = train_detector(corpus, out, max_steps=2, batch_size=2)
+    report = train_detector(corpus, out, steps=2, batch_size=2)
     assert report["steps"] == 2 and report["train_pages"] == 4
     return out / "model"
 
@@ -137,11 +145,11 @@ def test_detect_writes_regions_resumes_and_keeps_failures(corpus, detector, tmp_
     assert [r["doc_id"] for r in rows] == [p.doc_id for p in gold_pages(corpus, "test")]
     assert all(r["size"] == [224, 168] and r["selected"] and len(r["candidates"]) >= len(r["selected"]) for r in rows)
     # a rerun reads the cache; a confidence no candidate reaches leaves every page failed, named and kept
-    report = write_regions(source, out, detector, SelectionSettings(threshold=1.01), configs=["all"])
+    report = write_regions(source, out, detector, SelectionSettings(threshold=1), configs=["all"])
     assert (report["detected"], report["cached"]) == (0, 4)
     failures = json.loads((out / "layout_failures.json").read_text())
     assert [f["doc_id"] for f in failures] == [r["doc_id"] for r in rows]
-    assert failures[0]["error"] == "no box at or above confidence 1.01"
+    assert failures[0]["error"] == "no box at or above confidence 1"
     assert len((out / "all" / "test.jsonl").read_text().splitlines()) == 4
 
 
@@ -286,7 +294,7 @@ def test_region_corpus_build_takes_the_boxes_from_layout_settings(corpus, detect
             == load_corpus(tmp_path / "gold2", "all", "test").dataset.select_columns(columns).to_list())
     capsys.readouterr()
     for settings, message in ((f"layout.model={tmp_path}", f"error: {tmp_path} is not a detector folder"),
-                              (f"layout.model={detector} layout.threshold=1.01",
+                              (f"layout.model={detector} layout.threshold=1",
                                "page(s) have no box, e.g. '"),
                               ("layout.bogus=1", "error: Could not override 'layout.bogus'")):
         with pytest.raises(SystemExit) as exit_info:
@@ -315,3 +323,238 @@ def test_jittered_crops_widen_each_edge_within_bounds_the_same_on_every_build(co
         assert unit["image"].tobytes() == twin["image"].tobytes()
         expected = crop(page.image, region.box, jittered(0, 5, f"{unit['doc_id']}/0"))
         assert unit["image"].size == expected.size and unit["box"] == list(region.box)
+
+
+def test_training_runs_by_steps_the_same_on_every_call(corpus, detector, tmp_path, capsys):
+    # the fixture's two steps again, from the command line: the same weights, byte for byte
+    assert main(["train", str(corpus), "--out", str(tmp_path / "again"), "--steps", "2", "--batch-size", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["steps"], report["seed"], report["train_pages"], report["threads"]) == (2, 0, 4, 1)
+    for name in ("model.safetensors", "config.json", "trained_on.json"):
+        assert (tmp_path / "again" / "model" / name).read_bytes() == (detector / name).read_bytes()
+    assert json.loads((detector / "trained_on.json").read_text()) == sorted(
+        p.doc_id for p in gold_pages(corpus, "train"))
+    train_detector(corpus, tmp_path / "seed1", steps=2, batch_size=2, seed=1)
+    assert (tmp_path / "seed1" / "model" / "model.safetensors").read_bytes() != (
+        detector / "model.safetensors").read_bytes()
+    with pytest.raises(SystemExit):  # wall-clock budgets are gone: a run is its step count
+        main(["train", str(corpus), "--out", str(tmp_path / "m"), "--minutes", "1"])
+    for option, value, message in (("--steps", "0", r"steps must be an integer in \[1, "),
+                                   ("--steps", "-5", r"steps must be an integer in \[1, "),
+                                   ("--batch-size", "0", r"batch size must be an integer in \[1, 4096\], got 0"),
+                                   ("--lr", "nan", r"lr must be a number in \(0, 1\], got nan"),
+                                   ("--lr", "0", r"lr must be a number in \(0, 1\], got 0.0"),
+                                   ("--lr", "inf", r"lr must be a number in \(0, 1\], got inf"),
+                                   ("--threads", "0", r"threads must be an integer in \[1, 1024\], got 0")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            main(["train", str(corpus), "--out", str(tmp_path / "bad"), option, value])
+        assert exit_info.value.code == 2
+        assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "bad").exists()
+    for settings, message in (({"threshold": 1.5}, r"threshold must be a number in \[0, 1\], got 1.5"),
+                              ({"threshold": float("nan")}, "threshold must be a number"),
+                              ({"alpha": -0.1}, "alpha must be a number in"),
+                              ({"beta": float("inf")}, "beta must be a number in")):
+        with pytest.raises(LayoutError, match=message):
+            SelectionSettings(**settings)
+
+
+class FakeProcessor:
+    """Stands for an image processor whose post-processing returns fixed boxes in page pixels."""
+
+    def __init__(self, boxes):
+        self.boxes = boxes
+
+    def __call__(self, images, return_tensors):
+        return {"pixel_values": torch.zeros(len(images), 3, 4, 4)}
+
+    def post_process_object_detection(self, outputs, threshold, target_sizes):
+        return [{"scores": torch.tensor([s for s, _, _ in self.boxes]), "labels": torch.tensor([c for _, c, _ in
+                 self.boxes]), "boxes": torch.tensor([b for _, _, b in self.boxes], dtype=torch.float64)}
+                for _ in target_sizes]
+
+
+class FakeModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = type("Config", (), {"id2label": dict(enumerate(CLASSES))})()
+
+    def forward(self, pixel_values):
+        return None
+
+
+def test_detect_rounds_boxes_and_drops_slivers_with_a_count():
+    boxes = [(0.9, 0, (10.004, 20.126, 100.0, 80.0)),
+             (0.8, 1, (223.997, 40.0, 230.0, 60.0)),  # clipped to x1 224, x0 rounds to 224.0: no area left
+             (0.7, 3, (5.0, 150.0, 120.0, 168.004)),  # clipped and rounded to the page's 168
+             (0.6, 1, (50.0, -3.0, 60.0, 0.002))]  # clipped to y0 0, y1 rounds to 0.0: dropped
+    found, dropped = detect(FakeModel(), FakeProcessor(boxes), [Image.new("RGB", (224, 168))] * 2)
+    assert dropped == 4  # two slivers on each of the two pages
+    assert found[0] == [Region((10.0, 20.13, 100.0, 80.0), "semantic_box", pytest.approx(0.9)),
+                        Region((5.0, 150.0, 120.0, 168.0), "footer", pytest.approx(0.7))]
+
+
+def test_stored_candidates_that_are_no_regions_are_dropped_and_counted(tmp_path, capsys, caplog):
+    good = [[0, 0, 100, 50, "title", 0.9], [0, 50, 100, 100, "semantic_box", 0.5]]
+    bad = [[100.0, 40, 100, 60, "title", 0.2],  # the sliver: below the threshold, it crashed every rerun
+           [0, 0, float("nan"), 10, "title", 0.9], [90, 90, 120, 95, "footer", 0.9], [0, 0, 10, 10, "table", 0.9],
+           [0, 0, 10, 10, "title"], "box", [0, 0, 10, 10, "title", 7], [0, 0, 10, 10, "date", None]]
+    rows = [{"doc_id": "a", "size": [100, 100], "candidates": good + bad, "selected": []}]
+    (tmp_path / "det" / "all").mkdir(parents=True)
+    (tmp_path / "det" / "all" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level("WARNING"):
+        assert main(["select", str(tmp_path / "det"), "--out", str(tmp_path / "sel")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["dropped_boxes"], report["failed"]) == (len(bad), 0)
+    assert [r["selected"] for r in map(json.loads, (tmp_path / "sel" / "all" / "test.jsonl").open())] == [good]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == len(bad) and all("all/test a, candidate" in w for w in warnings)
+    assert "candidate 2: box (100.0, 40.0, 100.0, 60.0) has zero area" in warnings[0]
+    assert "candidate 5: box (0.0, 0.0, 10.0, 10.0) has class 'table', not one of SCAN's" in warnings[3]
+    rows[0]["size"] = [100, "x"]
+    (tmp_path / "det" / "all" / "test.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(LayoutError, match=r"test.jsonl, line 1 \(a\): size \[100, 'x'\] is not a page's"):
+        reselect(tmp_path / "det", tmp_path / "sel2")
+
+
+def test_a_cached_sliver_no_longer_stops_every_rerun(corpus, detector, tmp_path):
+    source, out = corpus / "corpus", tmp_path / "regions"
+    write_regions(source, out, detector, SelectionSettings(threshold=0), configs=["all"])
+    for cached in (out / ".cache").rglob("*.json"):  # as the unrounded code stored a box clipped at the edge
+        entry = json.loads(cached.read_text())
+        entry["candidates"].append([224.0, 40.0, 224.0, 60.0, "title", 0.1])
+        cached.write_text(json.dumps(entry))
+    report = write_regions(source, out, detector, SelectionSettings(threshold=0), configs=["all"])
+    assert (report["cached"], report["dropped_boxes"], report["failed"]) == (4, 4, [])
+
+
+def test_evaluation_selects_the_boxes_detect_writes_and_checks_their_classes(corpus, detector, tmp_path):
+    settings = SelectionSettings(threshold=0)
+    result = evaluate_detector(corpus, detector, settings=settings)
+    write_regions(corpus / "corpus", tmp_path / "r", detector, settings, configs=["all"])
+    rows = [json.loads(line) for line in (tmp_path / "r" / "all" / "test.jsonl").read_text().splitlines()]
+    pages = gold_pages(corpus, "test")
+    written = corpus_matching_iou((p.doc_id, [tuple(b[:4]) for b in r["selected"]], [g.box for g in p.regions])
+                                  for p, r in zip(pages, rows))
+    assert result["selected"] == written  # the same boxes, to the last digit
+    assert result["class_agreement"]["min_iou"] == 0.5 and "dropped_boxes" in result
+
+
+def test_class_agreement_by_hand():
+    title, body, footer = Region((0, 0, 100, 20), "title"), Region((0, 20, 100, 80), "semantic_box"), \
+        Region((0, 80, 100, 100), "footer")
+    page = GoldPage("p", "test", Image.new("RGB", (100, 100)), (title, body, footer))
+    predicted = [Region((0, 0, 100, 18), "title", 0.9),  # IoU 0.9, the same class
+                 Region((0, 22, 100, 80), "title", 0.8),  # IoU 58/60 with the semantic box, called a title
+                 Region((0, 90, 30, 100), "footer", 0.7)]  # IoU 0.15 with the footer: not matched
+    agreement = class_agreement([page], [predicted])
+    assert agreement == {"min_iou": 0.5, "pairs": 2, "same_class": 0.5,
+                         "confusion": {"title": {"title": 1}, "semantic_box": {"title": 1}}}
+    assert class_agreement([page], [[]])["same_class"] is None
+
+
+def test_cross_fitting_never_detects_a_page_with_a_detector_that_trained_on_it(corpus, tmp_path, capsys):
+    runs = tmp_path / "cf"
+    report = train_detector(corpus, runs, steps=1, batch_size=2, folds=2)
+    folds = json.loads((runs / "folds.json").read_text())
+    train = {p.doc_id for p in gold_pages(corpus, "train")}
+    assert set(folds["pages"]) == train and set(folds["pages"].values()) == {0, 1}
+    assert [r["fold"] for r in report["folds"]] == [0, 1]
+    for k in (0, 1):  # fold k's detector trained on every train page but fold k's
+        seen = set(json.loads((runs / f"fold-{k}" / "model" / "trained_on.json").read_text()))
+        assert seen == {p for p, fold in folds["pages"].items() if fold != k}
+    # a document's pages share a fold; the assignment does not depend on the other pages
+    assert fold_of("synchart-train-d007-p1", 3) == fold_of("synchart-train-d007-p4", 3)
+    args = ["detect", str(corpus / "corpus"), "--out", str(tmp_path / "det"), "--threshold", "0"]
+    assert main([*args, "--folds", str(runs), "--config", "default", "--config", "all"]) == 0
+    assert json.loads(capsys.readouterr().out)["seen_in_training"] == 0
+    rows = [json.loads(line) for path in sorted((tmp_path / "det").glob("*/*.jsonl"))
+            for line in path.read_text().splitlines()]
+    assert {r["doc_id"] for r in rows} == {p.doc_id for p in gold_pages(corpus)}
+    for row in rows:
+        trained = json.loads((Path(row["detector"]) / "trained_on.json").read_text())
+        assert row["doc_id"] not in trained
+        expected = runs / f"fold-{folds['pages'][row['doc_id']]}" / "model" if row["doc_id"] in train else \
+            runs / "model"
+        assert Path(row["detector"]) == expected
+    # region_corpus build cross-fits with layout.folds, the same detections
+    build = ["build", str(corpus / "corpus"), "--mode", "all-box", "--config", "default", "--out", str(tmp_path / "u"),
+             f"layout.model={runs / 'model'}", f"layout.folds={runs}", "layout.threshold=0"]
+    assert region_corpus_main(build) == 0
+    built = [json.loads(line) for line in (tmp_path / "u" / ".layout" / "default" / "train.jsonl").open()]
+    assert {r["doc_id"]: r["detector"] for r in built} == {r["doc_id"]: r["detector"] for r in rows
+                                                           if r["doc_id"] in train}
+    # without folds the full detector detects its own training pages: counted and warned about
+    plain = write_regions(corpus / "corpus", tmp_path / "plain", runs / "model", SelectionSettings(threshold=0),
+                          configs=["default"])
+    assert plain["seen_in_training"] == len(train)
+    # a folds.json that does not match its detectors is refused, naming the page
+    (runs / "folds.json").write_text(json.dumps({**folds, "pages": {p: 1 - k for p, k in folds["pages"].items()}}))
+    with pytest.raises(LayoutError, match=r"page '.*-train-.*' would be detected by .*fold-\d/model, which trained "
+                                          r"on it"):
+        write_regions(corpus / "corpus", tmp_path / "bad", runs / "model", folds=runs, configs=["default"])
+    (runs / "folds.json").write_text("{")
+    with pytest.raises(LayoutError, match=r"folds.json is not a cross-fitting folder's folds.json"):
+        write_regions(corpus / "corpus", tmp_path / "bad", runs / "model", folds=runs, configs=["default"])
+    for folds_count, message in ((1, r"needs an integer in \[2, 1000\]"), (-2, "needs an integer"),
+                                 (10**6, "needs an integer"), (9, r"fold\(s\) \[")):
+        with pytest.raises(LayoutError, match=message):
+            train_detector(corpus, tmp_path / "x", steps=1, batch_size=2, folds=folds_count)
+        assert not (tmp_path / "x").exists()  # refused before any training
+
+
+def test_a_shipped_detector_is_checked_against_its_manifest(corpus, detector, tmp_path):
+    run = detector.parent
+    evaluate = ["evaluate", str(corpus), "--model", str(detector), "--out", str(run / "evaluation.json")]
+    assert main(evaluate) == 0
+    manifest = ship_detector(run, tmp_path / "shipped", run / "evaluation.json")
+    shipped = tmp_path / "shipped"
+    assert manifest["command"].startswith(f"python -m hkrag.data.layout train {corpus} --out {run} --steps 2 ")
+    assert set(manifest["files"]) == {"model/config.json", "model/model.safetensors", "model/preprocessor_config.json",
+                                      "model/trained_on.json", "train_report.json", "evaluation.json"}
+    assert json.loads((shipped / "manifest.json").read_text()) == manifest
+    assert evaluate_detector(corpus, shipped / "model")["selected"]["pooled"] == manifest["matching_iou"]
+    with pytest.raises(LayoutError, match="exists and is not empty: pass --replace"):
+        ship_detector(run, shipped, run / "evaluation.json")
+    other = json.loads((run / "evaluation.json").read_text()) | {"model": "elsewhere"}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(LayoutError, match="other.json evaluates 'elsewhere'"):
+        ship_detector(run, tmp_path / "s2", tmp_path / "other.json")
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(LayoutError, match="broken.json cannot be read as JSON"):
+        ship_detector(run, tmp_path / "s3", tmp_path / "broken.json")
+    weights = shipped / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    with pytest.raises(LayoutError, match=r"model.safetensors has sha256 .* but .*manifest.json says sha256"):
+        load_detector(shipped / "model")
+
+
+def test_region_boxes_that_are_no_regions_of_the_page_stop_the_build_naming_page_and_box(corpus, tmp_path):
+    page = gold_pages(corpus, "test")[0]
+    for region, message in ((Region((200, 100, 230, 120), "title", 0.9), r"box \(200.0, 100.0, 230.0, 120.0\) lies "
+                                                                         r"outside the 224x168 page"),
+                            (Region((-1, 0, 20, 20), "title", 0.9), "lies outside the 224x168 page"),
+                            (Region((10, 10, 10, 20), "title", 0.9), "has zero area"),
+                            (Region((10, 10, 20, 9), "title", 0.9), "has zero area"),
+                            (Region((10, float("nan"), 20, 30), "title", 0.9), "a box is four finite numbers"),
+                            (Region((10, 10, 20, 30), "table", 0.9), "has class 'table', not one of SCAN's"),
+                            (Region((10, 10, 20, 30), "semantic_box+global", 0.9), r"has class 'semantic_box\+")):
+        for mode in ("all-box", "concatenation"):
+            with pytest.raises(DataError, match=rf"page '{page.doc_id}', region 1: .*{message}.*: no unit is cut"):
+                page_units(page.doc_id, page.image, [page.regions[1], region], mode)
+    # the same from a detect folder: named with its page, never a raw imaging error
+    regions = tmp_path / "regions" / "all"
+    regions.mkdir(parents=True)
+    rows = [{"doc_id": p.doc_id, "size": list(p.size), "candidates": [],
+             "selected": [[*r.box, r.label, 1.0] for r in p.regions]} for p in gold_pages(corpus, "test")]
+    rows[2]["selected"][0][2] = float("nan")
+    (regions / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=rf"page '{rows[2]['doc_id']}', region 0: a box is four finite numbers"):
+        build_region_corpus(corpus / "corpus", tmp_path / "out", "all-box", regions=tmp_path / "regions",
+                            configs=["all"])
+    for broken in ({**rows[0], "selected": [[1, 2, 3]]}, {"doc_id": "x"}, "[1, 2]"):
+        (regions / "test.jsonl").write_text(json.dumps(rows[1]) + "\n" + json.dumps(broken) + "\n")
+        with pytest.raises(DataError, match=r"test.jsonl, line 2 is not a detect row with selected boxes"):
+            build_region_corpus(corpus / "corpus", tmp_path / "out", "all-box", regions=tmp_path / "regions",
+                                configs=["all"])

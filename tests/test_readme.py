@@ -88,7 +88,7 @@ TINY_FLAGS: tuple[tuple[str, str], ...] = (
     (r"hkrag\.tasks\.chain", "--seeds 0 --generator-steps 2 --curve-every 0 --eval rag.max_queries=2"),
     (r"hkrag\.tasks\.chain.*--pretrain-steps", "--pretrain-steps 2"),
     (r"hkrag\.tasks\.table6", "--seeds 0 --generator-steps 2 --eval rag.max_queries=2 --eval rag.pools=[single]"),
-    (r"hkrag\.data\.layout train", "--max-steps 2"),
+    (r"hkrag\.data\.layout train", "--steps 2"),
 )
 """Modules' own flags that shrink them (every matching row; they follow the command's own flags, so they win; for
 the runs-of-runs modules (:data:`RUNS_OF_RUNS`) the train.py shrink overrides follow the command's overrides)."""

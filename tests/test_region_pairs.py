@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 
+import datasets
 import pytest
+from PIL import Image
 
 from hkrag.data.layout import gold_pages
-from hkrag.data.opendocvqa import DataError, QAExample, format_query, load_corpus, load_qa
+from hkrag.data.opendocvqa import Corpus, DataError, QAExample, format_query, load_corpus, load_qa
 from hkrag.data.region_corpus import build_region_corpus
-from hkrag.data.region_pairs import gold_units, main, page_units, write_region_training
+from hkrag.data.region_pairs import gold_units, main, matched_units, page_units, write_region_training
 from hkrag.data.splits import ValidationSplit
 from hkrag.data.synthetic import SyntheticConfig, generate
 from hkrag.io import write_json, write_text
@@ -98,9 +100,12 @@ def test_training_set_keeps_held_out_documents_apart(workspace, tmp_path):
 
 
 def widened(box, width):
-    """``box`` 2 px wider: on the right, or on the left where it reaches the page's right edge."""
+    """``box`` 2 px wider: on the right, or on the left where it reaches the page's right edge, or 2 px taller where
+    it spans the page's width (a box stays inside its page: a region corpus refuses one that does not)."""
     x0, y0, x1, y1 = box
-    return (x0, y0, x1 + 2, y1) if x1 + 2 <= width else (x0 - 2, y0, x1, y1)
+    if x1 + 2 <= width:
+        return (x0, y0, x1 + 2, y1)
+    return (x0 - 2, y0, x1, y1) if x0 >= 2 else (x0, y0, x1, y1 + 2)
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +219,22 @@ def test_seed_table_reads_eval_and_train_folders(workspace, tmp_path, capsys):
     with pytest.raises(SystemExit):
         seeds_main([str(tmp_path / "gone"), "--corpus", str(root / "corpus")])
     assert f"no such evaluation folder: {tmp_path / 'gone'}" in capsys.readouterr().err
+
+
+def test_unit_boxes_that_are_no_boxes_are_refused_naming_the_unit():
+    def units(boxes, name):
+        return Corpus(datasets.Dataset.from_dict({
+            "doc_id": [f"p#{k}" for k in range(len(boxes))], "image": [Image.new("RGB", (2, 2))] * len(boxes),
+            "page_id": ["p"] * len(boxes), "box": boxes}), name=name)
+
+    gold = units([[0, 0, 10, 10], [0, 10, 10, 20]], "gold")
+    assert matched_units(gold, units([[0, 0, 10, 9], [0, 10, 10, 20]], "found")) == {"p#0": "p#0", "p#1": "p#1"}
+    for box, message in (([0, 0, float("nan"), 9], r"a box is four finite numbers \(x0, y0, x1, y1\), got \[0"),
+                         ([0, 0, float("inf"), 9], "a box is four finite numbers"),
+                         ([0, 0, 10], "a box is four finite numbers"),
+                         ([], "a box is four finite numbers"),
+                         ([5, 5, 5, 9], r"box \(5.0, 5.0, 5.0, 9.0\) has zero area"),
+                         ([-3, 0, 10, 9], r"box \(-3.0, 0.0, 10.0, 9.0\) lies outside the page \(a negative "
+                                          r"coordinate\)")):
+        with pytest.raises(DataError, match=rf"found: unit 'p#1' of page 'p': {message}"):
+            matched_units(gold, units([[0, 0, 10, 9], box], "found"))

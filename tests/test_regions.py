@@ -11,6 +11,7 @@ from hkrag.data.opendocvqa import Corpus, DataError
 from hkrag.data.region_corpus import corpus_pages
 from hkrag.data.regions import (
     Region,
+    check_region,
     corpus_matching_iou,
     matching_iou,
     matching_pairs,
@@ -75,6 +76,41 @@ def test_selection_empty_and_bad_boxes():
         select([Region((3, 3, 3, 8), "title", 0.9)], PAGE, page="p7")
     with pytest.raises(ValueError, match="p7, candidate 0: a box is four finite numbers"):
         select([Region((0, 0, float("nan"), 3), "title", 0.9)], PAGE, page="p7")
+
+
+@pytest.mark.parametrize("offset", [0, 1.5, 37.25, 100])
+def test_an_exact_tie_never_adds_a_box_whatever_the_float_noise(offset):
+    # b adds 1 of new area and 9 of overlap: alpha * 1 = beta * 9 exactly (0.9 = 0.1 * 9), a tie, so b stays out.
+    # The float ratios said otherwise on the 224 x 168 page at offset 0 (S rose by 1.4e-17): b was selected.
+    a = Region((offset, 0, offset + 10, 1), "semantic_box", 0.9)
+    b = Region((offset + 1, 0, offset + 11, 1), "title", 0.8)
+    assert select([a, b], (224, 168)) == [a]
+    # one more 1/100 pixel of new area breaks the tie: 0.9 * 1.01 > 0.1 * 9
+    wider = Region((offset + 1, 0, offset + 11.01, 1), "title", 0.8)
+    assert select([a, wider], (224, 168)) == [a, wider]
+    # 2-decimal boxes of the same tie (0.1 x 1 new, 0.9 x 1 overlapping): the same answer on every page size
+    for size in ((224, 168), (1000, 1000), (10_000, 7_000)):
+        c = Region((offset, 2, offset + 1.0, 3), "title", 0.9)
+        d = Region((offset + 0.1, 2, offset + 1.1, 3), "title", 0.5)
+        assert select([c, d], size) == [c]
+
+
+def test_regions_that_scan_does_not_have_are_refused_naming_the_page_and_box():
+    for region, message in ((Region((0, 0, 5, 5), "table", 0.9), r"p7, candidate 0: box \(0, 0, 5, 5\) has class "
+                                                                  r"'table', not one of SCAN's"),
+                            (Region((0, 0, 5, 5), "", 0.9), "has class '', not one of SCAN's"),
+                            (Region((0, 0, 5, 5), "title", 1.5), r"has confidence 1.5, not a number in \[0, 1\]"),
+                            (Region((0, 0, 5, 5), "title", float("nan")), "has confidence nan"),
+                            (Region((0, 0, 5, float("inf")), "title", 0.5), "a box is four finite numbers"),
+                            (Region((0, 0, 5), "title", 0.5), "a box is four finite numbers"),
+                            (Region(("a", 0, 5, 5), "title", 0.5), "a box is four finite numbers"),
+                            (Region((-0.01, 0, 5, 5), "title", 0.5), "lies outside the 10x10 page"),
+                            (Region((9.99, 0, 9.99, 5), "title", 0.5), "has zero area")):
+        with pytest.raises(ValueError, match=message):
+            select([region], PAGE, page="p7")
+        with pytest.raises(ValueError, match=message):
+            check_region(region, PAGE, "p7, candidate 0")
+    assert check_region(Region((0, 0, 10, 10), "author", 0.0), PAGE, "p") == Region((0, 0, 10, 10), "author", 0.0)
 
 
 def flat(x0: float, x1: float) -> tuple[float, float, float, float]:

@@ -4,8 +4,10 @@
         --mode all-box --out data/units_det_all-box                          # detected boxes (layout detect)
     python -m hkrag.data.region_corpus build data/synthetic/corpus --gold data/synthetic \\
         --mode concatenation --out data/units_gold_concatenation             # the built-in corpus's own boxes
-    python -m hkrag.data.region_corpus build data/synthetic/corpus --mode all-box --out data/units \\
-        layout.model=runs/layout/model                                       # detect and cut in one command
+    python -m hkrag.data.region_corpus build data/synthetic/corpus --mode all-box \\
+        --out data/units                                    # detect (the shipped weights/layout_tiny), cut: one command
+    python -m hkrag.data.region_corpus build data/synthetic/corpus --mode all-box --out data/units_cf \\
+        layout.model=runs/layout_cf/model layout.folds=runs/layout_cf        # training pages cross-fitted
     python -m hkrag.data.ocr data/units_det_all-box --out data/units_det_all-box_ocr --column ocr_text
     python -m hkrag.data.region_corpus stitch data/synthetic/corpus --units data/units_det_all-box_ocr \\
         --column ocr_text --out data/synthetic_region_ocr                    # page text from its units' text
@@ -24,7 +26,9 @@ by upper-left corner (top, then left), as SCAN orders regions. The three modes a
 
 Without ``--regions`` or ``--gold``, the boxes come from Hydra settings given after the arguments
 (``conf/region_units.yaml``): ``layout=rtdetr`` (the default) runs the detector ``layout.model`` (a ``transformers``
-``save_pretrained`` folder) with SCAN's selection (``layout.threshold``, ``layout.alpha``, ``layout.beta``) into
+``save_pretrained`` folder; the shipped ``weights/layout_tiny/model`` by default; with ``layout.folds``, a ``train
+--folds`` folder, each training page by the fold detector that never trained on it) with SCAN's selection
+(``layout.threshold``, ``layout.alpha``, ``layout.beta``) into
 ``<out>/.layout`` (as ``python -m hkrag.data.layout detect`` does, cached by page and detector, so a rerun detects
 nothing again), then cuts the units; ``layout=gold layout.root=<built-in corpus>`` takes the corpus's own boxes.
 
@@ -64,7 +68,7 @@ from hkrag.data.opendocvqa import (
     load_corpus,
     text_kinds,
 )
-from hkrag.data.regions import GLOBAL_CLASSES, Region
+from hkrag.data.regions import GLOBAL_CLASSES, Region, check_region
 from hkrag.data.synthetic import TextItem
 from hkrag.data.writer import declare_text_columns, save_split
 
@@ -112,11 +116,19 @@ def page_units(
     margin: int = 0, jitter: int = 0,
 ) -> list[dict]:
     """The unit rows of one page (module docstring), each crop with ``margin`` pixels of page around its box (and
-    with ``jitter``, up to that many more on each edge, :func:`jittered`). With
+    with ``jitter``, up to that many more on each edge, :func:`jittered`). A region that is no box of the page
+    (outside it, of zero area, not finite) or of a class SCAN does not have raises a DataError naming the page and
+    the box (:func:`hkrag.data.regions.check_region`), before any pixel is cut. With
     the page's drawn ``items`` (built-in pages), each row also gets ``text``: the strings whose centre lies in the
     unit's box(es), box by box, each top to bottom then left to right."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    for i, region in enumerate(regions):
+        try:
+            check_region(region, image.size, f"page {doc_id!r}, region {i}")
+        except ValueError as error:
+            raise DataError(f"{error}: no unit is cut from it (fix the regions, or select again: python -m "
+                            "hkrag.data.layout select)") from None
     ordered = sorted(regions, key=lambda r: (r.box[1], r.box[0]))
     semantic = [r for r in ordered if r.label == "semantic_box"]
     if mode == "all-box":
@@ -158,12 +170,27 @@ def corpus_pages(corpus: Corpus) -> list[str]:
 
 
 def detected_regions(folder: str | Path, config: str, split: str) -> dict[str, list[Region]]:
-    """The selected boxes ``python -m hkrag.data.layout detect`` wrote for one config/split, by page."""
+    """The selected boxes ``python -m hkrag.data.layout detect`` wrote for one config/split, by page; a line that
+    is no detect row (or a box no ``[x0, y0, x1, y1, class, score]`` entry) raises a DataError naming the file and
+    line (the boxes themselves are checked against their page where they are cut, :func:`page_units`)."""
     path = Path(folder) / config / f"{split}.jsonl"
     if not path.is_file():
         raise DataError(f"{path} is missing: run python -m hkrag.data.layout detect first")
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return {row["doc_id"]: [Region(tuple(b[:4]), b[4], b[5]) for b in row["selected"]] for row in rows}
+    boxes = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+            boxes[row["doc_id"]] = [_region(entry) for entry in row["selected"]]
+        except (ValueError, KeyError, TypeError, IndexError) as error:
+            raise DataError(f"{path}, line {number} is not a detect row with selected boxes [x0, y0, x1, y1, class, "
+                            f"score] ({type(error).__name__}: {error})") from None
+    return boxes
+
+
+def _region(entry: object) -> Region:
+    if not isinstance(entry, list) or len(entry) != 6:
+        raise ValueError(f"{entry!r} is not [x0, y0, x1, y1, class, score]")
+    return Region(tuple(entry[:4]), entry[4], entry[5])
 
 
 def build_region_corpus(
@@ -256,7 +283,7 @@ def layout_boxes(
         return None, Path(layout.root)
     detections = Path(out) / DETECTIONS_DIR
     settings = SelectionSettings(layout.threshold, layout.alpha, layout.beta)
-    report = write_regions(source, detections, layout.model, settings, configs, splits)
+    report = write_regions(source, detections, layout.model, settings, configs, splits, folds=layout.get("folds"))
     if report["failed"]:
         first = report["failed"][0]
         raise DataError(f"layout.model={layout.model}: {len(report['failed'])} page(s) have no box, e.g. "
@@ -288,7 +315,8 @@ def main(argv: Iterable[str] | None = None) -> int:
         command.add_argument("--config", action="append", dest="configs", help="config (repeat; default: all)")
         command.add_argument("--split", action="append", dest="splits", help="split (repeat; default: all)")
     parser.epilog = ("build without --regions or --gold takes Hydra settings of the boxes after its arguments "
-                     "(conf/region_units.yaml), e.g. layout.model=runs/layout/model or layout=gold")
+                     "(conf/region_units.yaml), e.g. layout.model=runs/layout/model layout.folds=runs/layout or "
+                     "layout=gold (default: the shipped weights/layout_tiny/model)")
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides = [item for item in argv if OVERRIDE.match(item)]
     args = parser.parse_args([item for item in argv if not OVERRIDE.match(item)])

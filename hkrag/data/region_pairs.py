@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -50,13 +51,12 @@ import datasets
 from hkrag.data.ocr import corpus_splits
 from hkrag.data.opendocvqa import ALL_POOL, QA_FEATURES, TEXT_COLUMN, Corpus, DataError, QAExample, load_corpus, load_qa
 from hkrag.data.region_corpus import PAGE_COLUMN, unit_pages
-from hkrag.data.regions import matching_pairs
+from hkrag.data.regions import MATCH_IOU, check_box, matching_pairs
 from hkrag.data.splits import ValidationSplit, page_group
 from hkrag.data.writer import save_split
 
 VALIDATION_SPLIT = "validation"
 BOXES = ("gold", "detected", "both")
-MATCH_IOU = 0.5
 WORD = re.compile(r"[a-z0-9]+")
 
 
@@ -96,7 +96,10 @@ def matched_units(gold: Corpus, detected: Corpus, threshold: float = MATCH_IOU) 
     def boxes(corpus: Corpus) -> dict[str, list[tuple[str, tuple[float, ...]]]]:
         by_page: dict[str, list[tuple[str, tuple[float, ...]]]] = {}
         for unit, page, box in zip(corpus.doc_ids, corpus.dataset[PAGE_COLUMN][:], corpus.dataset["box"][:]):
-            by_page.setdefault(page, []).append((unit, tuple(box)))
+            try:  # no page size is stored with a unit: a box is finite, of positive area, from the page's origin on
+                by_page.setdefault(page, []).append((unit, check_box(box or (), (math.inf, math.inf), "")))
+            except ValueError as error:
+                raise DataError(f"{corpus.name}: unit {unit!r} of page {page!r}{error}") from None
         return by_page
 
     unit_pages(gold), unit_pages(detected)  # both must be region corpora (DataError naming the one that is not)

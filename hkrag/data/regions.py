@@ -12,7 +12,11 @@ only when it strictly raises the score ``S = alpha * R_c + beta * R_o`` (Eq. 3; 
 on DocSemNet's validation split), where the coverage ratio ``R_c`` is the area of the union of the selected boxes
 over the page area (Eq. 1) and the non-overlap ratio ``R_o`` is one minus the area of the union of their pairwise
 intersections over the page area (Eq. 2). Then every selected box completely covered by another selected box is
-removed (of two equal boxes the less confident goes).
+removed (of two equal boxes the less confident goes). The comparison is exact, not by floating point: a box joins
+when ``alpha * dA_c > beta * dA_o`` (the gains in covered and in overlapped area), with areas counted in integers on
+a 1/100-pixel grid (:data:`GRID`; ``detect`` stores boxes to 2 decimals, gold boxes are whole pixels) and the weights
+as the decimals they print as (``Fraction(repr(alpha))``), so an exact tie (``alpha * dA_c = beta * dA_o``) never
+adds the box, whatever the float rounding of the ratios would say.
 
 Metric (:func:`matching_iou`, SCAN Sec. 3.1.2): predicted and gold boxes of a page are paired by the Hungarian
 algorithm (``scipy.optimize.linear_sum_assignment``, maximising the summed IoU); the page's score is the average
@@ -32,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -44,8 +49,14 @@ THRESHOLD = 0.4
 ALPHA = 0.9
 BETA = 0.1
 """SCAN's tuned selection settings (Sec. 3.2): minimum confidence, coverage weight, non-overlap weight."""
+MATCH_IOU = 0.5
+"""The IoU at which a detected box counts as found (the usual detection threshold), for pairing and class checks."""
 
 Box = tuple[float, float, float, float]
+GRID = 100
+"""Selection measures areas exactly in integers on a grid of 1/GRID pixel (module docstring)."""
+DECIMALS = 2
+"""Detected boxes are stored, selected and evaluated rounded to this many decimals (``round(v, DECIMALS)``)."""
 
 
 @dataclass(frozen=True)
@@ -60,28 +71,53 @@ class Region:
 def check_box(box: Sequence[float], size: tuple[int, int], where: str) -> Box:
     """``box`` as floats when it is a non-empty box inside a page of ``size`` (width, height), else a ValueError
     naming ``where`` (the page, and the box's place in its list) and the box."""
-    values = tuple(float(v) for v in box)
+    try:
+        values = tuple(float(v) for v in box)
+    except (TypeError, ValueError):
+        values = ()
     if len(values) != 4 or not all(math.isfinite(v) for v in values):
-        raise ValueError(f"{where}: a box is four finite numbers (x0, y0, x1, y1), got {tuple(box)}")
+        raise ValueError(f"{where}: a box is four finite numbers (x0, y0, x1, y1), got {box!r}")
     x0, y0, x1, y1 = values
     width, height = size
     if not (x0 < x1 and y0 < y1):
         raise ValueError(f"{where}: box {values} has zero area (needs x0 < x1 and y0 < y1)")
     if x0 < 0 or y0 < 0 or x1 > width or y1 > height:
-        raise ValueError(f"{where}: box {values} lies outside the {width}x{height} page")
+        page = f"the {width}x{height} page" if math.isfinite(width * height) else "the page (a negative coordinate)"
+        raise ValueError(f"{where}: box {values} lies outside {page}")
     return values
+
+
+def check_region(region: Region, size: tuple[int, int], where: str) -> Region:
+    """``region`` when its box passes :func:`check_box` and its class is one of :data:`CLASSES`, else a ValueError
+    naming ``where``, the box and the class (a class SCAN does not have never passes as a new one)."""
+    check_box(region.box, size, where)
+    if region.label not in CLASSES:
+        raise ValueError(f"{where}: box {tuple(region.box)} has class {region.label!r}, not one of SCAN's "
+                         f"{list(CLASSES)}")
+    if not (isinstance(region.score, (int, float)) and 0 <= region.score <= 1):
+        raise ValueError(f"{where}: box {tuple(region.box)} has confidence {region.score!r}, not a number in [0, 1]")
+    return region
+
+
+def rounded(box: Sequence[float]) -> Box:
+    """``box`` rounded to :data:`DECIMALS` decimals, as detected boxes are stored and selected."""
+    return tuple(round(float(v), DECIMALS) for v in box)
 
 
 def union_area(boxes: Iterable[Box]) -> float:
     """Exact area of the union of ``boxes`` (coordinate compression; see the module docstring)."""
-    rows = np.asarray(list(boxes), dtype=float).reshape(-1, 4)
+    return float(_union(np.asarray(list(boxes), dtype=float).reshape(-1, 4)))
+
+
+def _union(rows: np.ndarray) -> np.generic:
+    """The union's area of ``rows`` (x0, y0, x1, y1), in their dtype: exact for integers."""
     if not len(rows):
-        return 0.0
+        return rows.dtype.type(0)
     xs, ys = np.unique(rows[:, [0, 2]]), np.unique(rows[:, [1, 3]])
     covered = np.zeros((len(ys) - 1, len(xs) - 1), dtype=bool)
     for x0, y0, x1, y1 in rows:
         covered[np.searchsorted(ys, y0):np.searchsorted(ys, y1), np.searchsorted(xs, x0):np.searchsorted(xs, x1)] = True
-    return float((np.diff(ys)[:, None] * np.diff(xs)[None, :])[covered].sum())
+    return (np.diff(ys)[:, None] * np.diff(xs)[None, :])[covered].sum()
 
 
 def intersection(a: Box, b: Box) -> Box | None:
@@ -123,20 +159,33 @@ def select(
     """SCAN's greedy box selection (Sec. 3.2, module docstring), in selection order (descending confidence).
 
     An empty candidate list, or one with no box at or above ``threshold``, gives an empty selection. A candidate
-    that is no box inside the page (zero area, outside it) raises a ValueError naming ``page`` and its position.
-    """
+    that is no region of the page (:func:`check_region`: zero area, outside it, not finite, a class SCAN does not
+    have) raises a ValueError naming ``page``, its position and the box; callers reading stored candidates drop
+    those first (``hkrag.data.layout``)."""
     for i, region in enumerate(candidates):
-        check_box(region.box, size, f"{page}, candidate {i}")
+        check_region(region, size, f"{page}, candidate {i}")
     pool = sorted((r for r in candidates if r.score >= threshold), key=lambda r: -r.score)
+    weight_c, weight_o = Fraction(repr(float(alpha))), Fraction(repr(float(beta)))
     chosen: list[Region] = []
-    best = selection_score([], size, alpha, beta)
+    grid: list[tuple[int, ...]] = []
+    covered = overlapped = 0
     for region in pool:
-        score = selection_score([r.box for r in chosen] + [region.box], size, alpha, beta)
-        if score > best:
+        boxes = [*grid, tuple(round(v * GRID) for v in region.box)]
+        new_covered, new_overlapped = _grid_union(boxes), _grid_union(_overlaps(boxes))
+        if weight_c * (new_covered - covered) > weight_o * (new_overlapped - overlapped):
             chosen.append(region)
-            best = score
+            grid, covered, overlapped = boxes, new_covered, new_overlapped
     return [r for i, r in enumerate(chosen)
             if not any(j != i and contains(o.box, r.box) and (o.box != r.box or j < i) for j, o in enumerate(chosen))]
+
+
+def _overlaps(boxes: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    return [o for i, a in enumerate(boxes) for b in boxes[i + 1:] if (o := intersection(a, b))]
+
+
+def _grid_union(boxes: Sequence[Sequence[int]]) -> int:
+    """Exact area of the union of integer boxes (coordinates up to about 10**9 stay exact in int64)."""
+    return int(_union(np.asarray(boxes, dtype=np.int64).reshape(-1, 4)))
 
 
 def box_iou(a: Box, b: Box) -> float:
