@@ -398,17 +398,15 @@ def reduce_depth(config: Phi3VConfig, layers: int, vision_layers: int, attention
 
 
 def reduced(cfg: DictConfig, layers: int, vision_layers: int, model_config: str | None,
-            device: str = "cpu", dtype: str | None = None, input_hooks: bool = False) -> tuple[Plan, Any]:
+            device: str = "cpu", dtype: str | None = None) -> tuple[Plan, Any]:
     """``cfg``'s plan at full width and ``layers`` / ``vision_layers`` deep, as measured (``dtype``, by default fp32
     on CPU and bf16 on CUDA, bf16 under autocast; the retriever's gradient cache over the whole global batch), and
-    the reduced model's config and processor (attention as ``model.attn_implementation``). ``input_hooks``: the step
-    as it ran before the input-embedding hooks were removed (:attr:`~hkrag.training.memory.Workload.input_hooks`)."""
+    the reduced model's config and processor (attention as ``model.attn_implementation``)."""
     config, processor = model_source(cfg, model_config)
     reduce_depth(config, layers, vision_layers, cfg.model.get("attn_implementation"))
     p = plan(cfg, model_config, source=(config, processor))
     dtype = measured_dtype(device, dtype)
-    changes: dict[str, Any] = {"dtype": dtype, "device": device, "autocast": dtype != "float32",
-                               "input_hooks": input_hooks}
+    changes: dict[str, Any] = {"dtype": dtype, "device": device, "autocast": dtype != "float32"}
     if not is_generator(cfg):
         changes["batch"] = int(cfg.trainer.global_batch_size)
     extra = replace(p.extra, **{k: v for k, v in changes.items() if k != "batch"}) if p.extra else None
@@ -548,11 +546,9 @@ def inference_table(rows: Sequence[dict[str, Any]], full_depth: int) -> str:
 
 def predicted_row(cfg: DictConfig, row: dict[str, Any], model_config: str | None) -> dict[str, Any]:
     """``row`` (a measurement) with the memory model's figures at its depth; the late-interaction projection's two
-    copies (built with the model, before the step) counted with the frozen model as measured. A row marked
-    ``input_hooks`` ran with transformers' input-embedding hooks (every checkpointed step before they were removed,
-    :attr:`~hkrag.training.memory.Workload.input_hooks`) and is predicted so."""
+    copies (built with the model, before the step) counted with the frozen model as measured."""
     p, _ = reduced(cfg, row["layers"], row["vision_layers"], model_config, row.get("device", "cpu"),
-                   row.get("dtype"), bool(row.get("input_hooks")))
+                   row.get("dtype"))
     frozen = p.estimate.terms[f"frozen weights ({p.work.dtype})"] + p.estimate.terms["LoRA adapter (fp32)"]
     head = 0  # the late-interaction projection's frozen original and trained copy, built with the model
     if late := p.work.late_interaction:
