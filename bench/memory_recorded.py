@@ -21,7 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hkrag.tasks.preflight import compose_config, predicted_row
+from hkrag.tasks.fit import compose_config
+from hkrag.tasks.rehearsal import predicted_row
 
 RUNS = Path(__file__).resolve().parent / "runs"
 RETRIEVER_4_CROPS = ["experiment=hkrag_retriever", "model.num_crops=4", "model.attn_implementation=sdpa",
