@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -656,3 +657,15 @@ def test_a_checkpointed_layers_backward_peaks_where_the_model_says(dtype):
     assert peak == pytest.approx(predicted, rel=0.05)
     if bf16:
         assert peak > 1.2 * (saved + two_gradients + output)
+
+
+def test_the_launcher_configs_cite_tests_that_exist():
+    """Every ``tests/...py`` (and ``::test_name``) that conf/accelerate and docs/training.md cite exists (the
+    DeepSpeed configs once cited a tests/test_deepspeed.py that never did)."""
+    cited = set()
+    for path in [*sorted((ROOT / "conf" / "accelerate").glob("*")), ROOT / "docs" / "training.md"]:
+        cited |= set(re.findall(r"tests/(test_\w+\.py)(?:::(\w+))?", path.read_text()))
+    assert ("test_multiprocess_training.py", "test_deepspeed_zero2_and_zero3_match_ddp_on_two_cpu_processes") in cited
+    for name, test in cited:
+        assert (ROOT / "tests" / name).is_file(), name
+        assert not test or f"def {test}(" in (ROOT / "tests" / name).read_text(), f"{name}::{test}"
