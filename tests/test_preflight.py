@@ -26,11 +26,13 @@ from hkrag.training.memory import (
     MAXSIM_BYTES_PER_SCORE,
     MAXSIM_PHASE,
     Architecture,
+    Measurement,
     Parameters,
     Workload,
     chunk_phases,
     clip_layer_bytes,
     count_parameters,
+    cuda_reserved,
     eager_backward_bytes,
     eager_saved_bytes,
     estimate,
@@ -669,3 +671,16 @@ def test_the_launcher_configs_cite_tests_that_exist():
     for name, test in cited:
         assert (ROOT / "tests" / name).is_file(), name
         assert not test or f"def {test}(" in (ROOT / "tests" / name).read_text(), f"{name}::{test}"
+
+
+def test_a_cuda_row_records_what_the_gpu_assumptions_stand_for(monkeypatch):
+    """The fragmentation headroom and the CUDA context are assumed; a measured CUDA step records what they stand for:
+    the allocator's reserved peak, and the device memory in use outside the allocator (here 100 - 30 free - 40
+    reserved). CPU rows record neither."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (30, 100))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 50)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 40)
+    assert cuda_reserved() == {"reserved_peak": 50, "outside_allocator": 30}
+    row = Measurement(weights=1, step_peak=1, seconds=0.0, loss=0.0, parameters=1, trainable=1, page_tokens=1,
+                      malloc_pinned=True).as_dict()
+    assert row["reserved_peak"] == row["outside_allocator"] == 0

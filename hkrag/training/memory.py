@@ -543,9 +543,24 @@ class Measurement:
     malloc_pinned: bool
     adapter_bytes: int = 0
     adapter_round_trip: bool = False
+    reserved_peak: int = 0
+    """On CUDA: ``torch.cuda.max_memory_reserved()`` after the step (the caching allocator's peak, fragmentation
+    included), what :data:`FRAGMENTATION` assumes beyond ``max_memory_allocated``; 0 on CPU."""
+    outside_allocator: int = 0
+    """On CUDA: the device memory in use outside the caching allocator (the CUDA context and kernels), what
+    :data:`CUDA_OVERHEAD` assumes; 0 on CPU."""
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def cuda_reserved() -> dict[str, int]:
+    """What ``max_memory_allocated`` does not count, after a measured CUDA step: :attr:`Measurement.reserved_peak`
+    and :attr:`Measurement.outside_allocator` (the device's used memory, of every process on it, less this process's
+    reserved memory: measure on an otherwise idle GPU)."""
+    free, total = torch.cuda.mem_get_info()
+    return {"reserved_peak": torch.cuda.max_memory_reserved(),
+            "outside_allocator": total - free - torch.cuda.memory_reserved()}
 
 
 def noise_pages(count: int, size: tuple[int, int] = (850, 1100), seed: int = 0) -> list[Image.Image]:
@@ -689,13 +704,14 @@ def measure_step(
         return float(output.loss)
 
     peak, seconds, last = _peak_of_steps(step, steps, cuda)
+    reserved = cuda_reserved() if cuda else {}  # before the adapter's round trip allocates
     adapter_bytes, round_trip = adapter_round_trip(retriever.model)
     return Measurement(
         weights=weights, step_peak=peak, seconds=seconds, loss=last,
         parameters=sum(p.numel() for p in retriever.parameters()),
         trainable=sum(p.numel() for p in retriever.parameters() if p.requires_grad),
         page_tokens=int(inputs["document"]["attention_mask"][0].sum()), malloc_pinned=_malloc_pinned(),
-        adapter_bytes=adapter_bytes, adapter_round_trip=round_trip,
+        adapter_bytes=adapter_bytes, adapter_round_trip=round_trip, **reserved,
     )
 
 
@@ -745,13 +761,14 @@ def measure_generator_step(
         return float(records.records[-1]["loss"])
 
     peak, seconds, last = _peak_of_steps(step, steps, cuda)
+    reserved = cuda_reserved() if cuda else {}  # before the adapter's round trip allocates
     adapter_bytes, round_trip = adapter_round_trip(model)
     return Measurement(
         weights=weights, step_peak=peak, seconds=seconds, loss=last,
         parameters=sum(p.numel() for p in model.parameters()),
         trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
         page_tokens=int(batch["attention_mask"][0].sum()), malloc_pinned=_malloc_pinned(),
-        adapter_bytes=adapter_bytes, adapter_round_trip=round_trip,
+        adapter_bytes=adapter_bytes, adapter_round_trip=round_trip, **reserved,
     )
 
 
