@@ -2,9 +2,12 @@
 
 Composes the experiment's Hydra config as ``train.py`` does, builds the memory model of one optimizer step from
 the configuration alone (:mod:`hkrag.training.memory`: parameters counted on the ``meta`` device with peft, tokens
-per page from the processor), prints its terms and a verdict for 24, 40, 80 and 141 GB, and exits non-zero when
-``--gpu-memory`` is given and the step is predicted not to fit, naming what to change (``trainer.chunk_size``,
-``model.gradient_checkpointing``, ``model.num_crops``; the generator's ``generator_training.optim.batch_size``).
+per page from the processor), prints its terms and a verdict for 24, 40, 80 and 141 GB (their 10 % fragmentation
+and 1.5 GiB CUDA context assumed, not measured; DDP's, not DeepSpeed's), and exits non-zero when ``--gpu-memory`` is
+given and the step is predicted not to fit, naming what to change (``trainer.chunk_size``,
+``model.gradient_checkpointing``, ``model.num_crops``, ``model.dtype``; the generator's
+``generator_training.optim.batch_size``), each re-planned and named only where the model says it then fits, or else
+a larger GPU and the least memory the model predicts.
 
 ``--measure`` runs one optimizer step of the experiment's own trainer (the retriever's, VDocRAG pre-training's RCR +
 RCG, or the generator's causal-LM LoRA fine-tuning) on CPU at full width and reduced depth (``--layers 1 2``, at
