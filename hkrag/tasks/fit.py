@@ -326,6 +326,16 @@ def setting_changes(p: Plan, cfg: DictConfig) -> list[tuple[dict[str, Any], str]
     return changes
 
 
+def merged(changes: Sequence[tuple[dict[str, Any], str]]) -> dict[str, Any]:
+    """The configuration changes of :func:`setting_changes` as one."""
+    return {key: value for change, _ in changes for key, value in change.items()}
+
+
+def as_overrides(change: dict[str, Any]) -> str:
+    """``change`` as the command line's overrides (``model.num_crops=4 model.dtype=bfloat16``)."""
+    return " ".join(f"{key}={value}" for key, value in change.items())
+
+
 def chunk_that_fits(p: Plan, memory: int) -> tuple[int, bool] | None:
     """The largest chunk with which ``p`` fits ``memory``, and whether checkpointing must be switched on for it (only
     when it is off and nothing fits without); ``None``: nothing fits."""
@@ -348,11 +358,10 @@ def then(p: Plan, fitting: tuple[int, bool]) -> str:
 def minimum_need(p: Plan, cfg: DictConfig) -> tuple[int, str]:
     """The least bytes a GPU must hold for ``p``'s experiment as the model sees it, and the settings of that need:
     every change of :func:`setting_changes` together, checkpointing on, one row per forward."""
-    changes = {key: value for change, _ in setting_changes(p, cfg) for key, value in change.items()}
+    changes = merged(setting_changes(p, cfg))
     least = replan(p, cfg, changes) if changes else p
-    settings = [f"{key}={value}" for key, value in changes.items()]
-    settings += ["model.gradient_checkpointing=true", f"{p.knob}=1"]
-    return least.with_work(rows=1, checkpointing=True).required(), " ".join(settings)
+    settings = as_overrides({**changes, "model.gradient_checkpointing": "true", p.knob: 1})
+    return least.with_work(rows=1, checkpointing=True).required(), settings
 
 
 def advice(p: Plan, memory: int, cfg: DictConfig) -> list[str]:
@@ -373,14 +382,13 @@ def advice(p: Plan, memory: int, cfg: DictConfig) -> list[str]:
     for change, why in changes:
         fitting = chunk_that_fits(replan(p, cfg, change), memory)
         if fitting is not None:
-            options.append(" ".join(f"{k}={v}" for k, v in change.items()) + f" ({why}; {then(p, fitting)})")
+            options.append(f"{as_overrides(change)} ({why}; {then(p, fitting)})")
     if options:
         return options
     if len(changes) > 1:
-        together = {key: value for change, _ in changes for key, value in change.items()}
-        fitting = chunk_that_fits(replan(p, cfg, together), memory)
+        fitting = chunk_that_fits(replan(p, cfg, merged(changes)), memory)
         if fitting is not None:
-            return [" ".join(f"{k}={v}" for k, v in together.items()) + f" together ({then(p, fitting)})"]
+            return [f"{as_overrides(merged(changes))} together ({then(p, fitting)})"]
     need, settings = minimum_need(p, cfg)
     return [f"a larger GPU: nothing in this configuration brings the step under {memory / 10**9:.0f} GB; the least "
             f"the model predicts it needs is {need / 10**9:.1f} GB ({describe_bytes(need)}, with {settings})"]
