@@ -24,7 +24,8 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from hkrag.tasks.preflight import compose_config, measure_one, predicted_row
+from hkrag.tasks.fit import compose_config
+from hkrag.tasks.rehearsal import measure_one, predicted_row
 from hkrag.training.memory import STEP_RANGE, cuda_layer_norms, describe_bytes
 
 BACKWARD = "autograd::engine::evaluate_function: "

@@ -180,12 +180,6 @@ class Workload:
     device: str = "cuda"
     autocast: bool = True
     late_interaction: LateInteractionHead | None = None
-    input_hooks: bool = False
-    """Whether the step ran with transformers' input-embedding hooks, as every checkpointed step did before
-    :func:`hkrag.retriever.enable_checkpointing` removed them (2026-11-26): CLIP's patch embedding and the token
-    embedding then put out tensors that require grad, so a frozen tower is in the graph, the patch convolution's
-    output and its sum with the position embedding are kept, every CLIP and LM layer's input carries a gradient and
-    a gradient arrives at the input embeddings. Only to re-read steps measured then (bench/memory_recorded.py)."""
 
     @property
     def bytes(self) -> int:
@@ -361,8 +355,8 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
     A trained tower under checkpointing adds a third phase, its backward, which runs after the language model's
     (whose layers' inputs are freed by then; it was once summed with the recomputed language-model layer, 19-21 %
     over the generator's measured step): the used layers' kept inputs and the pixels, the gradient arriving at the
-    used CLIP layer's output (and, with :attr:`Workload.input_hooks`, at the input embeddings), one recomputed CLIP
-    layer (one whose input carries a gradient: not the first, unless it is the only one), and quick_gelu's backward
+    used CLIP layer's output, one recomputed CLIP layer (one whose input carries a gradient: not the first, unless it
+    is the only one), and quick_gelu's backward
     (three tensors of the MLP's width: the gradient of ``fc2``'s input and the two products of the gate's backward;
     the phases were located on CPU with ``torch.profiler``'s memory timeline, bench/memory_timeline.py).
 
@@ -372,14 +366,15 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
     checkpointed layers keep their inputs, one hidden state per used CLIP layer (fp32 on CUDA,
     :attr:`Workload.clip_stream_bytes`), until the backward. A frozen tower is not in the graph and keeps nothing.
     The recomputed layer's peak is the larger of the backward's working set and what the recomputation leaves
-    alive when it stops (:func:`recompute_transients`).
+    alive when it stops (:func:`recompute_transients`); without checkpointing nothing is recomputed and a layer's
+    backward adds its working set alone.
     Eager attention's backward peaks at the softmax's, when the MLP, the output projection's LoRA input and qkv's
     output have been freed (``torch.profiler``: bench/memory_timeline.py).
     """
     s, rows = work.bytes, work.rows
     clip_tokens = rows * work.crops * arch.crop_tokens
     clip_targets, lm_targets = params.targets("vision"), params.targets("language")
-    clip_grad = bool(clip_targets) or work.input_hooks
+    clip_grad = bool(clip_targets)
     state = clip_tokens * arch.clip_hidden * work.clip_stream_bytes
     hidden_states = (arch.clip_layers + 1) * state
     pixels = rows * work.crops * 3 * arch.crop_size**2 * (4 + cast_bytes(4, s))  # fp32 pixels, their cast
@@ -393,18 +388,19 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
     layers = [lm_layer_bytes(arch, work, lm_targets, tokens, clip_grad or layer > 0) for layer in range(arch.layers)]
     recompute_clip = 0
     if work.checkpointing:
-        embeddings = 2 * clip_tokens * arch.clip_hidden * s if work.input_hooks else 0  # the patches, + positions
-        kept_clip = arch.clip_used_layers * state + embeddings if clip_grad else 0  # each used layer's input
+        kept_clip = arch.clip_used_layers * state if clip_grad else 0  # each used layer's input
         kept = kept_clip + arch.layers * tokens * arch.hidden * s + max(layers)
         if clip_grad:  # the largest recomputed layer: one whose input carries a gradient, unless only the first is
-            grad_in = arch.clip_used_layers > 1 or work.input_hooks
+            grad_in = arch.clip_used_layers > 1
             recompute_clip = clip_layer_bytes(arch, work, clip_targets, clip_tokens, grad_in)
     else:
         kept = clip_graph + sum(layers)
     projection = tokens * arch.hidden * s if clip_grad else 0  # the image projection's GELU input (an upper bound)
     final_norm = 4 * tokens * arch.hidden + 4 * tokens
     head = rows * work.lm_head_tokens * arch.vocab * head_bytes_per_logit(s, work.logits_transposed)
-    backward = max(2 * tokens * arch.intermediate * s, recompute_transients(arch, work, lm_targets, tokens))
+    backward = 2 * tokens * arch.intermediate * s  # the base and LoRA paths' gradients of down_proj's input
+    if work.checkpointing:  # only a recomputation leaves the forward's locals alive beside the saved tensors
+        backward = max(backward, recompute_transients(arch, work, lm_targets, tokens))
     top = max(layers)
     if work.attention == "eager":  # the softmax's backward: the probabilities' and the scores' gradients
         scores = rows * arch.heads * (tokens // rows) ** 2
@@ -424,7 +420,7 @@ def chunk_phases(arch: Architecture, params: Parameters, work: Workload) -> dict
     lm_phase += rows * work.crops * 3 * arch.crop_size**2 * 4  # the chunk's fp32 pixels, alive until its end
     phases = {"vision tower forward (one chunk)": clip_phase, "language model backward (one chunk)": lm_phase}
     if recompute_clip:  # after the language model's backward has freed its layers' inputs
-        arriving = state + (tokens * arch.hidden * s if work.input_hooks else 0)  # at the used layer (and embeddings)
+        arriving = state  # the gradient at the used layer's output
         clip_backward = 3 * clip_tokens * arch.clip_intermediate * s
         phases["vision tower backward (one chunk, a recomputed layer)"] = (
             kept_clip + pixels + arriving + recompute_clip + clip_backward)
@@ -547,9 +543,24 @@ class Measurement:
     malloc_pinned: bool
     adapter_bytes: int = 0
     adapter_round_trip: bool = False
+    reserved_peak: int = 0
+    """On CUDA: ``torch.cuda.max_memory_reserved()`` after the step (the caching allocator's peak, fragmentation
+    included), what :data:`FRAGMENTATION` assumes beyond ``max_memory_allocated``; 0 on CPU."""
+    outside_allocator: int = 0
+    """On CUDA: the device memory in use outside the caching allocator (the CUDA context and kernels), what
+    :data:`CUDA_OVERHEAD` assumes; 0 on CPU."""
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def cuda_reserved() -> dict[str, int]:
+    """What ``max_memory_allocated`` does not count, after a measured CUDA step: :attr:`Measurement.reserved_peak`
+    and :attr:`Measurement.outside_allocator` (the device's used memory, of every process on it, less this process's
+    reserved memory: measure on an otherwise idle GPU)."""
+    free, total = torch.cuda.mem_get_info()
+    return {"reserved_peak": torch.cuda.max_memory_reserved(),
+            "outside_allocator": total - free - torch.cuda.memory_reserved()}
 
 
 def noise_pages(count: int, size: tuple[int, int] = (850, 1100), seed: int = 0) -> list[Image.Image]:
@@ -693,13 +704,14 @@ def measure_step(
         return float(output.loss)
 
     peak, seconds, last = _peak_of_steps(step, steps, cuda)
+    reserved = cuda_reserved() if cuda else {}  # before the adapter's round trip allocates
     adapter_bytes, round_trip = adapter_round_trip(retriever.model)
     return Measurement(
         weights=weights, step_peak=peak, seconds=seconds, loss=last,
         parameters=sum(p.numel() for p in retriever.parameters()),
         trainable=sum(p.numel() for p in retriever.parameters() if p.requires_grad),
         page_tokens=int(inputs["document"]["attention_mask"][0].sum()), malloc_pinned=_malloc_pinned(),
-        adapter_bytes=adapter_bytes, adapter_round_trip=round_trip,
+        adapter_bytes=adapter_bytes, adapter_round_trip=round_trip, **reserved,
     )
 
 
@@ -749,13 +761,14 @@ def measure_generator_step(
         return float(records.records[-1]["loss"])
 
     peak, seconds, last = _peak_of_steps(step, steps, cuda)
+    reserved = cuda_reserved() if cuda else {}  # before the adapter's round trip allocates
     adapter_bytes, round_trip = adapter_round_trip(model)
     return Measurement(
         weights=weights, step_peak=peak, seconds=seconds, loss=last,
         parameters=sum(p.numel() for p in model.parameters()),
         trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
         page_tokens=int(batch["attention_mask"][0].sum()), malloc_pinned=_malloc_pinned(),
-        adapter_bytes=adapter_bytes, adapter_round_trip=round_trip,
+        adapter_bytes=adapter_bytes, adapter_round_trip=round_trip, **reserved,
     )
 
 
