@@ -9,7 +9,7 @@ from hkrag.index.multivector import (
     Muvera,
     check_multivectors,
     exact_search,
-    maxsim,
+    maxsim_sum,
     pool_tokens,
 )
 from hkrag.index.synthetic_embeddings import QUERY_STREAM, MultiVectorPages
@@ -30,7 +30,7 @@ def test_maxsim_matches_a_hand_computed_case():
     # Query 0: vectors (1,0) and (0,1); query 1: (1,1)/sqrt2. Page A: (1,0),(0.6,0.8); page B: (0,1).
     queries = np.array([[1, 0], [0, 1], [2**-0.5, 2**-0.5]], np.float32)
     pages = np.array([[1, 0], [0.6, 0.8], [0, 1]], np.float16)
-    scores = maxsim(queries, np.array([0, 2, 3]), pages, np.array([0, 2, 3]))
+    scores = maxsim_sum(queries, np.array([0, 2, 3]), pages, np.array([0, 2, 3]))
     # q0 vs A: max(1, .6) + max(0, .8) = 1.8; q0 vs B: 0 + 1 = 1; q1 vs A: max(.7071, 1.4/sqrt2=.98995); q1 vs B: .7071
     np.testing.assert_allclose(scores, [[1.8, 1.0], [1.4 / 2**0.5, 2**-0.5]], rtol=1e-3)
     top_scores, rows = exact_search(queries, np.array([0, 2, 3]), pages, np.array([0, 2, 3]), 1, memory=16)
@@ -40,7 +40,7 @@ def test_maxsim_matches_a_hand_computed_case():
 
 def test_chunked_exact_search_equals_one_matrix(corpus):
     vectors, offsets, _, queries, query_offsets, _, exact = corpus
-    full = maxsim(queries, query_offsets, vectors, offsets)
+    full = maxsim_sum(queries, query_offsets, vectors, offsets)
     np.testing.assert_array_equal(exact, np.argsort(-full, axis=1, kind="stable")[:, :K])
     _, small_chunks = exact_search(queries, query_offsets, vectors, offsets, K, memory=60 * 16 * 4 * 100)
     np.testing.assert_array_equal(small_chunks, exact)
@@ -84,7 +84,7 @@ def test_muvera_inner_product_tracks_maxsim():
     pages = muvera.encode(vectors, offsets, query=False)
     assert pages.shape == (300, 20 * 8 * 16) and muvera.encode(queries, query_offsets, query=True).shape == (20, 2560)
     approx = muvera.encode(queries, query_offsets, query=True) @ pages.T
-    true = maxsim(queries, query_offsets, vectors, offsets)
+    true = maxsim_sum(queries, query_offsets, vectors, offsets)
     # Per query, the correlation over the 300 pages of FDE inner products and MaxSim (0.44 measured; 0 by chance).
     assert np.mean([np.corrcoef(a, t)[0, 1] for a, t in zip(approx, true, strict=True)]) > 0.3
     # A page with one vector fills every partition with it: each block is that vector's projection.

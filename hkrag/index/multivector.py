@@ -36,8 +36,11 @@ MANIFEST = "multivector.json"
 FORMAT = 1
 
 
-def maxsim(queries: np.ndarray, query_offsets: np.ndarray, pages: np.ndarray, page_offsets: np.ndarray) -> np.ndarray:
-    """MaxSim scores [n_queries, n_pages]: per query vector its best page vector's inner product, summed (Eq. 3)."""
+def maxsim_sum(
+    queries: np.ndarray, query_offsets: np.ndarray, pages: np.ndarray, page_offsets: np.ndarray
+) -> np.ndarray:
+    """MaxSim scores [n_queries, n_pages]: per query vector its best page vector's inner product, summed over the
+    query's vectors (Eq. 3; :func:`hkrag.late_interaction.maxsim_mean` is this divided by the query's length)."""
     sim = np.asarray(queries, np.float32) @ np.asarray(pages, np.float32).T
     best = np.maximum.reduceat(sim, page_offsets[:-1] - page_offsets[0], axis=1)
     return np.add.reduceat(best, query_offsets[:-1] - query_offsets[0], axis=0)
@@ -73,7 +76,7 @@ def _scan(
     best = (np.full((n_queries, 0), -np.inf, np.float32), np.zeros((n_queries, 0), np.int64))
     max_tokens = max(1, memory // (4 * len(queries)))
     for a, b in _page_chunks(page_offsets, max_tokens):
-        scores = maxsim(queries, query_offsets, fetch(page_offsets[a], page_offsets[b]), page_offsets[a : b + 1])
+        scores = maxsim_sum(queries, query_offsets, fetch(page_offsets[a], page_offsets[b]), page_offsets[a : b + 1])
         top = min(k, b - a)
         part = np.argpartition(-scores, top - 1, axis=1)[:, :top]
         best = _merge_top_k(best, np.take_along_axis(scores, part, 1), part + a, k)
@@ -438,7 +441,7 @@ class MultiVectorIndex:
             pages = np.unique(pages[pages >= 0])
             tokens, page_offsets = gather_pages(offsets, pages)
             a, b = query_offsets[q], query_offsets[q + 1]
-            found = maxsim(queries[a:b], np.array([0, b - a]), fetch(tokens), page_offsets)[0]
+            found = maxsim_sum(queries[a:b], np.array([0, b - a]), fetch(tokens), page_offsets)[0]
             order = np.argsort(-found, kind="stable")[:k]
             scores[q, : len(order)], rows[q, : len(order)] = found[order], pages[order]
         return scores, rows
