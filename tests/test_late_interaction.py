@@ -1,18 +1,14 @@
 """Late interaction (ColPali on the tiny Phi3V): MaxSim, its losses and the paper's masks against hand-computed values
 and colpali-engine; gradient caching over ragged token counts; the head's adapter round trip."""
 
-import importlib
-import importlib.util
 import inspect
 import math
-import sys
-import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _colpali import colpali_module
 from PIL import Image
 from test_losses import ALPHA, BETA, PAIR_MASKS, TAU, D, Q
 from torch import nn
@@ -92,25 +88,9 @@ def test_pairwise_temperature_defaults_to_colpali_engines():
 
 @pytest.fixture(scope="module")
 def colpali():
-    """colpali-engine's loss module, loaded without its package ``__init__`` (which imports its models and needs
-    torchvision, outside our pins); skipped when the library is not installed (``pip install colpali-engine
-    --no-deps``)."""
-    spec = importlib.util.find_spec("colpali_engine")
-    if spec is None:
-        pytest.skip("colpali-engine is not installed (pip install colpali-engine --no-deps)")
-    root = Path(spec.submodule_search_locations[0])
-    saved = {name: sys.modules.get(name) for name in ("colpali_engine", "colpali_engine.utils", "colpali_engine.loss")}
-    for name in saved:
-        package = types.ModuleType(name)
-        package.__path__ = [str(root.joinpath(*name.split(".")[1:]))]
-        sys.modules[name] = package
-    try:
-        yield importlib.import_module("colpali_engine.loss.late_interaction_losses")
-    finally:
-        for name, module in saved.items():
-            sys.modules.pop(name, None) if module is None else sys.modules.__setitem__(name, module)
-        for name in [n for n in sys.modules if n.startswith("colpali_engine.")]:
-            sys.modules.pop(name)
+    """colpali-engine's loss module (tests/_colpali.py; skipped when colpali-engine is not installed)."""
+    with colpali_module("loss.late_interaction_losses") as module:
+        yield module
 
 
 def random_batch(rows: int, length: int, dim: int, seed: int) -> torch.Tensor:

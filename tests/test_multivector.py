@@ -94,14 +94,46 @@ def test_muvera_inner_product_tracks_maxsim():
                                [[1, 2, 3, 4] * 4])
 
 
-def test_token_pooling_merges_clusters_by_their_mean():
-    page = np.array([[1, 0], [0.98, 0.2], [0, 1], [0.1, 0.99]], np.float32)
-    pooled, offsets = pool_tokens(page, np.array([0, 4]), 2)
-    np.testing.assert_array_equal(offsets, [0, 2])
-    np.testing.assert_allclose(sorted(pooled.tolist()), [[0.05, 0.995], [0.99, 0.1]], rtol=1e-6)
-    assert pool_tokens(page, np.array([0, 4]), 1)[0] is page
+def test_token_pooling_by_hand():
+    """Page 0: rows of 1 - cos are r0 (0, .2, 1, 1.6), r1 (.2, 0, .4, 1), r2 (1, .4, 0, .2), r3 (1.6, 1, .2, 0);
+    |r0 - r1| = |r2 - r3| = sqrt(.8) are the closest pairs, so 4 // 2 = 2 clusters are {0, 1} and {2, 3}, pooled to
+    (.9, .3) and (-.3, .9) renormalised (in fcluster's label order). Page 1 (3 vectors): 3 // 2 = 1 cluster, the
+    normalised mean (1.6, 1.8)."""
+    page0 = [[1, 0], [0.8, 0.6], [0, 1], [-0.6, 0.8]]
+    page1 = [[1, 0], [0, 1], [0.6, 0.8]]
+    vectors = np.array(page0 + page1, np.float32)
+    pooled, offsets = pool_tokens(vectors, np.array([0, 4, 7]), 2)
+    np.testing.assert_array_equal(offsets, [0, 2, 3])
+    root = np.sqrt(0.9)
+    by_first = pooled[:2][np.argsort(-pooled[:2, 0])]  # fcluster's label order (colpali-engine's too) aside
+    np.testing.assert_allclose(by_first, [[0.9 / root, 0.3 / root], [-0.3 / root, 0.9 / root]], rtol=1e-6)
+    np.testing.assert_allclose(pooled[2], [1.6 / np.sqrt(5.8), 1.8 / np.sqrt(5.8)], rtol=1e-6)
+    assert pool_tokens(vectors, np.array([0, 4, 7]), 1)[0] is vectors
     with pytest.raises(ValueError, match="pool factor must be >= 1"):
-        pool_tokens(page, np.array([0, 4]), 0)
+        pool_tokens(vectors, np.array([0, 7]), 0)
+    with pytest.raises(ValueError, match="page 1 has 1 vector.*use pool=1"):
+        pool_tokens(vectors, np.array([0, 4, 5]), 2)
+
+
+@pytest.mark.parametrize("factor", [2, 3, 5])
+def test_token_pooling_matches_colpali_engine(factor):
+    """colpali-engine's HierarchicalTokenPooler on pages of 2-70 clustered unit vectors (tests/_colpali.py;
+    skipped when colpali-engine is not installed)."""
+    import torch
+    from _colpali import colpali_module
+
+    rng = np.random.default_rng(factor)
+    lengths = rng.integers(2, 71, 12)
+    centres = rng.standard_normal((8, 32))
+    pages = [centres[rng.integers(0, 8, n)] + 0.6 * rng.standard_normal((n, 32)) for n in lengths]
+    pages = [(p / np.linalg.norm(p, axis=1, keepdims=True)).astype(np.float32) for p in pages]
+    with colpali_module("compression.token_pooling.hierarchical_token_pooling") as module:
+        theirs = [t.numpy() for t in module.HierarchicalTokenPooler().pool_embeddings(
+            [torch.from_numpy(p) for p in pages], pool_factor=factor)]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    pooled, pooled_offsets = pool_tokens(np.vstack(pages), offsets, factor)
+    np.testing.assert_array_equal(np.diff(pooled_offsets), [len(t) for t in theirs])
+    np.testing.assert_allclose(pooled, np.vstack(theirs), atol=1e-6)
 
 
 def test_save_load_round_trip(corpus, tmp_path):
