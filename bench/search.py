@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from hkrag.environment import cpu_model
 from hkrag.index.faiss_index import DocumentIndex, gpu_count
+from hkrag.index.mmap import drop_from_page_cache
 from hkrag.index.synthetic_embeddings import (
     QUERY_STREAM,
     TUNING_STREAM,
@@ -145,11 +146,7 @@ def build(spec: str, data, corpus: VectorFile, args: argparse.Namespace) -> tupl
 def reopen(directory: Path) -> DocumentIndex:
     """The saved index opened with its stored vectors mapped, none of them in the page cache (cold)."""
     index = DocumentIndex.load(directory, use_gpu=False, mmap=True)
-    fd = os.open(directory / "index.faiss", os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # pages no process maps are dropped
-    finally:
-        os.close(fd)
+    drop_from_page_cache(directory / "index.faiss")
     return index
 
 

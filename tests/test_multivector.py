@@ -76,6 +76,37 @@ def test_compressed_codes_lose_recall_that_reranking_restores(corpus):
     assert low < 0.5 and recall(reranked.search(queries, query_offsets, K)[1], exact) > 0.85  # 0.92 measured
 
 
+@pytest.mark.parametrize("spec", ["codec=PQ8x4;rerank=20", "codec=SQ4;stage=plaid;centroids=64;rerank=20"])
+def test_reranked_scores_are_exact_maxsim_read_cold_from_disk(corpus, tmp_path, spec):
+    """Every page a re-ranking search returns scores exactly its MaxSim over the float16 vectors, read through the
+    mapped file after it was dropped from the page cache."""
+    vectors, offsets, ids, queries, query_offsets, _, _ = corpus
+    MultiVectorIndex.build(ids, vectors, offsets, spec).save(tmp_path)
+    index = MultiVectorIndex.load(tmp_path, mmap=True)
+    index.drop_cached_vectors()
+    assert isinstance(index.full[0], np.memmap)
+    scores, rows = index.search(queries, query_offsets, K)
+    exact = maxsim_sum(queries, query_offsets, vectors, offsets)
+    assert (rows >= 0).all()
+    np.testing.assert_allclose(scores, np.take_along_axis(exact, rows, 1), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="no re-ranking vectors mapped from disk"):
+        MultiVectorIndex.build(ids[:50], vectors[: offsets[50]], offsets[:51], "codec=SQ8").drop_cached_vectors()
+
+
+@pytest.mark.parametrize("spec", ["codec=SQ8", "codec=SQ8;stage=muvera;reps=4;ksim=2;candidates=3",
+                                  "codec=SQ8;rerank=2"])
+def test_k_beyond_the_pages_pads_every_search_alike(corpus, spec):
+    """Six pages searched for k = 9: staged, unstaged and re-ranked searches all return [queries, 9], the missing
+    places row -1 with score -inf."""
+    vectors, offsets, ids, queries, query_offsets, _, _ = corpus
+    index = MultiVectorIndex.build(ids[:6], vectors[: offsets[6]], offsets[:7], spec)
+    scores, rows = index.search(queries[: query_offsets[2]], query_offsets[:3], 9)
+    assert scores.shape == rows.shape == (2, 9)
+    found = rows >= 0
+    assert (found.sum(axis=1) >= 2).all() and np.isneginf(scores[~found]).all() and np.isfinite(scores[found]).all()
+    assert (found[:, :-1] >= found[:, 1:]).all()  # the missing places last
+
+
 def test_muvera_inner_product_tracks_maxsim():
     data = MultiVectorPages(tokens=16, topics=20, words=256, seed=2)
     vectors, offsets, topics = data.corpus(300)

@@ -2,21 +2,36 @@
 
 ``DocumentIndex.load(dir, mmap=True)`` maps an index's flat code stores from its file; these helpers find
 those stores among the index's parts, copy a refine stage's base and mapped IVF lists back into memory, and ask
-the kernel for a query's re-ranking candidates all at once (``madvise``); see docs/index.md, "Re-ranking from
-disk".
+the kernel for a query's re-ranking candidates all at once (``madvise``), and drop a file from the page cache to
+time reads from disk cold; see docs/index.md, "Re-ranking from disk".
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import faiss
 import numpy as np
 
 LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # madvise for prefetching
+
+
+def drop_from_page_cache(path: str | Path) -> None:
+    """Drop ``path``'s pages from the page cache (``posix_fadvise(DONTNEED)``), so the next read comes from disk.
+
+    The kernel keeps pages that a process maps or that are dirty: release every mapping of the file first (a
+    file written just now is flushed here). Tested to empty the cache in this container (``fincore``)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def index_parts(index: faiss.Index) -> Iterator[faiss.Index]:

@@ -28,6 +28,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
+from hkrag.index.mmap import drop_from_page_cache
 from hkrag.index.plaid import CentroidInteraction, default_centroids, gather_pages
 from hkrag.index.shards import check_multivectors
 from hkrag.io import atomic_write, write_json
@@ -80,7 +81,9 @@ def _scan(
         top = min(k, b - a)
         part = np.argpartition(-scores, top - 1, axis=1)[:, :top]
         best = _merge_top_k(best, np.take_along_axis(scores, part, 1), part + a, k)
-    return best
+    missing = k - best[0].shape[1]  # fewer pages than k: rows -1, scores -inf, as a candidate stage leaves them
+    return (np.pad(best[0], ((0, 0), (0, missing)), constant_values=-np.inf),
+            np.pad(best[1], ((0, 0), (0, missing)), constant_values=-1))
 
 
 def exact_search(
@@ -92,7 +95,8 @@ def exact_search(
     *,
     memory: int = 256 << 20,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Exact MaxSim top-``k`` of every query over every page: (scores, page rows) [n_queries, k], best first.
+    """Exact MaxSim top-``k`` of every query over every page: (scores, page rows) [n_queries, k], best first
+    (``k`` above the page count leaves rows ``-1``, scores ``-inf``).
 
     Batched: all query vectors against a chunk of pages at a time (one matrix product), the similarity matrix
     bounded by ``memory`` bytes; float16 pages are widened chunk by chunk.
@@ -310,6 +314,7 @@ class MultiVectorIndex:
         self.codes = np.zeros((0, self.codec.sa_code_size()), np.uint8)
         self.offsets = np.zeros(1, np.int64)
         self.full: tuple[np.ndarray, np.ndarray] | None = None  # (float16 vectors, offsets) for exact re-ranking
+        self.directory: Path | None = None  # where :meth:`load` mapped ``full`` from
         self.build_seconds: dict[str, float] = {}
 
     @classmethod
@@ -390,6 +395,18 @@ class MultiVectorIndex:
             raise ValueError("rerank needs the vectors kept at build (build with rerank > 0)")
         self.spec = replace(self.spec, **{name: getattr(changed, name) for name in names})
         self._apply_stage_params()
+
+    def drop_cached_vectors(self) -> None:
+        """Unmap the re-ranking vectors, drop their file from the page cache and map it again, so that the next
+        search reads its re-ranked pages from disk (cold; bench/multivector.py ``--cold``). Only for an index
+        :meth:`load` mapped them for; the codes and the candidate stage stay in memory."""
+        if self.directory is None or self.full is None:
+            raise ValueError("drop_cached_vectors: no re-ranking vectors mapped from disk (load an index saved with "
+                             "rerank > 0)")
+        offsets, path = self.full[1], self.directory / "vectors.npy"
+        self.full = None  # the only reference to the mapping: released before the drop (a mapped page stays cached)
+        drop_from_page_cache(path)
+        self.full = (np.load(path, mmap_mode="r"), offsets)
 
     def _apply_stage_params(self) -> None:
         if self.stage is not None and self.spec.stage_params:
@@ -527,6 +544,7 @@ class MultiVectorIndex:
             index.plaid = CentroidInteraction(np.load(directory / "centroids.npy"), assignment, index.offsets)
         if index.spec.rerank:
             index.full = (np.load(directory / "vectors.npy", mmap_mode="r"), np.load(directory / "vector_offsets.npy"))
+            index.directory = directory
         index.ids = json.loads((directory / "ids.json").read_text())
         index.build_seconds = manifest.get("build", {})
         stage_rows = {None: len(index.ids), "muvera": len(index.ids), "tokens": len(index.codes),
