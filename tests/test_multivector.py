@@ -86,6 +86,7 @@ def test_reranked_scores_are_exact_maxsim_read_cold_from_disk(corpus, tmp_path, 
     index.drop_cached_vectors()
     assert isinstance(index.full[0], np.memmap)
     scores, rows = index.search(queries, query_offsets, K)
+    assert index.last_rerank_s > 0
     exact = maxsim_sum(queries, query_offsets, vectors, offsets)
     assert (rows >= 0).all()
     np.testing.assert_allclose(scores, np.take_along_axis(exact, rows, 1), rtol=1e-6, atol=1e-6)

@@ -315,6 +315,7 @@ class MultiVectorIndex:
         self.offsets = np.zeros(1, np.int64)
         self.full: tuple[np.ndarray, np.ndarray] | None = None  # (float16 vectors, offsets) for exact re-ranking
         self.directory: Path | None = None  # where :meth:`load` mapped ``full`` from
+        self.last_rerank_s = 0.0
         self.build_seconds: dict[str, float] = {}
 
     @classmethod
@@ -450,13 +451,18 @@ class MultiVectorIndex:
 
         Without a candidate stage every page is scored over the stored codes (:func:`exact_search`'s batching);
         with one, each query's candidates are. With ``rerank`` the ``rerank`` best are then re-scored over the
-        vectors on disk. Fewer than ``k`` candidates leave rows ``-1`` (score ``-inf``)."""
+        vectors on disk. Fewer than ``k`` candidates leave rows ``-1`` (score ``-inf``). ``self.last_rerank_s``:
+        the seconds the last search spent re-ranking (reading the vectors included; 0 without ``rerank``)."""
         queries, query_offsets = check_multivectors(queries, query_offsets, name="queries", dim=self.dim)
         queries = np.asarray(queries, np.float32)
+        self.last_rerank_s = 0.0
         if not self.spec.rerank:
             return self._first_pass(queries, query_offsets, k, memory)
         _, first = self._first_pass(queries, query_offsets, max(k, self.spec.rerank), memory)
-        return self._rerank(queries, query_offsets, first, k, lambda tokens: self.full[0][tokens], self.full[1])
+        start = time.perf_counter()
+        found = self._rerank(queries, query_offsets, first, k, lambda tokens: self.full[0][tokens], self.full[1])
+        self.last_rerank_s = time.perf_counter() - start
+        return found
 
     def _rerank(self, queries, query_offsets, candidates, k, fetch, offsets) -> tuple[np.ndarray, np.ndarray]:
         """Each query's ``candidates`` (page rows, -1 for none) re-scored by MaxSim over ``fetch(token rows)``."""
