@@ -94,6 +94,19 @@ def test_reranked_scores_are_exact_maxsim_read_cold_from_disk(corpus, tmp_path, 
         MultiVectorIndex.build(ids[:50], vectors[: offsets[50]], offsets[:51], "codec=SQ8").drop_cached_vectors()
 
 
+def test_read_rows_reads_a_mapped_file_as_indexing_does(tmp_path):
+    """Runs of consecutive rows, single rows, any order, a repeated row: equal to fancy indexing, mapped or not."""
+    from hkrag.index.mmap import read_rows
+
+    array = np.arange(40 * 3, dtype=np.float16).reshape(40, 3)
+    np.save(tmp_path / "a.npy", array)
+    mapped = np.load(tmp_path / "a.npy", mmap_mode="r")
+    rows = np.array([5, 6, 7, 20, 3, 4, 39, 39, 0])
+    np.testing.assert_array_equal(read_rows(mapped, rows), array[rows])
+    np.testing.assert_array_equal(read_rows(array, rows), array[rows])
+    assert read_rows(mapped, np.array([], np.int64)).shape == (0, 3)
+
+
 @pytest.mark.parametrize("spec", ["codec=SQ8", "codec=SQ8;stage=muvera;reps=4;ksim=2;candidates=3",
                                   "codec=SQ8;rerank=2"])
 def test_k_beyond_the_pages_pads_every_search_alike(corpus, spec):

@@ -28,7 +28,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from hkrag.index.mmap import drop_from_page_cache
+from hkrag.index.mmap import drop_from_page_cache, read_rows
 from hkrag.index.plaid import CentroidInteraction, default_centroids, gather_pages
 from hkrag.index.shards import check_multivectors
 from hkrag.io import atomic_write, write_json
@@ -460,7 +460,8 @@ class MultiVectorIndex:
             return self._first_pass(queries, query_offsets, k, memory)
         _, first = self._first_pass(queries, query_offsets, max(k, self.spec.rerank), memory)
         start = time.perf_counter()
-        found = self._rerank(queries, query_offsets, first, k, lambda tokens: self.full[0][tokens], self.full[1])
+        found = self._rerank(queries, query_offsets, first, k, lambda tokens: read_rows(self.full[0], tokens),
+                             self.full[1])
         self.last_rerank_s = time.perf_counter() - start
         return found
 
