@@ -33,7 +33,7 @@ from hkrag.tasks.common import REPORT_FILE, run_jobs
 
 CANDIDATES = {
     "ce": [],  # the experiment as it is: InfoNCE over MaxSim
-    "pw": ["loss=colbert_pairwise"],
+    "pw": ["loss=colbert_pairwise", "loss.pairwise_tau=0.05"],  # as measured: the experiment's tau, before pairwise_tau
     "nogroup": ["trainer.group_pattern=null"],
     "tau02": ["loss.tau=0.02"],
     "qa0": ["model.late_interaction.query_augmentation=0"],

@@ -2,7 +2,7 @@
 
 A late-interaction embedding is a ``(B, L, dim)`` float tensor of L2-normalised token vectors whose padding rows
 are exactly zero (the convention colpali-engine's losses rely on too): a row is a real token iff it is non-zero.
-:func:`maxsim` scores every query against every document, ``S[i, j] = mean_n max_m q_in · d_jm`` over query ``i``'s
+:func:`maxsim_mean` scores every query against every document, ``S[i, j] = mean_n max_m q_in · d_jm`` over query ``i``'s
 real tokens ``n`` and document ``j``'s real tokens ``m`` (ColPali's score divided by the query's token count,
 colpali-engine's ``normalize_scores=True``), so scores lie in ``[-1, 1]`` like the dense cosine and the dense
 temperatures carry over.
@@ -39,6 +39,8 @@ QUERY_AUGMENTATION = 10
 """Query augmentation tokens appended after the query (ColBERT's [MASK] padding; colpali-engine appends ten copies
 of ``query_augmentation_token``, ColQwen2's being its end-of-text token): we append ten EOS tokens, attended, whose
 vectors join MaxSim."""
+PAIRWISE_TAU = 1.0
+"""colpali-engine's ``ColbertPairwiseCELoss`` default temperature (ColPali's training configs keep it)."""
 
 
 def token_mask(x: Tensor) -> Tensor:
@@ -65,7 +67,7 @@ def _mean_over_query(best: Tensor, q_real: Tensor) -> Tensor:
     return (best * weights[:, None, :]).sum(dim=-1)
 
 
-def maxsim(q: Tensor, d: Tensor) -> Tensor:
+def maxsim_mean(q: Tensor, d: Tensor) -> Tensor:
     """MaxSim scores ``(Bq, Bd)`` of padded ``q`` ``(Bq, Lq, dim)`` and ``d`` ``(Bd, Ld, dim)``: per query token the
     best document token's dot product, averaged over the query's real tokens (padding masked on both sides)."""
     q_real, d_real = token_mask(q), token_mask(d)
@@ -77,7 +79,7 @@ def masked_maxsim(q: Tensor, d: Tensor, mask: Tensor, renormalise: bool = False,
     """MaxSim of ``q`` against the documents under the pair masks ``mask`` ``(Bq, Bd, dim)``:
     ``mean_n max_m q_in · (d_jm ⊙ M_ij)``, each masked document token re-normalised when ``renormalise``
     (the ``cosine`` reading of ``sim(q, d ⊙ M)``; a fully masked token then scores 0). Unmasked (all ones) it
-    equals :func:`maxsim`."""
+    equals :func:`maxsim_mean`."""
     q_real, d_real = token_mask(q), token_mask(d)
     tokens = torch.einsum("ind,ijd,jmd->ijnm", q, mask, d)
     if renormalise:
@@ -112,23 +114,29 @@ def concat_padded(parts: list[Tensor]) -> Tensor:
 
 class LateInteractionLoss(HybridMaskLoss):
     """:class:`~hkrag.losses.HybridMaskLoss` over MaxSim: the same terms and Table 5 family, the dense cosine
-    replaced by :func:`maxsim` and the masked similarities by :func:`masked_maxsim` under pair masks from the
+    replaced by :func:`maxsim_mean` and the masked similarities by :func:`masked_maxsim` under pair masks from the
     pooled vectors (module docstring). ``q`` ``(B, Lq, dim)``, ``d`` ``(B·(1 + N), Ld, dim)``, zero-padded.
 
     The plain term (``infonce_weight``) is colpali-engine's ``ColbertLoss`` (InfoNCE over MaxSim scores normalised
     by query length, temperature ``tau``) over the gathered global batch, so every other row of every rank is a
-    negative; ``pairwise=True`` makes it their ``ColbertPairwiseCELoss``: ``softplus((s_neg - s_pos) / tau)`` with
-    ``s_neg`` the hardest negative of each query (pages in ``ignore`` are not negatives).
+    negative; ``pairwise=True`` makes it their ``ColbertPairwiseCELoss``: ``softplus((s_neg - s_pos) /
+    pairwise_tau)`` with ``s_neg`` the hardest negative of each query (pages in ``ignore`` are not negatives) and
+    ``pairwise_tau`` its own temperature, colpali-engine's default :data:`PAIRWISE_TAU` unless set (``tau`` stays
+    the masked terms' and InfoNCE's).
     """
 
-    extra_settings = ("pairwise",)
+    extra_settings = ("pairwise", "pairwise_tau")
 
-    def __init__(self, *args: Any, pairwise: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, pairwise: bool = False, pairwise_tau: float = PAIRWISE_TAU, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if pairwise_tau <= 0:
+            raise ValueError(f"pairwise_tau must be > 0, got {pairwise_tau}")
         self.pairwise = pairwise
+        self.pairwise_tau = pairwise_tau
 
     def settings(self) -> dict[str, float | int | bool | str]:
-        return {**super().settings(), "head": "late_interaction", "pairwise": self.pairwise}
+        values = {**super().settings(), "head": "late_interaction", "pairwise": self.pairwise}
+        return values | ({"pairwise_tau": self.pairwise_tau} if self.pairwise else {})
 
     def check_batch(self, q: Tensor, d: Tensor) -> None:
         if q.dim() != 3 or d.dim() != 3 or q.shape[-1] != d.shape[-1]:
@@ -136,12 +144,12 @@ class LateInteractionLoss(HybridMaskLoss):
                              f"{tuple(q.shape)} and d {tuple(d.shape)}: train with model.head=late_interaction")
 
     def similarity(self, q: Tensor, d: Tensor) -> Tensor:
-        return maxsim(q, d)
+        return maxsim_mean(q, d)
 
     def plain_term(self, q: Tensor, d: Tensor, ignore: Tensor | None) -> Tensor:
         if not self.pairwise:
             return super().plain_term(q, d, ignore)
-        return pairwise_loss(maxsim(q, d), self.tau, ignore)
+        return pairwise_loss(maxsim_mean(q, d), self.pairwise_tau, ignore)
 
     def pooled(self, x: Tensor) -> Tensor:
         return pooled(x)
@@ -155,7 +163,7 @@ class LateInteractionLoss(HybridMaskLoss):
         return max(1, self.max_chunk_elements // (d.numel() * q.shape[1]))
 
 
-def pairwise_loss(scores: Tensor, tau: float, ignore: Tensor | None = None) -> Tensor:
+def pairwise_loss(scores: Tensor, tau: float = PAIRWISE_TAU, ignore: Tensor | None = None) -> Tensor:
     """colpali-engine's ``ColbertPairwiseCELoss`` on a score matrix whose diagonal holds the positives:
     ``mean_i softplus((max_{j≠i, not ignored} S_ij - S_ii) / tau)``."""
     off = torch.eye(*scores.shape, dtype=torch.bool, device=scores.device)

@@ -14,7 +14,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from hkrag.data.opendocvqa import load_corpus, load_qa, pools
 from hkrag.index.shards import ShardError, load_multi_vector_shards, read_manifest
-from hkrag.late_interaction import maxsim
+from hkrag.late_interaction import maxsim_mean
 from hkrag.retrieval.evaluation import per_query_scores
 from hkrag.retriever import Phi3VRetriever
 from hkrag.tasks import encode
@@ -123,7 +123,7 @@ def test_eval_reads_the_encoded_shards_and_equals_an_evaluation_in_memory(data, 
             corpus = load_corpus(cfg.data.corpus_source, corpus_config, "test")
             with torch.no_grad():
                 pages = retriever.encode_documents([page.image for page in corpus], batch_size=len(corpus))
-            scores = maxsim(pad_sequence(queries, batch_first=True), pad_sequence(pages, batch_first=True))
+            scores = maxsim_mean(pad_sequence(queries, batch_first=True), pad_sequence(pages, batch_first=True))
             in_memory = {ex.query_id: dict(zip(corpus.doc_ids, row.tolist(), strict=True))
                          for ex, row in zip(qa, scores, strict=True)}
             from_shards = result["runs"][dataset][pool]

@@ -1,5 +1,7 @@
 """Factory specs, the refine stage, search-parameter tuning and its persistence (small n)."""
 
+import re
+
 import faiss
 import numpy as np
 import pytest
@@ -14,7 +16,16 @@ from hkrag.index.synthetic_embeddings import (
     IsotropicMixture,
     embedding_stats,
 )
-from hkrag.index.tuning import exact_neighbours, main, recall_at_k, recall_lower_bound, select, tune
+from hkrag.index.tuning import (
+    exact_neighbours,
+    format_held_out,
+    held_out_recall,
+    main,
+    recall_at_k,
+    recall_lower_bound,
+    select,
+    tune,
+)
 
 K = 5
 SPEC = "faiss:PCA32,IVF16,PQ8x4fs,Refine(SQ8)"
@@ -116,16 +127,22 @@ def test_tuned_parameters_persist_and_reload(corpus, tuned, tmp_path):
 
 def test_cli_builds_tunes_and_writes_parameters(corpus, tmp_path, capsys):
     ids, docs, data = corpus
-    queries = data.sample(100, stream=TUNING_STREAM)
-    for name, rows, vectors, key in (("docs", ids, docs, "doc_id"), ("queries", range(100), queries, "query_id")):
+    queries, test = data.sample(100, stream=TUNING_STREAM), data.sample(100, stream=QUERY_STREAM)
+    for name, rows, vectors, key in (("docs", ids, docs, "doc_id"), ("queries", range(100), queries, "query_id"),
+                                     ("test", range(100), test, "query_id")):
         encode_corpus([{key: str(r)} for r in rows], lambda batch, v=vectors, k=key: v[[
             int(str(b[k]).lstrip("d")) for b in batch]], tmp_path / name, shard_size=1000,
             manifest={"model": "m", "config_hash": "h"}, dtype="float32", id_key=key, progress=False)
     args = ["--index", str(tmp_path / "ix"), "--shards", str(tmp_path / "docs"), "--queries", str(tmp_path / "queries"),
             "--target", "0.9", "--cpu"]
-    main([*args, "--spec", SPEC])
+    main([*args, "--spec", SPEC, "--test-queries", str(tmp_path / "test")])
     first = DocumentIndex.load(tmp_path / "ix", use_gpu=False)
     assert first.tuning["met"] and first.search_params == first.tuning["params"]
+    out = capsys.readouterr().out
+    assert "on the tuning queries (target 0.9 for their normal lower bound" in out and "optimistic" in out
+    held_out = re.search(r"held-out test recall@5: ([\d.]+) \[([\d.]+), ([\d.]+)\] \(95 % bootstrap interval, "
+                         r"100 test queries\)", out)
+    assert held_out and float(held_out[2]) <= float(held_out[1]) <= float(held_out[3])
     main([*args, "--mmap"])  # re-tune the saved index in place, its stored vectors mapped: only index.json changes
     assert DocumentIndex.load(tmp_path / "ix", use_gpu=False).tuning["target"] == 0.9
     assert "recall@5" in capsys.readouterr().out
@@ -148,6 +165,18 @@ def test_embedding_like_generator_has_the_measured_structure():
     assert stats["near_duplicates"] > no_copies["near_duplicates"] + 0.15 and isotropic["near_duplicates"] == 0
     with pytest.raises(ValueError, match="rank must be in"):
         EmbeddingLike(dim=8, rank=9)
+
+
+def test_held_out_recall_has_a_two_sided_bootstrap_interval():
+    """Half the queries at recall 1, half at 0: mean .5, standard error .05, so the 95 % percentile bootstrap
+    interval is close to .5 ± 1.96 · .05; a constant recall has a point interval."""
+    record = held_out_recall(np.array([0.0, 1.0] * 50))
+    assert record["recall"] == 0.5 and record["queries"] == 100
+    assert record["recall_low"] == pytest.approx(0.5 - 1.96 * 0.05, abs=0.015)
+    assert record["recall_high"] == pytest.approx(0.5 + 1.96 * 0.05, abs=0.015)
+    assert held_out_recall(np.ones(7)) == {"recall": 1.0, "recall_low": 1.0, "recall_high": 1.0, "queries": 7}
+    assert format_held_out({"recall": 0.9642, "recall_low": 0.955, "recall_high": 0.9721, "queries": 1000}) == (
+        "0.964 [0.955, 0.972] (95 % bootstrap interval, 1000 test queries)")
 
 
 def test_recall_lower_bound_is_the_one_sided_normal_bound():

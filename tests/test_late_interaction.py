@@ -1,25 +1,23 @@
 """Late interaction (ColPali on the tiny Phi3V): MaxSim, its losses and the paper's masks against hand-computed values
 and colpali-engine; gradient caching over ragged token counts; the head's adapter round trip."""
 
-import importlib
-import importlib.util
+import inspect
 import math
-import sys
-import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _colpali import colpali_module
 from PIL import Image
 from test_losses import ALPHA, BETA, PAIR_MASKS, TAU, D, Q
 from torch import nn
 
 from hkrag.late_interaction import (
+    PAIRWISE_TAU,
     LateInteractionLoss,
     masked_maxsim,
-    maxsim,
+    maxsim_mean,
     pairwise_loss,
     pooled,
     unpad,
@@ -45,7 +43,7 @@ def batch():
 
 def test_maxsim_matches_hand_values_and_masks_padding():
     q, d = batch()
-    torch.testing.assert_close(maxsim(q, d), torch.tensor(SCORES, dtype=torch.float64))
+    torch.testing.assert_close(maxsim_mean(q, d), torch.tensor(SCORES, dtype=torch.float64))
     assert [len(t) for t in unpad(q)] == [2, 1, 1]
 
 
@@ -57,7 +55,7 @@ def test_masked_maxsim_by_hand():
     mask = torch.tensor([0.5, 1.0], dtype=torch.float64).expand(3, 2, 2)
     assert masked_maxsim(q, d, mask)[0, 0].item() == pytest.approx(0.65)
     assert masked_maxsim(q, d, mask, renormalise=True)[0, 0].item() == pytest.approx((1 + 0.8 / math.hypot(.3, .8)) / 2)
-    torch.testing.assert_close(masked_maxsim(q, d, torch.ones(3, 2, 2, dtype=torch.float64)), maxsim(q, d))
+    torch.testing.assert_close(masked_maxsim(q, d, torch.ones(3, 2, 2, dtype=torch.float64)), maxsim_mean(q, d))
 
 
 def test_infonce_and_pairwise_over_maxsim_by_hand():
@@ -67,33 +65,32 @@ def test_infonce_and_pairwise_over_maxsim_by_hand():
     loss = LateInteractionLoss(tau=0.1, use_din=False, use_sin=False, infonce_weight=1.0)(q[:2], d)
     expected = (math.log1p(math.exp(-4)) + math.log1p(math.exp(2))) / 2
     assert loss.loss.item() == pytest.approx(expected)
-    pairwise = LateInteractionLoss(tau=0.1, use_din=False, use_sin=False, infonce_weight=1.0, pairwise=True)
+    pairwise = LateInteractionLoss(use_din=False, use_sin=False, infonce_weight=1.0, pairwise=True, pairwise_tau=0.1)
     expected = (F.softplus(torch.tensor(-4.0)) + F.softplus(torch.tensor(2.0))).item() / 2
     assert pairwise(q[:2], d).loss.item() == pytest.approx(expected, rel=1e-6)
-    assert pairwise_loss(maxsim(q[:2], d), 0.1).item() == pytest.approx(expected, rel=1e-6)
+    assert pairwise_loss(maxsim_mean(q[:2], d), 0.1).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_pairwise_temperature_defaults_to_colpali_engines():
+    """colpali-engine's ColbertPairwiseCELoss defaults to temperature 1.0, whatever ``tau`` InfoNCE uses: at the
+    default the loss is mean(softplus((.5 - .9) / 1), softplus((1 - .8) / 1)) on the hand batch."""
+    q, d = batch()
+    pairwise = LateInteractionLoss(tau=0.05, use_din=False, use_sin=False, infonce_weight=1.0, pairwise=True)
+    assert pairwise.pairwise_tau == PAIRWISE_TAU == 1.0
+    assert inspect.signature(pairwise_loss).parameters["tau"].default == PAIRWISE_TAU
+    expected = (math.log1p(math.exp(-0.4)) + math.log1p(math.exp(0.2))) / 2
+    assert pairwise(q[:2], d).loss.item() == pytest.approx(expected, rel=1e-6)
+    assert pairwise.variant(use_sin=False).pairwise_tau == 1.0
+    assert pairwise.settings()["pairwise_tau"] == 1.0 and "pairwise_tau" not in LateInteractionLoss().settings()
+    with pytest.raises(ValueError, match="pairwise_tau must be > 0"):
+        LateInteractionLoss(pairwise=True, pairwise_tau=0)
 
 
 @pytest.fixture(scope="module")
 def colpali():
-    """colpali-engine's loss module, loaded without its package ``__init__`` (which imports its models and needs
-    torchvision, outside our pins); skipped when the library is not installed (``pip install colpali-engine
-    --no-deps``)."""
-    spec = importlib.util.find_spec("colpali_engine")
-    if spec is None:
-        pytest.skip("colpali-engine is not installed (pip install colpali-engine --no-deps)")
-    root = Path(spec.submodule_search_locations[0])
-    saved = {name: sys.modules.get(name) for name in ("colpali_engine", "colpali_engine.utils", "colpali_engine.loss")}
-    for name in saved:
-        package = types.ModuleType(name)
-        package.__path__ = [str(root.joinpath(*name.split(".")[1:]))]
-        sys.modules[name] = package
-    try:
-        yield importlib.import_module("colpali_engine.loss.late_interaction_losses")
-    finally:
-        for name, module in saved.items():
-            sys.modules.pop(name, None) if module is None else sys.modules.__setitem__(name, module)
-        for name in [n for n in sys.modules if n.startswith("colpali_engine.")]:
-            sys.modules.pop(name)
+    """colpali-engine's loss module (tests/_colpali.py; skipped when colpali-engine is not installed)."""
+    with colpali_module("loss.late_interaction_losses") as module:
+        yield module
 
 
 def random_batch(rows: int, length: int, dim: int, seed: int) -> torch.Tensor:
@@ -112,7 +109,11 @@ def test_losses_match_colpali_engine(colpali, monkeypatch):
     ours = LateInteractionLoss(tau=0.02, use_din=False, use_sin=False, infonce_weight=1.0)
     torch.testing.assert_close(ours(q, d).loss, colpali.ColbertLoss(temperature=0.02)(q, d))
     pairwise = LateInteractionLoss(tau=0.5, use_din=False, use_sin=False, infonce_weight=1.0, pairwise=True)
+    torch.testing.assert_close(pairwise(q, d).loss, colpali.ColbertPairwiseCELoss()(q, d))  # both defaults
+    pairwise = LateInteractionLoss(use_din=False, use_sin=False, infonce_weight=1.0, pairwise=True, pairwise_tau=0.5)
     torch.testing.assert_close(pairwise(q, d).loss, colpali.ColbertPairwiseCELoss(temperature=0.5)(q, d))
+    default = inspect.signature(colpali.ColbertPairwiseCELoss).parameters["temperature"].default
+    assert default == LateInteractionLoss(pairwise=True).pairwise_tau
 
 
 def split_tokens(x: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -321,6 +322,7 @@ def test_the_loss_follows_the_head():
     late = config("train", ["experiment=reader_li_tiny", "loss=colbert_pairwise"])
     loss = make_loss(late.loss, HeadSettings.of(late.model))
     assert isinstance(loss, LateInteractionLoss) and loss.pairwise and loss.tau == 0.05 and not loss.use_din
+    assert loss.pairwise_tau == PAIRWISE_TAU  # the experiment's tau is InfoNCE's, not the pairwise loss's
     assert type(make_loss(config("train", []).loss)) is HybridMaskLoss
     with pytest.raises(ValueError, match="loss.pairwise=true .* needs model.head=late_interaction"):
         make_loss(late.loss, HeadSettings.of(config("train", ["model.head=dense"]).model))

@@ -2,7 +2,7 @@
 
 The pages are the token vectors of :func:`hkrag.index.shards.load_multi_vector_shards` (``vectors [tokens, dim]``,
 ``offsets [pages + 1]``). The search is :func:`hkrag.index.multivector.exact_search` (every page, in chunks within a
-memory bound); scores are reported as training computes them (:func:`hkrag.late_interaction.maxsim`: the mean over
+memory bound); scores are reported as training computes them (:func:`hkrag.late_interaction.maxsim_mean`: the mean over
 the query's tokens of the best dot product with any of the page's tokens, i.e. the multi-vector index's sum divided
 by the query's length, which ranks alike). Its interface is :class:`~hkrag.index.faiss_index.DocumentIndex`'s
 ``to_run`` and ``len``, which :func:`hkrag.retrieval.evaluation.search_with_ties` reads.
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hkrag.index.multivector import MultiVectorIndex, MultiVectorSpec, check_multivectors, exact_search, maxsim
+from hkrag.index.multivector import MultiVectorIndex, MultiVectorSpec, check_multivectors, exact_search, maxsim_sum
 
 MULTIVECTOR = "multivector:"
 """``eval.index``'s prefix of a multi-vector index spec (``multivector:codec=PQ16x8;rerank=64``)."""
@@ -78,7 +78,7 @@ class MaxSimIndex:
         if not len(queries):
             return np.zeros((0, len(self)), dtype=np.float32)
         vectors, offsets = self._queries(queries)
-        return maxsim(vectors, offsets, self.vectors, self.offsets) / np.diff(offsets)[:, None]
+        return maxsim_sum(vectors, offsets, self.vectors, self.offsets) / np.diff(offsets)[:, None]
 
     def to_run(self, query_ids: Sequence[str], queries: Sequence[np.ndarray], k: int) -> dict[str, dict[str, float]]:
         """The top ``k`` pages of each query as a TREC-style run ``{query_id: {doc_id: score}}``, best first."""

@@ -8,7 +8,7 @@ same way. The score is ColBERT's late interaction (Khattab & Zaharia 2020, Eq. 3
 
 :func:`exact_search` computes it over every page in batches (the reference for recall). :class:`MultiVectorIndex`
 stores each page's vectors, optionally merged by token pooling (:func:`pool_tokens`, hierarchical clustering,
-Clavié 2024 / colpali-engine's ``HierarchicalTokenPooler``) and compressed by a FAISS standalone codec (``SQfp16``
+Clavié 2024, as colpali-engine's ``HierarchicalTokenPooler``) and compressed by a FAISS standalone codec (``SQfp16``
 as given, ``SQ8``, ``PQ{m}x8``, ``RaBitQ``), and either scores every page by MaxSim over the decoded codes or
 first finds ``candidates`` pages by MUVERA fixed-dimensional encodings (:class:`Muvera`, Dhulipala et al. 2024)
 in a FAISS index, by ColBERT's token retrieval, or by PLAID's centroid interaction (:mod:`hkrag.index.plaid`, codes
@@ -28,6 +28,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
+from hkrag.index.mmap import drop_from_page_cache, read_rows
 from hkrag.index.plaid import CentroidInteraction, default_centroids, gather_pages
 from hkrag.index.shards import check_multivectors
 from hkrag.io import atomic_write, write_json
@@ -36,8 +37,11 @@ MANIFEST = "multivector.json"
 FORMAT = 1
 
 
-def maxsim(queries: np.ndarray, query_offsets: np.ndarray, pages: np.ndarray, page_offsets: np.ndarray) -> np.ndarray:
-    """MaxSim scores [n_queries, n_pages]: per query vector its best page vector's inner product, summed (Eq. 3)."""
+def maxsim_sum(
+    queries: np.ndarray, query_offsets: np.ndarray, pages: np.ndarray, page_offsets: np.ndarray
+) -> np.ndarray:
+    """MaxSim scores [n_queries, n_pages]: per query vector its best page vector's inner product, summed over the
+    query's vectors (Eq. 3; :func:`hkrag.late_interaction.maxsim_mean` is this divided by the query's length)."""
     sim = np.asarray(queries, np.float32) @ np.asarray(pages, np.float32).T
     best = np.maximum.reduceat(sim, page_offsets[:-1] - page_offsets[0], axis=1)
     return np.add.reduceat(best, query_offsets[:-1] - query_offsets[0], axis=0)
@@ -73,11 +77,13 @@ def _scan(
     best = (np.full((n_queries, 0), -np.inf, np.float32), np.zeros((n_queries, 0), np.int64))
     max_tokens = max(1, memory // (4 * len(queries)))
     for a, b in _page_chunks(page_offsets, max_tokens):
-        scores = maxsim(queries, query_offsets, fetch(page_offsets[a], page_offsets[b]), page_offsets[a : b + 1])
+        scores = maxsim_sum(queries, query_offsets, fetch(page_offsets[a], page_offsets[b]), page_offsets[a : b + 1])
         top = min(k, b - a)
         part = np.argpartition(-scores, top - 1, axis=1)[:, :top]
         best = _merge_top_k(best, np.take_along_axis(scores, part, 1), part + a, k)
-    return best
+    missing = k - best[0].shape[1]  # fewer pages than k: rows -1, scores -inf, as a candidate stage leaves them
+    return (np.pad(best[0], ((0, 0), (0, missing)), constant_values=-np.inf),
+            np.pad(best[1], ((0, 0), (0, missing)), constant_values=-1))
 
 
 def exact_search(
@@ -89,7 +95,8 @@ def exact_search(
     *,
     memory: int = 256 << 20,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Exact MaxSim top-``k`` of every query over every page: (scores, page rows) [n_queries, k], best first.
+    """Exact MaxSim top-``k`` of every query over every page: (scores, page rows) [n_queries, k], best first
+    (``k`` above the page count leaves rows ``-1``, scores ``-inf``).
 
     Batched: all query vectors against a chunk of pages at a time (one matrix product), the similarity matrix
     bounded by ``memory`` bytes; float16 pages are widened chunk by chunk.
@@ -100,29 +107,37 @@ def exact_search(
 
 
 def pool_tokens(vectors: np.ndarray, offsets: np.ndarray, factor: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token pooling (Clavié 2024; colpali-engine ``HierarchicalTokenPooler``): each page's vectors clustered by
-    Ward hierarchical clustering into ``ceil(len / factor)`` clusters, each replaced by its mean (not
-    renormalised, as the reference). ``factor`` 1 returns the input."""
-    from scipy.cluster.hierarchy import fcluster, linkage
-
+    """Hierarchical token pooling (Clavié et al. 2024) as colpali-engine's ``HierarchicalTokenPooler`` (0.3.18,
+    tested against it): per page, the rows of ``1 - E @ E.T`` (float32) are the observations of a Ward linkage
+    (Euclidean distances between rows, not a condensed distance), cut by ``fcluster(maxclust)`` into at most
+    ``max(len // factor, 1)`` clusters; each cluster's mean is L2-renormalised (the vectors stay unit length for
+    MaxSim), in cluster-label order. ``factor`` 1 returns the input; otherwise a page of one vector is refused, as
+    colpali-engine refuses it."""
     if factor < 1:
         raise ValueError(f"pool factor must be >= 1, got {factor}")
     if factor == 1:
         return vectors, offsets
-    pooled, lengths = [], []
-    for a, b in zip(offsets[:-1], offsets[1:]):
-        page = np.asarray(vectors[a:b], np.float32)
-        target = -(-len(page) // factor)
-        if target >= len(page):
-            labels = np.arange(len(page))
-        else:
-            labels = fcluster(linkage(page, method="ward"), t=target, criterion="maxclust") - 1
-        count = labels.max() + 1
-        sums = np.zeros((count, page.shape[1]), np.float32)
-        np.add.at(sums, labels, page)
-        pooled.append(sums / np.bincount(labels, minlength=count)[:, None])
-        lengths.append(count)
+    pooled = [_pool_page(np.asarray(vectors[a:b], np.float32), factor, page)
+              for page, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))]
+    lengths = [len(p) for p in pooled]
     return np.vstack(pooled), np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def _pool_page(page: np.ndarray, factor: int, number: int) -> np.ndarray:
+    """One page's pooled vectors (:func:`pool_tokens`)."""
+    from scipy.cluster.hierarchy import fcluster, linkage
+
+    if len(page) < 2:
+        raise ValueError(f"token pooling: page {number} has {len(page)} vector(s); pooling needs at least 2 "
+                         f"(colpali-engine's HierarchicalTokenPooler refuses it too); use pool=1")
+    distances = 1 - page @ page.T
+    tree = linkage(distances, metric="euclidean", method="ward")
+    labels = fcluster(tree, t=max(len(page) // factor, 1), criterion="maxclust")
+    _, cluster = np.unique(labels, return_inverse=True)
+    sums = np.zeros((cluster.max() + 1, page.shape[1]), np.float32)
+    np.add.at(sums, cluster, page)
+    means = sums / np.bincount(cluster)[:, None]
+    return means / np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
 
 
 class Muvera:
@@ -299,6 +314,8 @@ class MultiVectorIndex:
         self.codes = np.zeros((0, self.codec.sa_code_size()), np.uint8)
         self.offsets = np.zeros(1, np.int64)
         self.full: tuple[np.ndarray, np.ndarray] | None = None  # (float16 vectors, offsets) for exact re-ranking
+        self.directory: Path | None = None  # where :meth:`load` mapped ``full`` from
+        self.last_rerank_s = 0.0
         self.build_seconds: dict[str, float] = {}
 
     @classmethod
@@ -380,6 +397,18 @@ class MultiVectorIndex:
         self.spec = replace(self.spec, **{name: getattr(changed, name) for name in names})
         self._apply_stage_params()
 
+    def drop_cached_vectors(self) -> None:
+        """Unmap the re-ranking vectors, drop their file from the page cache and map it again, so that the next
+        search reads its re-ranked pages from disk (cold; bench/multivector.py ``--cold``). Only for an index
+        :meth:`load` mapped them for; the codes and the candidate stage stay in memory."""
+        if self.directory is None or self.full is None:
+            raise ValueError("drop_cached_vectors: no re-ranking vectors mapped from disk (load an index saved with "
+                             "rerank > 0)")
+        offsets, path = self.full[1], self.directory / "vectors.npy"
+        self.full = None  # the only reference to the mapping: released before the drop (a mapped page stays cached)
+        drop_from_page_cache(path)
+        self.full = (np.load(path, mmap_mode="r"), offsets)
+
     def _apply_stage_params(self) -> None:
         if self.stage is not None and self.spec.stage_params:
             faiss.ParameterSpace().set_index_parameters(self.stage, self.spec.stage_params)
@@ -422,13 +451,19 @@ class MultiVectorIndex:
 
         Without a candidate stage every page is scored over the stored codes (:func:`exact_search`'s batching);
         with one, each query's candidates are. With ``rerank`` the ``rerank`` best are then re-scored over the
-        vectors on disk. Fewer than ``k`` candidates leave rows ``-1`` (score ``-inf``)."""
+        vectors on disk. Fewer than ``k`` candidates leave rows ``-1`` (score ``-inf``). ``self.last_rerank_s``:
+        the seconds the last search spent re-ranking (reading the vectors included; 0 without ``rerank``)."""
         queries, query_offsets = check_multivectors(queries, query_offsets, name="queries", dim=self.dim)
         queries = np.asarray(queries, np.float32)
+        self.last_rerank_s = 0.0
         if not self.spec.rerank:
             return self._first_pass(queries, query_offsets, k, memory)
         _, first = self._first_pass(queries, query_offsets, max(k, self.spec.rerank), memory)
-        return self._rerank(queries, query_offsets, first, k, lambda tokens: self.full[0][tokens], self.full[1])
+        start = time.perf_counter()
+        found = self._rerank(queries, query_offsets, first, k, lambda tokens: read_rows(self.full[0], tokens),
+                             self.full[1])
+        self.last_rerank_s = time.perf_counter() - start
+        return found
 
     def _rerank(self, queries, query_offsets, candidates, k, fetch, offsets) -> tuple[np.ndarray, np.ndarray]:
         """Each query's ``candidates`` (page rows, -1 for none) re-scored by MaxSim over ``fetch(token rows)``."""
@@ -438,7 +473,7 @@ class MultiVectorIndex:
             pages = np.unique(pages[pages >= 0])
             tokens, page_offsets = gather_pages(offsets, pages)
             a, b = query_offsets[q], query_offsets[q + 1]
-            found = maxsim(queries[a:b], np.array([0, b - a]), fetch(tokens), page_offsets)[0]
+            found = maxsim_sum(queries[a:b], np.array([0, b - a]), fetch(tokens), page_offsets)[0]
             order = np.argsort(-found, kind="stable")[:k]
             scores[q, : len(order)], rows[q, : len(order)] = found[order], pages[order]
         return scores, rows
@@ -516,6 +551,7 @@ class MultiVectorIndex:
             index.plaid = CentroidInteraction(np.load(directory / "centroids.npy"), assignment, index.offsets)
         if index.spec.rerank:
             index.full = (np.load(directory / "vectors.npy", mmap_mode="r"), np.load(directory / "vector_offsets.npy"))
+            index.directory = directory
         index.ids = json.loads((directory / "ids.json").read_text())
         index.build_seconds = manifest.get("build", {})
         stage_rows = {None: len(index.ids), "muvera": len(index.ids), "tokens": len(index.codes),

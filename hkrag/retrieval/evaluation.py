@@ -42,6 +42,7 @@ from hkrag.retrieval.metrics import (
     evaluate_run,
     expected_name,
     format_table,
+    snap_near_ties,
     table_rows,
 )
 from hkrag.retriever import Phi3VRetriever, weights_fingerprint
@@ -297,12 +298,14 @@ class DenseRanker:
 def search_with_ties(index: DocumentIndex | MaxSimIndex, query_ids: Sequence[str], queries: np.ndarray | list,
                      depth: int) -> Run:
     """``index``'s run at ``depth`` holding, for each query, every page tied with its ``depth``-th score
-    (:func:`~hkrag.retrieval.metrics.cut_with_ties`; FAISS alone cuts a tie group by its internal order): searched
-    deeper, doubling, until each query's list ends below its cut or holds every page the index returns."""
+    (:func:`~hkrag.retrieval.metrics.cut_with_ties`; FAISS alone cuts a tie group by its internal order), scores
+    within :data:`~hkrag.retrieval.metrics.TIE_TOLERANCE` of a better one counting as tied
+    (:func:`~hkrag.retrieval.metrics.snap_near_ties`: identical pages' float32 scores differ in their last bits):
+    searched deeper, doubling, until each query's list ends below its cut or holds every page the index returns."""
     k = depth
     while True:
         k = min(2 * k, len(index))
-        run = index.to_run(query_ids, queries, k)
+        run = {q: snap_near_ties(docs) for q, docs in index.to_run(query_ids, queries, k).items()}
         cut = cut_with_ties(run, depth)
         if k == len(index) or all(len(cut[q]) < len(run[q]) or len(run[q]) < k for q in run):
             return cut

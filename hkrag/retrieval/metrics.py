@@ -22,7 +22,9 @@ discounts of its positions within the cut (nDCG), its relevant count times the s
 cut (recall), and, for the first group holding ``r`` relevant documents, ``sum_j P(j) / (s+j)`` with
 ``P(j) = C(t-j, r-1) / C(t, r)`` the chance that its first relevant document is its ``j``-th (MRR). Without ties the
 values equal trec_eval's. Exact only when the run holds every document tied with the last one it keeps within the
-cut (:func:`cut_with_ties`; the rankers of :mod:`hkrag.retrieval` return runs that way).
+cut (:func:`cut_with_ties`; the rankers of :mod:`hkrag.retrieval` return runs that way). Float scores of dense and
+late-interaction searches are first snapped at :data:`TIE_TOLERANCE` (:func:`snap_near_ties`), so that identical
+pages, whose float32 scores differ in their last bits, are tied as BM25's exactly equal scores are.
 """
 
 from __future__ import annotations
@@ -109,6 +111,27 @@ def cut_with_ties(run: Run, k: int) -> dict[str, dict[str, float]]:
         floor = float(docs[order[k - 1]]) if len(order) > k else -math.inf
         cut[q] = {d: float(docs[d]) for d in order if float(docs[d]) >= floor}
     return cut
+
+
+TIE_TOLERANCE = 1e-5
+"""Float scores this close (relative to ``max(1, |score|)``) count as tied (:func:`snap_near_ties`): identical pages
+scored by float32 dot products differ in their last bits with their place in the matrix product (FAISS flat at
+width 3072: up to 2.4e-7; exact MaxSim over identical token sets: up to 1.9e-6; bench/RESULTS.md)."""
+
+
+def snap_near_ties(docs: Mapping[str, float], tolerance: float = TIE_TOLERANCE) -> dict[str, float]:
+    """``docs`` with each score within ``tolerance * max(1, |head|)`` below a group's head (its best score, walking
+    down from the best) replaced by the head's, so that identical pages computed in float arithmetic score alike and
+    :func:`tie_groups` and :func:`cut_with_ties` see their tie. Groups are anchored at their head (no chaining); in
+    trec_eval order."""
+    snapped: dict[str, float] = {}
+    head: float | None = None
+    for d in sorted(docs, key=lambda d: float(docs[d]), reverse=True):
+        score = float(docs[d])
+        if head is None or head - score > tolerance * max(1.0, abs(head)):
+            head = score
+        snapped[d] = head
+    return {d: snapped[d] for d in trec_order(snapped)}
 
 
 def tie_groups(docs: Mapping[str, float]) -> list[list[str]]:

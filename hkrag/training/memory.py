@@ -464,7 +464,7 @@ class LateInteractionHead:
 
 MAXSIM_BYTES_PER_SCORE = 13
 """Bytes a MaxSim loss holds per token score ``(query, page, query token, page token)`` at its peak, the backward
-of :func:`hkrag.late_interaction.maxsim`: the padding-masked fp32 token scores amax keeps for its backward, amax's
+of :func:`hkrag.late_interaction.maxsim_mean`: the padding-masked fp32 token scores amax keeps for its backward, amax's
 bool mask of the maxima, its fp32 gradient and masked_fill's fp32 gradient (4 + 1 + 4 + 4). Measured on CPU
 (``bench/maxsim_memory.py``: peak RSS, glibc's mmap threshold pinned) for InfoNCE over MaxSim at
 16 x 16 x 50 x 2,000 / x 4,000 and 32 x 32 x 40 x 1,000: 12.6 to 13.0 bytes per score."""

@@ -23,6 +23,7 @@ def make_loss(loss_cfg: DictConfig, head: HeadSettings | None = None) -> HybridM
     settings = OmegaConf.to_container(loss_cfg, resolve=True)
     if late:
         return LateInteractionLoss(**settings)
+    settings.pop("pairwise_tau", None)
     if settings.pop("pairwise", False):
         raise ValueError("loss.pairwise=true is colpali-engine's pairwise loss over MaxSim: it needs "
                          "model.head=late_interaction")
