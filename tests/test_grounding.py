@@ -5,7 +5,6 @@ import json
 import pytest
 
 from hkrag.data.synthetic import SyntheticConfig, generate
-
 from hkrag.rag.gold_evidence import answer_span, gold_evidence, load_gold, span_box, write_evidence
 from hkrag.rag.grounding import (
     Evidence,
