@@ -84,11 +84,12 @@ PAGE = GroundingPage("p1", (200, 100), words(("REF", (10, 80, 30, 90)), ("WS", (
 
 
 def test_text_source_exact_fuzzy_and_absent():
-    assert TextSource().locate("2021", [PAGE]) == [Evidence("p1", (86, 60, 110, 70), "text", 1.0)]
-    assert TextSource().locate("p.3", [PAGE])[0].box == (55, 80, 70, 90)
-    # "W3" read "WS": similarity 0.5, found only at a lower threshold
-    assert TextSource().locate("W3", [PAGE]) == []
-    assert TextSource(threshold=0.5).locate("W3", [PAGE])[0].box == (35, 80, 50, 90)
+    strict = TextSource(threshold=0.75)
+    assert strict.locate("2021", [PAGE]) == [Evidence("p1", (86, 60, 110, 70), "text", 1.0)]
+    assert strict.locate("p.3", [PAGE])[0].box == (55, 80, 70, 90)
+    # "W3" read "WS": similarity 0.5 (Indel: 2 edits over 4 characters), found at the default threshold only
+    assert strict.locate("W3", [PAGE]) == []
+    assert TextSource().locate("W3", [PAGE]) == [Evidence("p1", (35, 80, 50, 90), "text", 0.5)]
     assert TextSource().locate("ZEBRA", [PAGE]) == []
     split = GroundingPage("p3", (200, 100), words(("P.", (10, 0, 20, 10)), ("3", (22, 0, 30, 10))))
     assert TextSource().locate("P.3", [split])[0].box == (10, 0, 30, 10)  # OCR split one word in two

@@ -48,8 +48,8 @@ class GroundingConfig:
 
     source: str = "text"
     threshold: float = TEXT_THRESHOLD
-    psm: int = 6
-    upscale: float = 2.0
+    psm: int = 11
+    upscale: float = 3.0
     writes_boxes: bool = False
 
     @classmethod
