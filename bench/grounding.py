@@ -218,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_text(args.out / "runs" / f"{name}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
         runs[name] = run_summary(rows)
     env = environment()
-    report = {"data": str(args.data), "machine": f"{env.get('cpu', '?')}", "date": time.strftime("%Y-%m-%d"),
+    machine = f"{env.get('cpu', '?')} ({env.get('cpu_count', '?')} cores)"
+    report = {"data": str(args.data), "machine": machine, "date": time.strftime("%Y-%m-%d"),
               "tesseract": tesseract, "environment": env, "validation": validation, "test": results, "runs": runs}
     write_json(args.out / "test.json", report)
     write_text(args.out / "test_queries.jsonl", "".join(json.dumps(row) + "\n" for row in per_query))
