@@ -124,3 +124,42 @@ def test_chromium_renders_the_page(chromium, tmp_path):
     assert "What is the maximum sales of casual bags?" in dom
     assert re.search(r'<img src="data:image/jpeg;base64,[^"]+" alt="page doc-a">', dom)
     assert "<script>alert" not in dom
+
+
+def bounding(mask):
+    ys, xs = np.nonzero(mask)
+    return xs.min(), ys.min(), xs.max() + 1, ys.max() + 1
+
+
+def test_evidence_boxes_are_drawn_where_the_trace_places_them(chromium, tmp_path):
+    image = Image.new("RGB", (400, 300), "white")
+    ImageDraw.Draw(image).rectangle((100, 60, 299, 179), fill=(255, 128, 0))  # pixels 100..299 x 60..179
+    gold = {"page_id": "doc-o", "box": [0, 0, 50, 50], "source": "gold", "score": 1.0}
+    outcome = QueryOutcome(
+        query_id="q-boxes", question="Where?", gold=["x"], dataset="synchart", pool="single", retrieved=["doc-o"],
+        kept=["doc-o"], route="LQP", answer="x",
+        evidence=[{"page_id": "doc-o", "box": [100, 60, 300, 180], "source": "text", "score": 0.9}],
+        grounding={"source": "text", "note": None, "drawn": True, "gold": [gold],
+                   "score": {"precision": 0.0, "recall": 0.0, "f1": 0.0, "hit": False, "wrong_page": False}},
+        metrics={"anls": 1.0, "relaxed_accuracy": 1.0, "exact_match": 1.0, "f1": 1.0},
+    )
+    path = write_html(tmp_path / "rag.html", [outcome], {"doc-o": image}.get)
+    dom = run_chromium(chromium, tmp_path, "--dump-dom", path.as_uri()).stdout
+    assert 'class="box predicted" data-box="100,60,300,180"' in dom and 'class="box gold" data-box="0,0,50,50"' in dom
+    assert "F1 0.00" in dom and "Evidence boxes:" in dom
+    screenshot = tmp_path / "boxes.png"
+    run_chromium(chromium, tmp_path, f"--screenshot={screenshot}", "--window-size=1280,1400", path.as_uri())
+    with Image.open(screenshot) as shot:
+        pixels = np.asarray(shot.convert("RGB")).astype(int)
+    r, g, b = pixels[..., 0], pixels[..., 1], pixels[..., 2]
+    orange = (r > 230) & (abs(g - 128) < 30) & (b < 40)
+    magenta = (r > 230) & (g < 40) & (b > 230)
+    left, top, right, bottom = bounding(orange)
+    near = np.zeros_like(orange)  # the thumbnail around the rectangle, not the legend's sample box
+    near[top - 30:bottom + 30, left - 45:right + 45] = True
+    # the predicted box's border traces the orange rectangle (the thumbnail is 160 px: scale 0.4, JPEG fuzz)
+    assert np.allclose(bounding(magenta & near), (left, top, right, bottom), atol=2)
+    cyan = (r < 40) & (g > 200) & (b > 230)
+    cx0, cy0, cx1, cy1 = bounding(cyan & near)
+    assert (cx1 - cx0, cy1 - cy0) == pytest.approx((20, 20), abs=2)  # 50 px of the page at scale 0.4
+    assert (cx0, cy0) == pytest.approx((left - 40, top - 24), abs=2)  # at the page's corner

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from hkrag.data.ocr import OcrUnavailable, install_tesseract
 from hkrag.data.opendocvqa import load_qa
 from hkrag.io import WriteError
 from hkrag.lvlm import LVLMTimeoutError
@@ -122,6 +123,42 @@ def test_generation_on_gold_pages_scores_answers_and_counts_failures_as_wrong(tm
     markdown = (tmp_path / "run" / "rag.md").read_text()
     assert "judge: disabled (no endpoint)" in markdown and f"`{failed[0].query_id}` — judger:" in markdown
     assert "<html" in (tmp_path / "run" / "rag.html").read_text().lower()
+
+
+def test_gold_answers_are_grounded_on_their_pages_and_reported(tmp_path, data, backends):
+    try:
+        install_tesseract()
+    except OcrUnavailable as missing:
+        pytest.skip(f"grounding by text needs Tesseract: {missing}")
+    cfg = config(data)
+    answers = gold_answers(cfg)
+    failing = next(iter(answers))
+    report = run(cfg, tmp_path / "run", lambda: GoldBackend(answers, fail=failing), backends)
+    trace = load_trace(tmp_path / "run" / "trace.jsonl")
+    assert all(o.grounding["source"] == "text" and o.grounding["drawn"] for o in trace)  # every answer is drawn
+    failed = next(o for o in trace if o.failed)
+    assert failed.evidence == [] and failed.grounding["note"] == "no answer"
+    assert failed.grounding["score"] == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "hit": False,
+                                         "wrong_page": False}
+    found = [o for o in trace if o.evidence]
+    assert found and all(e["page_id"] in o.kept and e["source"] == "text" for o in found for e in o.evidence)
+    assert any(o.grounding["score"]["hit"] for o in found)
+    overall = report["overall"]["grounding"]
+    assert overall["scored"] == len(trace) and overall["not_drawn"] == 0
+    assert overall["hit"]["value"] == pytest.approx(sum(o.grounding["score"]["hit"] for o in trace) / len(trace))
+    assert "## Grounding (text source" in (tmp_path / "run" / "rag.md").read_text()
+    assert 'class="box gold"' in (tmp_path / "run" / "rag.html").read_text()
+
+
+def test_bad_grounding_settings_are_refused_before_the_run(tmp_path, data):
+    for override, problem in (("rag.grounding.source=ocr", "rag.grounding.source must be one of"),
+                              ("rag.grounding.threshold=0", r"threshold must be in \(0, 1\], got 0"),
+                              ("rag.grounding.threshold=1.5", r"threshold must be in \(0, 1\], got 1.5"),
+                              ("rag.grounding.upscale=-1", "upscale must be in"),
+                              ("+rag.grounding.colour=red", "unknown keys \\['colour'\\]")):
+        with pytest.raises(Exception, match=problem):
+            run_eval_task(config(data, override), tmp_path / "refused")
+        assert not (tmp_path / "refused").exists()
 
 
 def test_the_step_report_of_a_finished_run(tmp_path, data, backends, capsys):

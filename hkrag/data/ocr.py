@@ -162,14 +162,33 @@ def install_tesseract(lang: str = "eng") -> str:
     return check_tesseract(lang)
 
 
+def _upscaled(image: Image.Image, settings: OcrSettings) -> Image.Image:
+    """``image`` in RGB, resized by ``settings.upscale`` (Lanczos) for Tesseract."""
+    image = image.convert("RGB")
+    if settings.upscale == 1:
+        return image
+    size = (max(1, round(image.width * settings.upscale)), max(1, round(image.height * settings.upscale)))
+    return image.resize(size, Image.Resampling.LANCZOS)
+
+
 def ocr_image(image: Image.Image, settings: OcrSettings = OcrSettings()) -> str:
     """Tesseract's text of ``image``: upscaled by ``settings.upscale``, one line per text line, blank lines dropped."""
-    image = image.convert("RGB")
-    if settings.upscale != 1:
-        size = (max(1, round(image.width * settings.upscale)), max(1, round(image.height * settings.upscale)))
-        image = image.resize(size, Image.Resampling.LANCZOS)
-    text = _pytesseract().image_to_string(image, lang=settings.lang, config=f"--psm {settings.psm}")
+    text = _pytesseract().image_to_string(_upscaled(image, settings), lang=settings.lang,
+                                          config=f"--psm {settings.psm}")
     return "\n".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def ocr_words(image: Image.Image, settings: OcrSettings = OcrSettings()) -> list[tuple[str, tuple[float, ...]]]:
+    """Tesseract's words of ``image`` with their boxes ``(x0, y0, x1, y1)`` in ``image``'s own pixels (read
+    upscaled by ``settings.upscale``, mapped back), empty words dropped; Tesseract's ``image_to_data``."""
+    scale = settings.upscale
+    pytesseract = _pytesseract()
+    data = pytesseract.image_to_data(_upscaled(image, settings), lang=settings.lang, config=f"--psm {settings.psm}",
+                                     output_type=pytesseract.Output.DICT)
+    return [(text.strip(), (left / scale, top / scale, (left + width) / scale, (top + height) / scale))
+            for text, left, top, width, height in zip(data["text"], data["left"], data["top"], data["width"],
+                                                      data["height"])
+            if text.strip()]
 
 
 def character_accuracy(hypothesis: str, reference: str) -> float:

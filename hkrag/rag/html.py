@@ -4,7 +4,9 @@ One file, no server and no external asset: the CSS is inline and each page appea
 thumbnail in a ``data:`` URI (encoded once per page however many queries retrieved it). Per query: the
 question and gold answers, the retrieved pages (those the Pruner kept in colour, the others greyed), every
 LVLM call (agent, output, latency, tokens, uncertainty), the Judger's uncertainty and route, the final
-answer against gold, the rule metrics and the LLM judge's verdict (rubric, cost) with its raw output. The
+answer against gold, the rule metrics and the LLM judge's verdict (rubric, cost) with its raw output, and the
+answer's evidence: predicted boxes (magenta) and gold boxes (cyan, dashed) drawn over the page thumbnails where
+the trace places them (:mod:`hkrag.rag.evidence`), with the grounding scores. The
 header summarises the run and, per data set and pool, the route shares and the histogram of the Judger's
 uncertainty H′ (:func:`hkrag.rag.report.uncertainty_histogram`). Failed queries are highlighted with their
 reason. Every model output and data string is HTML-escaped.
@@ -53,7 +55,13 @@ pre{white-space:pre-wrap;word-break:break-word;margin:0;font-size:12px}
 details{font-size:12px;margin-top:4px}
 .calibration td,.calibration th{text-align:right}.calibration{width:auto}
 .bar{background:#90caf9;height:6px;margin-top:2px}
+.thumb{position:relative;width:160px}
+.box{position:absolute;box-sizing:border-box;pointer-events:none}
+.box.predicted{border:2px solid #ff00ff}.box.gold{border:2px dashed #00e5ff}
+.legend .box{position:static;display:inline-block;width:18px;height:10px;margin:0 4px 0 10px}
 """
+BOX_KINDS = ("predicted", "gold")
+"""The evidence boxes drawn over a thumbnail: the answer's (``outcome.evidence``) and the gold ones."""
 
 
 def thumbnail_uri(image: Image.Image, width: int = THUMBNAIL_WIDTH) -> str:
@@ -69,12 +77,13 @@ class Thumbnails:
     """Data URIs of pages by doc id, each page decoded and encoded once; ``None`` for a page that cannot be shown."""
 
     def __init__(self, page_image: Callable[[str], Image.Image | None]) -> None:
-        self.page_image, self.uris = page_image, {}
+        self.page_image, self.uris, self.sizes = page_image, {}, {}
 
     def __call__(self, doc_id: str) -> str | None:
         if doc_id not in self.uris:
             image = self.page_image(doc_id)
             self.uris[doc_id] = thumbnail_uri(image) if image is not None else None
+            self.sizes[doc_id] = image.size if image is not None else None
         return self.uris[doc_id]
 
 
@@ -82,8 +91,46 @@ def _number(value: float | None, digits: int = 3) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def evidence_boxes(outcome: QueryOutcome) -> dict[str, list[dict[str, Any]]]:
+    """The outcome's predicted and gold evidence rows (:data:`BOX_KINDS`)."""
+    return {"predicted": list(outcome.evidence), "gold": list((outcome.grounding or {}).get("gold") or [])}
+
+
+def render_boxes(outcome: QueryOutcome, doc_id: str, size: tuple[int, int] | None) -> str:
+    """The evidence boxes on page ``doc_id`` as overlays placed in percent of the page's ``size``."""
+    if not size:
+        return ""
+    width, height = size
+    spans = []
+    for kind, rows in evidence_boxes(outcome).items():
+        for row in rows:
+            if row.get("page_id") != doc_id:
+                continue
+            x0, y0, x1, y1 = (float(v) for v in row["box"])
+            spans.append(f'<span class="box {kind}" data-box="{x0:g},{y0:g},{x1:g},{y1:g}" '
+                         f'style="left:{100 * x0 / width:.3f}%;top:{100 * y0 / height:.3f}%;'
+                         f'width:{100 * (x1 - x0) / width:.3f}%;height:{100 * (y1 - y0) / height:.3f}%"></span>')
+    return "".join(spans)
+
+
+def render_grounding(outcome: QueryOutcome) -> str:
+    """The evidence row of a query: its source, boxes, scores, or why there is none."""
+    grounding = outcome.grounding
+    if not grounding:
+        return "not grounded"
+    boxes = "; ".join(f"{row['page_id']} [{', '.join(f'{float(v):g}' for v in row['box'])}] "
+                      f"({float(row.get('score', 1.0)):.2f})" for row in outcome.evidence)
+    score = grounding.get("score")
+    scored = (f" — F1 {score['f1']:.2f} (P {score['precision']:.2f}, R {score['recall']:.2f}), "
+              f"{'hit' if score['hit'] else 'no hit'}{', wrong page' if score['wrong_page'] else ''}" if score
+              else " — no drawn gold evidence" if grounding.get("drawn") is False else "")
+    note = f" ({grounding['note']})" if grounding.get("note") else ""
+    return escape(f"{grounding['source']}: {boxes or 'no box'}{note}{scored}")
+
+
 def render_pages(outcome: QueryOutcome, thumbnails: Thumbnails) -> str:
-    """Retrieved pages in rank order: kept ones in colour, the rest greyed (a kept page not retrieved is added)."""
+    """Retrieved pages in rank order: kept ones in colour, the rest greyed (a kept page not retrieved is added),
+    each with the evidence boxes that lie on it."""
     pages = list(dict.fromkeys([*outcome.retrieved, *outcome.kept]))
     if not pages:
         return "<p><i>no page given to the generator</i></p>"
@@ -91,7 +138,9 @@ def render_pages(outcome: QueryOutcome, thumbnails: Thumbnails) -> str:
     for rank, doc_id in enumerate(pages, start=1):
         kept = doc_id in outcome.kept
         uri = thumbnails(doc_id)
-        picture = (f'<img src="{uri}" alt="page {escape(doc_id)}">' if uri else '<div class="missing">no image</div>')
+        picture = (f'<div class="thumb"><img src="{uri}" alt="page {escape(doc_id)}">'
+                   f"{render_boxes(outcome, doc_id, thumbnails.sizes.get(doc_id))}</div>"
+                   if uri else '<div class="missing">no image</div>')
         state = "kept" if kept else "not kept"
         figures.append(f'<figure class="{"kept" if kept else "dropped"}">{picture}'
                        f"<figcaption>#{rank} {escape(doc_id)} ({state})</figcaption></figure>")
@@ -147,6 +196,7 @@ def render_query(outcome: QueryOutcome, thumbnails: Thumbnails) -> str:
         f"{route}; {outcome.iterations} decoupler iteration(s)</span>"
         f"<b>Rule metrics</b><span>{escape(metrics)}</span>"
         f"<b>LLM judge</b><span>{render_verdict(outcome.judge)}</span>"
+        f"<b>Evidence</b><span>{render_grounding(outcome)}</span>"
         f"<b>Cost</b><span>{outcome.num_calls} calls, {outcome.prompt_tokens} / {outcome.completion_tokens} tokens, "
         f"{outcome.wall_s:.2f} s</span></div>"
         f"{render_pages(outcome, thumbnails)}{render_calls(outcome.calls)}</section>"
@@ -195,7 +245,9 @@ def render_summary(outcomes: Sequence[QueryOutcome]) -> str:
     cells = "".join(f'<div class="stat">{escape(name)}<b>{escape(value)}</b></div>' for name, value in stats.items())
     failed = "".join(f'<li><a href="#{escape(o.query_id)}">{escape(o.query_id)}</a>: {escape(o.failure or "")}</li>'
                      for o in outcomes if o.failed)
-    return (f'<div class="summary">{cells}</div>' + render_calibration(summary)
+    legend = ('<p class="legend">Evidence boxes: <span class="box predicted"></span>predicted'
+              '<span class="box gold"></span>gold</p>' if any(o.grounding for o in outcomes) else "")
+    return (f'<div class="summary">{cells}</div>' + legend + render_calibration(summary)
             + (f"<p>Failed queries:</p><ul>{failed}</ul>" if failed else ""))
 
 

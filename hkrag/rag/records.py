@@ -181,7 +181,8 @@ class QueryOutcome:
     query got to (one of :data:`ROUTES`; ``"failed"`` when it failed before it was routed). ``capped``
     names a cap that ended a loop without failing the query: ``"max_iters"`` when the Decoupler reached its
     iteration cap without fine print that answers the question (the paper then summarises what it has,
-    Eq. 8).
+    Eq. 8). ``evidence`` and ``grounding`` are the answer's evidence boxes and their score
+    (:mod:`hkrag.rag.evidence`; empty / ``None`` when the run does not ground).
     """
 
     query_id: str
@@ -203,6 +204,8 @@ class QueryOutcome:
     wall_s: float = 0.0
     judge: dict[str, Any] | None = None
     metrics: dict[str, float] | None = None
+    evidence: list[dict[str, Any]] = field(default_factory=list)
+    grounding: dict[str, Any] | None = None
 
     @property
     def num_calls(self) -> int:

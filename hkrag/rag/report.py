@@ -134,6 +134,30 @@ def judge_cost(outcomes: Sequence[QueryOutcome]) -> dict[str, Any]:
             "unrecorded": sum(not cost for cost in costs)}
 
 
+def grounding_group(outcomes: Sequence[QueryOutcome]) -> dict[str, Any] | None:
+    """Grounding of a group (``None`` when the run did not ground): over the questions with drawn gold evidence,
+    mean pixel F1 / precision / recall and the share of IoU hits with 95 % intervals, evidence on a wrong page;
+    answers right but ungrounded and grounded (a hit) but wrong, counted apart; questions with no drawn evidence."""
+    grounded = [o for o in outcomes if o.grounding]
+    if not grounded:
+        return None
+    scored = [o for o in grounded if o.grounding.get("score")]
+    group: dict[str, Any] = {"source": grounded[0].grounding["source"], "scored": len(scored),
+                             "not_drawn": sum(o.grounding.get("drawn") is False for o in grounded),
+                             "no_evidence": sum(not o.evidence for o in grounded)}
+    if not scored:
+        return group
+    for name, binary in (("f1", False), ("precision", False), ("recall", False), ("hit", True)):
+        values = [float(o.grounding["score"][name]) for o in scored]
+        group[name] = {"value": float(np.mean(values)), "ci95": interval95(values, scored, binary=binary)}
+    right = [bool(metric_value(o, "relaxed_accuracy")) for o in scored]
+    hits = [bool(o.grounding["score"]["hit"]) for o in scored]
+    group["wrong_page"] = sum(bool(o.grounding["score"]["wrong_page"]) for o in scored)
+    group["right_ungrounded"] = sum(r and not h for r, h in zip(right, hits))
+    group["grounded_wrong"] = sum(h and not r for r, h in zip(right, hits))
+    return group
+
+
 def summarize_group(outcomes: Sequence[QueryOutcome]) -> dict[str, Any]:
     """Accuracy, rule metrics, routes, H′ histogram and costs of a group of queries (see the module docstring)."""
     if not outcomes:
@@ -159,6 +183,7 @@ def summarize_group(outcomes: Sequence[QueryOutcome]) -> dict[str, Any]:
     summary["route_counts"] = counts
     summary["routes"] = {route: count / n for route, count in counts.items()}
     summary["uncertainty_histogram"] = uncertainty_histogram(outcomes)
+    summary["grounding"] = grounding_group(outcomes)
     walls = [o.wall_s for o in outcomes]
     summary["cost"] = {
         "lvlm_calls": float(np.mean([o.num_calls for o in outcomes])),
@@ -308,6 +333,26 @@ def _calibration_sections(rows: Sequence[tuple[str, str, Mapping[str, Any]]]) ->
     ]
 
 
+def _grounding_cell(group: Mapping[str, Any], name: str) -> str:
+    return _ci_cell(group[name]["value"], group[name]["ci95"]) if name in group else "–"
+
+
+def _grounding_section(rows: Sequence[tuple[str, str, Mapping[str, Any]]]) -> list[str]:
+    """The grounding table (hkrag/rag/evidence.py), when the run grounded its answers."""
+    rows = [(ds, pool, g["grounding"]) for ds, pool, g in rows if g.get("grounding")]
+    if not rows:
+        return []
+    return [f"## Grounding ({rows[-1][2]['source']} source; pixel-level, ×100 [95% CI])\n\n"
+            "Over the questions whose answer is drawn on a gold page; evidence on another page scores 0. A hit: the "
+            "best box has IoU ≥ 0.5 with a gold box. Right but ungrounded / grounded but wrong: relaxed accuracy "
+            "against the hit.\n\n" + _markdown_table(
+                ["Data set", "Pool", "Scored", "F1", "Precision", "Recall", "IoU ≥ 0.5", "Wrong page",
+                 "Right, ungrounded", "Grounded, wrong", "No evidence", "Answer not drawn"],
+                [[ds, pool, str(g["scored"]), *(_grounding_cell(g, n) for n in ("f1", "precision", "recall", "hit")),
+                  *(str(g.get(n, "–")) for n in ("wrong_page", "right_ungrounded", "grounded_wrong")),
+                  str(g["no_evidence"]), str(g["not_drawn"])] for ds, pool, g in rows])]
+
+
 def _cost_sections(report: Mapping[str, Any], rows: Sequence[tuple[str, str, Mapping[str, Any]]]) -> list[str]:
     """Generator cost per query, and the judge's apart from it."""
     parts = ["## Cost per query (generator)\n\n" + _markdown_table(
@@ -338,7 +383,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                    f"- {judge_line(report['judge'])}",
                    f"- queries: {report['overall']['n']}, failed: {report['overall']['failed']} "
                    "(failed queries count as wrong in every metric)"]),
-        *_metric_sections(report, rows), *_calibration_sections(rows), *_cost_sections(report, rows),
+        *_metric_sections(report, rows), *_grounding_section(rows), *_calibration_sections(rows),
+        *_cost_sections(report, rows),
     ]
     failures = [f"- {ds}/{pool}: `{f['query_id']}` — {f['reason']}" for ds, pool, g in rows[:-1]
                 for f in g["failed_queries"]]

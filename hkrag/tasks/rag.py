@@ -40,11 +40,14 @@ from tqdm.auto import tqdm
 from agents import build_generator
 from agents.pipeline import GeneratorConfig
 from hkrag.data.generator_pairs import warn_few_pages
+from hkrag.data.ocr import OcrSettings
 from hkrag.data.opendocvqa import QUERY_PREFIX, Corpus, QAExample, load_corpus, load_qa, pools
 from hkrag.environment import environment
 from hkrag.index.shards import config_hash
 from hkrag.io import WriteError, write_json, write_text
 from hkrag.lvlm import LVLMBackend, PageImage, build_backend
+from hkrag.rag.evidence import Grounder, GroundingConfig, PageView, unit_view
+from hkrag.rag.gold_evidence import load_gold
 from hkrag.rag.grader import build_grader
 from hkrag.rag.html import write_html
 from hkrag.rag.metrics import rule_metrics
@@ -133,6 +136,10 @@ class PageStore:
         if self.text_column is None:
             return PageImage(row["image"], doc_id)
         return PageText(row[self.text_column], doc_id, self.text_column).truncated(self.max_page_tokens)
+
+    def view(self, doc_id: str) -> PageView:
+        """The page (or region unit, on its page) as the evidence step sees it."""
+        return unit_view(self.row(doc_id), doc_id, self.image(doc_id))
 
     def image(self, doc_id: str) -> Image.Image | None:
         """The decoded page for thumbnails, or ``None`` when it cannot be shown."""
@@ -311,12 +318,16 @@ def judged(judge, outcome: QueryOutcome) -> dict[str, Any]:
         return judge.failed_verdict(describe_error(error))
 
 
-def answer_one(item: PlannedQuery, store: PageStore, generate: Callable[[Query], QueryOutcome], judge) -> QueryOutcome:
-    """One planned query answered, scored and judged; only a run-level error (:func:`is_run_level`) raises."""
+def answer_one(item: PlannedQuery, store: PageStore, generate: Callable[[Query], QueryOutcome], judge,
+               grounder: Grounder | None = None) -> QueryOutcome:
+    """One planned query answered, scored, grounded (with a ``grounder``) and judged; only a run-level error
+    (:func:`is_run_level`) raises."""
     try:
         outcome = QueryOutcome.from_dict(valid_text(generate(to_query(item, store)).to_dict()))
         outcome.dataset, outcome.pool, outcome.retrieved = item.dataset, item.pool, list(item.page_ids)
         outcome.metrics = rule_metrics("" if outcome.failed else outcome.answer, outcome.gold)
+        if grounder is not None:
+            grounder.annotate(outcome)
     except Exception as error:
         if is_run_level(error):
             raise
@@ -340,7 +351,7 @@ def answer_all(generator_cfg: dict[str, Any], backend: LVLMBackend, queries: Ite
 
 def answer_queries(
     plan: list[PlannedQuery], store: PageStore, generate: Callable[[Query], QueryOutcome], judge, writer: TraceWriter,
-    rank: int, world: int, progress: bool, concurrency: int = 1,
+    rank: int, world: int, progress: bool, concurrency: int = 1, grounder: Grounder | None = None,
 ) -> int:
     """Answer this rank's share of ``plan`` that the trace does not hold yet; returns how many were answered.
 
@@ -356,7 +367,8 @@ def answer_queries(
     try:
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             record_in_window(
-                pool, mine, lambda item: answer_one(item, store, generate, judge), writer, concurrency, bar.update
+                pool, mine, lambda item: answer_one(item, store, generate, judge, grounder), writer, concurrency,
+                bar.update,
             )
     finally:
         bar.close()
@@ -417,6 +429,17 @@ def check_concurrency(concurrency: int, *backends: LVLMBackend) -> None:
                              "rag.concurrency=1")
 
 
+def build_grounder(cfg: DictConfig, store: PageStore, backend: str) -> Grounder | None:
+    """The run's evidence step (``rag.grounding``), with the built-in corpus's gold boxes when the data has
+    them; ``None`` for ``source: none`` or a run without pages."""
+    settings = GroundingConfig(**OmegaConf.to_container(cfg.rag.get("grounding") or {}, resolve=True))
+    source = settings.make_source(backend)
+    if source is None or cfg.retrieval == "none":
+        return None
+    gold = load_gold(cfg.data.root) if cfg.data.get("synthetic") is not None else None
+    return Grounder(source, store.view, gold, OcrSettings(psm=settings.psm, upscale=settings.upscale))
+
+
 def run_rag_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     """``eval.py task=rag|generation``: answer every planned query, then report (rank 0).
 
@@ -425,7 +448,9 @@ def run_rag_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any
     """
     resolve_retrieval_mode(cfg)
     generator_cfg = OmegaConf.to_container(cfg.generator, resolve=True)
-    validate_config(cfg, extra=run_dir_problems(cfg) + GeneratorConfig.problems(generator_cfg))
+    grounding = OmegaConf.to_container(cfg.rag.get("grounding") or {}, resolve=True)
+    validate_config(cfg, extra=run_dir_problems(cfg) + GeneratorConfig.problems(generator_cfg)
+                    + GroundingConfig.problems(grounding))
     if cfg.retrieval == "none":
         generator_cfg["allow_no_pages"] = True
     accelerator = make_accelerator(cfg.get("cpu", False))
@@ -445,7 +470,8 @@ def run_rag_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any
         generator = build_generator(generator_cfg, backend)
         writer = TraceWriter(output_dir, accelerator.process_index)
         answer_queries(plan, store, generator.answer, judge, writer, accelerator.process_index,
-                       accelerator.num_processes, accelerator.is_main_process, cfg.rag.concurrency)
+                       accelerator.num_processes, accelerator.is_main_process, cfg.rag.concurrency,
+                       build_grounder(cfg, store, backend.name))
     finally:
         backend.close()
     accelerator.wait_for_everyone()

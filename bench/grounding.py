@@ -1,0 +1,232 @@
+"""Text grounding on the built-in corpus: the OCR settings chosen on training pages, then the test split read once.
+
+    python bench/grounding.py --data data/synthetic --out docs/grounding
+
+Stage 1 (validation): the gold answer of a sample of *training* questions located on its gold page by the text
+source (Tesseract's word boxes, :class:`hkrag.rag.grounding.TextSource`) for every Tesseract page segmentation mode
+x upscale x similarity threshold of the grid; the setting with the highest mean pixel F1 is chosen (ties: the
+cheaper, smaller upscale). Stage 2 (test): the same with the chosen setting on every test question's gold page,
+clean and under the degradations ``hkrag.data.degrade`` makes (JPEG 20, Gaussian blur 1.5): mean F1, precision,
+recall and IoU >= 0.5 hits with 95 % intervals (bootstrap over questions; Wilson for hits), by data set, evidence
+type and asked field (fine-print codes apart). The answer located is the gold answer (the localisation step alone);
+generated answers are grounded by ``eval.py`` runs (``rag.grounding``), summarised with ``--runs NAME=RUN_DIR``.
+Writes ``validation.json``, ``test.json``, ``test_queries.jsonl`` (one row a question and condition) and
+``grounding.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from hkrag.data.degrade import Degradation
+from hkrag.data.ocr import OcrSettings, check_tesseract, ocr_words
+from hkrag.data.opendocvqa import load_corpus, load_qa
+from hkrag.data.synthetic import FINE_PRINT_SPLIT, STYLES, question_kind
+from hkrag.environment import environment
+from hkrag.io import write_json, write_text
+from hkrag.rag.gold_evidence import load_gold
+from hkrag.rag.grounding import GroundingPage, TextSource, Word, grounding_score
+from hkrag.rag.trace import load_trace
+from hkrag.stats import bootstrap_interval, wilson_interval
+
+PSMS = (3, 6, 11)
+UPSCALES = (1.5, 2.0, 3.0)
+THRESHOLDS = (0.5, 0.75, 0.9)
+CONDITIONS = ("clean", "jpeg:20", "gaussian_blur:1.5")
+
+
+def questions(root: Path, split: str) -> list[tuple[str, object]]:
+    """(data set, QA example) of a split: ``default`` for train, every test data set for test."""
+    configs = ["default"] if split == "train" else [*STYLES, FINE_PRINT_SPLIT]
+    return [(config, q) for config in configs for q in load_qa(root / "qa", config=config, split=split)]
+
+
+def page_images(root: Path, split: str) -> dict[str, object]:
+    config = "default" if split == "train" else "all"
+    return {page.doc_id: page.image for page in load_corpus(root / "corpus", config=config, split=split)}
+
+
+def read_words(images: dict, ids: Iterable[str], settings: OcrSettings, condition: str) -> dict[str, list[Word]]:
+    degradation = None if condition == "clean" else Degradation.parse(condition)
+    words = {}
+    for doc_id in ids:
+        image = images[doc_id] if degradation is None else degradation.apply(images[doc_id], doc_id)
+        words[doc_id] = [Word(text, box) for text, box in ocr_words(image, settings)]
+    return words
+
+
+def ground(sample, gold, images, words, threshold: float) -> list[dict]:
+    """One row a question: the gold answer located on its gold page, scored against the gold boxes."""
+    rows = []
+    source = TextSource(threshold=threshold)
+    for dataset, question in sample:
+        boxes = gold[(dataset, question.query_id)]
+        if not boxes:
+            continue
+        page_id = question.relevant_doc_ids[0]
+        page = GroundingPage(page_id, images[page_id].size, words[page_id])
+        evidence = source.locate(question.answers[0], [page])
+        score = grounding_score(evidence, boxes)
+        kind = question_kind(question.query) or ("?", "?")
+        rows.append({"dataset": dataset, "query_id": question.query_id, "evidence_type": kind[0], "field": kind[1],
+                     "answer": question.answers[0], "evidence": [e.to_dict() for e in evidence], **score.to_dict()})
+    return rows
+
+
+def summary(rows: Sequence[dict]) -> dict:
+    """Mean F1 / precision / recall with bootstrap intervals, hits with a Wilson interval (×100)."""
+    out = {"n": len(rows)}
+    for name in ("f1", "precision", "recall"):
+        values = [row[name] for row in rows]
+        out[name] = [100 * float(np.mean(values)), *(100 * v for v in bootstrap_interval(values))]
+    hits = sum(row["hit"] for row in rows)
+    out["hit"] = [100 * hits / len(rows), *(100 * v for v in wilson_interval(hits, len(rows)))]
+    return out
+
+
+def groups(rows: Sequence[dict]) -> dict[str, list[dict]]:
+    keyed = {"all": list(rows)}
+    for row in rows:
+        keyed.setdefault(f"data set {row['dataset']}", []).append(row)
+        keyed.setdefault(f"evidence {row['evidence_type']}", []).append(row)
+        keyed.setdefault(f"field {row['field']}", []).append(row)
+    return keyed
+
+
+def validate(root: Path, sample_size: int, seed: int) -> dict:
+    """Stage 1: every grid point on a fixed random sample of training questions."""
+    rng = np.random.default_rng(seed)
+    pool = questions(root, "train")
+    sample = [pool[i] for i in sorted(rng.choice(len(pool), size=min(sample_size, len(pool)), replace=False))]
+    images, gold = page_images(root, "train"), load_gold(root)
+    ids = {q.relevant_doc_ids[0] for _, q in sample}
+    grid = []
+    for psm, upscale in itertools.product(PSMS, UPSCALES):
+        words = read_words(images, ids, OcrSettings(psm=psm, upscale=upscale), "clean")
+        for threshold in THRESHOLDS:
+            rows = ground(sample, gold, images, words, threshold)
+            grid.append({"psm": psm, "upscale": upscale, "threshold": threshold, **summary(rows)})
+            print(f"psm {psm} upscale {upscale} threshold {threshold}: F1 {grid[-1]['f1'][0]:.1f}", flush=True)
+    best = max(grid, key=lambda point: (point["f1"][0], -point["upscale"]))
+    return {"questions": len(sample), "seed": seed, "grid": grid,
+            "chosen": {key: best[key] for key in ("psm", "upscale", "threshold")}}
+
+
+def test(root: Path, chosen: dict) -> tuple[dict, list[dict]]:
+    """Stage 2: the chosen setting on every test question, clean and degraded."""
+    sample = questions(root, "test")
+    images, gold = page_images(root, "test"), load_gold(root)
+    settings = OcrSettings(psm=chosen["psm"], upscale=chosen["upscale"])
+    ids = {q.relevant_doc_ids[0] for _, q in sample}
+    results, per_query = {}, []
+    for condition in CONDITIONS:
+        start = time.perf_counter()
+        words = read_words(images, ids, settings, condition)
+        rows = [{**row, "condition": condition} for row in ground(sample, gold, images, words, chosen["threshold"])]
+        per_query += rows
+        results[condition] = {name: summary(members) for name, members in groups(rows).items()}
+        results[condition]["ocr_s_per_page"] = (time.perf_counter() - start) / len(ids)
+    return results, per_query
+
+
+def run_rows(run_dir: Path) -> list[dict]:
+    """The grounding of an ``eval.py`` run's answers (its trace), one row a scored query."""
+    rows = []
+    for outcome in load_trace(run_dir / "trace.jsonl"):
+        score = (outcome.grounding or {}).get("score")
+        if score:
+            right = bool((outcome.metrics or {}).get("relaxed_accuracy"))
+            rows.append({"dataset": outcome.dataset, "pool": outcome.pool, "query_id": outcome.query_id,
+                         "answer": outcome.answer, "right": right, "evidence": outcome.evidence, **score})
+    return rows
+
+
+def run_summary(rows: Sequence[dict]) -> dict:
+    out = summary(rows)
+    out["wrong_page"] = sum(row["wrong_page"] for row in rows)
+    out["right_ungrounded"] = sum(row["right"] and not row["hit"] for row in rows)
+    out["grounded_wrong"] = sum(row["hit"] and not row["right"] for row in rows)
+    out["right"] = sum(row["right"] for row in rows)
+    return out
+
+
+def cell(values: Sequence[float]) -> str:
+    return f"{values[0]:.1f} [{values[1]:.1f}, {values[2]:.1f}]"
+
+
+def markdown(report: dict) -> str:
+    chosen = report["validation"]["chosen"]
+    lines = ["# Text grounding on the built-in corpus", "",
+             f"`python bench/grounding.py --data {report['data']} --out docs/grounding` on {report['machine']}, "
+             f"{report['date']}; Tesseract {report['tesseract']}. Per-query rows: `test_queries.jsonl`"
+             + (", `runs/*.jsonl`" if report.get("runs") else "") + ".", "",
+             f"**Chosen on {report['validation']['questions']} training questions** (seed "
+             f"{report['validation']['seed']}; grid psm {PSMS} × upscale {UPSCALES} × threshold {THRESHOLDS}, highest "
+             f"mean F1): psm {chosen['psm']}, upscale {chosen['upscale']}, threshold {chosen['threshold']}.", "",
+             "**Test split, read once** (the gold answer located on its gold page; ×100, 95 % intervals):", "",
+             "| condition | group | n | F1 | precision | recall | IoU ≥ 0.5 |", "|---|---|---|---|---|---|---|"]
+    for condition, by_group in report["test"].items():
+        for name, group in by_group.items():
+            if name == "ocr_s_per_page":
+                continue
+            lines.append(f"| {condition} | {name} | {group['n']} | {cell(group['f1'])} | {cell(group['precision'])} | "
+                         f"{cell(group['recall'])} | {cell(group['hit'])} |")
+    if report.get("runs"):
+        lines += ["", "**Generated answers** (`eval.py` runs with `rag.grounding.source=text` at the chosen setting):",
+                  "", "| run | n | right | F1 | IoU ≥ 0.5 | wrong page | right, ungrounded | grounded, wrong |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, run in report["runs"].items():
+            lines.append(f"| {name} | {run['n']} | {run['right']} | {cell(run['f1'])} | {cell(run['hit'])} | "
+                         f"{run['wrong_page']} | {run['right_ungrounded']} | {run['grounded_wrong']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=Path("data/synthetic"), help="a built-in corpus folder")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--validation-questions", type=int, default=60)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chosen", type=Path, help="a validation.json to reuse instead of running stage 1")
+    parser.add_argument("--reuse-test", action="store_true",
+                        help="keep --out's test.json and test_queries.jsonl: no second read of the test split")
+    parser.add_argument("--runs", nargs="*", default=[], metavar="NAME=RUN_DIR",
+                        help="eval.py run folders whose traces carry grounding, summarised beside the test figures")
+    args = parser.parse_args(argv)
+    if args.validation_questions < 1:
+        parser.error(f"--validation-questions must be >= 1, got {args.validation_questions}")
+    tesseract = check_tesseract()
+    validation = json.loads(args.chosen.read_text()) if args.chosen else validate(args.data, args.validation_questions,
+                                                                                  args.seed)
+    write_json(args.out / "validation.json", validation)
+    if args.reuse_test:  # the test figures already read (summarise more runs beside them, no second read)
+        results = json.loads((args.out / "test.json").read_text())["test"]
+        per_query = [json.loads(line) for line in (args.out / "test_queries.jsonl").read_text().splitlines()]
+    else:
+        results, per_query = test(args.data, validation["chosen"])
+    runs = {}
+    for spec in args.runs:
+        name, _, folder = spec.partition("=")
+        rows = run_rows(Path(folder))
+        write_text(args.out / "runs" / f"{name}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+        runs[name] = run_summary(rows)
+    env = environment()
+    machine = f"{env.get('cpu', '?')} ({env.get('cpu_count', '?')} cores)"
+    report = {"data": str(args.data), "machine": machine, "date": time.strftime("%Y-%m-%d"),
+              "tesseract": tesseract, "environment": env, "validation": validation, "test": results, "runs": runs}
+    write_json(args.out / "test.json", report)
+    write_text(args.out / "test_queries.jsonl", "".join(json.dumps(row) + "\n" for row in per_query))
+    write_text(args.out / "grounding.md", markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

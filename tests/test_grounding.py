@@ -1,0 +1,181 @@
+"""Answer grounding: pixel-level scores by hand, the sources, gold evidence from the drawn items."""
+
+import json
+
+import pytest
+
+from hkrag.data.synthetic import SyntheticConfig, generate
+from hkrag.rag.gold_evidence import answer_span, gold_evidence, load_gold, span_box, write_evidence
+from hkrag.rag.grounding import (
+    Evidence,
+    GroundingError,
+    GroundingPage,
+    ModelSource,
+    RegionSource,
+    TextSource,
+    Word,
+    check_evidence_box,
+    grounding_score,
+    make_source,
+    overlap_area,
+    parse_model_boxes,
+)
+
+
+def ev(box, page="p1", score=1.0):
+    return Evidence(page, box, "test", score)
+
+
+def test_overlap_of_unions_by_hand():
+    a = [(0, 0, 10, 10), (5, 0, 15, 10)]  # union 150
+    b = [(10, 0, 20, 10)]  # overlap with the union: x 10..15 -> 50
+    assert overlap_area(a, b) == pytest.approx(50.0)
+    assert overlap_area(a, []) == 0.0
+
+
+def test_score_single_box_half_inside():
+    # predicted 10x10 at (0,0); gold 10x10 at (5,0): overlap 50, P = R = F1 = 0.5; IoU 50/150 < 0.5: no hit
+    score = grounding_score([ev((0, 0, 10, 10))], [ev((5, 0, 15, 10))])
+    assert (score.precision, score.recall, score.f1, score.hit, score.wrong_page) == (0.5, 0.5, 0.5, False, False)
+
+
+def test_score_several_gold_boxes_and_overlapping_predictions():
+    gold = [ev((0, 0, 10, 10)), ev((20, 0, 30, 10))]  # area 200
+    predicted = [ev((0, 0, 10, 10)), ev((5, 0, 10, 10))]  # union 100, all inside gold
+    score = grounding_score(predicted, gold)
+    assert score.precision == pytest.approx(1.0)
+    assert score.recall == pytest.approx(0.5)
+    assert score.f1 == pytest.approx(2 / 3)
+    assert score.hit  # the best (first) box equals a gold box
+
+
+def test_score_wrong_page_is_zero_and_counts_against_precision():
+    gold = [ev((0, 0, 10, 10), "p1")]
+    wrong = grounding_score([ev((0, 0, 10, 10), "p2")], gold)
+    assert (wrong.f1, wrong.hit, wrong.wrong_page) == (0.0, False, True)
+    mixed = grounding_score([ev((0, 0, 10, 10), "p2"), ev((0, 0, 10, 10), "p1")], gold)
+    assert (mixed.precision, mixed.recall, mixed.wrong_page) == (0.5, 1.0, False)
+    assert not mixed.hit  # the best box is the one on the wrong page
+
+
+def test_score_empty_prediction_and_no_gold():
+    empty = grounding_score([], [ev((0, 0, 10, 10))])
+    assert (empty.precision, empty.recall, empty.f1, empty.hit, empty.wrong_page) == (0.0, 0.0, 0.0, False, False)
+    assert grounding_score([ev((0, 0, 1, 1))], []) is None
+
+
+@pytest.mark.parametrize("box, problem", [
+    ((0, 0, 0, 5), "zero area"), ((5, 0, 3, 5), "zero area"), ((0, 0, 101, 5), "outside"),
+    ((-1, 0, 5, 5), "outside"), ((0, float("nan"), 5, 5), "finite"), ((0, 0, 5), "four"), ("abcd", "four numbers"),
+])
+def test_bad_boxes_are_named(box, problem):
+    with pytest.raises(GroundingError, match=problem):
+        check_evidence_box(box, (100, 50), "page p1, box 0")
+
+
+def words(*items):
+    return [Word(text, box) for text, box in items]
+
+
+PAGE = GroundingPage("p1", (200, 100), words(("REF", (10, 80, 30, 90)), ("WS", (35, 80, 50, 90)),
+                                             ("P.3", (55, 80, 70, 90)), ("SOURCE:", (10, 60, 50, 70)),
+                                             ("KILO", (55, 60, 80, 70)), ("/", (82, 60, 84, 70)),
+                                             ("2021", (86, 60, 110, 70))))
+
+
+def test_text_source_exact_fuzzy_and_absent():
+    strict = TextSource(threshold=0.75)
+    assert strict.locate("2021", [PAGE]) == [Evidence("p1", (86, 60, 110, 70), "text", 1.0)]
+    assert strict.locate("p.3", [PAGE])[0].box == (55, 80, 70, 90)
+    # "W3" read "WS": similarity 0.5 (Indel: 2 edits over 4 characters), found at the default threshold only
+    assert strict.locate("W3", [PAGE]) == []
+    assert TextSource().locate("W3", [PAGE]) == [Evidence("p1", (35, 80, 50, 90), "text", 0.5)]
+    assert TextSource().locate("ZEBRA", [PAGE]) == []
+    split = GroundingPage("p3", (200, 100), words(("P.", (10, 0, 20, 10)), ("3", (22, 0, 30, 10))))
+    assert TextSource().locate("P.3", [split])[0].box == (10, 0, 30, 10)  # OCR split one word in two
+    merged = GroundingPage("p4", (200, 100), words(("REFX8", (10, 0, 60, 10)),))
+    assert TextSource().locate("X8", [merged])[0].box == (40, 0, 60, 10)  # and merged two: the answer's share
+    assert TextSource().locate("...", [PAGE]) == []
+
+
+def test_text_source_multiword_and_page_order():
+    located = TextSource().locate("kilo / 2021", [PAGE])  # "/" normalises away: two words
+    assert located[0].box == (55, 60, 110, 70)
+    twin = GroundingPage("p2", (200, 100), PAGE.words)
+    assert TextSource().locate("2021", [twin, PAGE])[0].page_id == "p2"  # a tie goes to the earlier page
+
+
+def test_text_source_refuses_unread_pages_and_bad_threshold():
+    with pytest.raises(GroundingError, match="'p9' has no word boxes"):
+        TextSource().locate("2021", [GroundingPage("p9", (10, 10))])
+    for threshold in (0, -1, 1.5, float("nan")):
+        with pytest.raises(GroundingError, match=r"\(0, 1\]"):
+            TextSource(threshold=threshold)
+
+
+def test_region_source():
+    page = GroundingPage("p1", (100, 100), regions=[("r0", (0, 0, 50, 50)), ("r1", (50, 50, 100, 100))])
+    assert RegionSource().locate("x", [GroundingPage("p0", (10, 10)), page]) == [
+        Evidence("p1", (0, 0, 50, 50), "region", 1.0)]
+    with pytest.raises(GroundingError, match="no page .* has region units"):
+        RegionSource().locate("x", [GroundingPage("p0", (10, 10))])
+
+
+def test_model_boxes_parse_and_refuse():
+    pages = [GroundingPage("a", (100, 50)), GroundingPage("b", (100, 50))]
+    out = "K7 <box page=2>10, 5, 30, 20</box> and <BOX page=1>0,0,1,1</BOX>"
+    assert parse_model_boxes(out, pages) == [Evidence("b", (10, 5, 30, 20), "model", 1.0),
+                                             Evidence("a", (0, 0, 1, 1), "model", 1.0)]
+    assert parse_model_boxes("no boxes", pages) == []
+    for bad, problem in (("<box page=3>0,0,1,1</box>", "not among the 2 pages"),
+                         ("<box page=1>0,0,x,1</box>", "expected <box"),
+                         ("<box page=1>0,0,200,1</box>", "outside"),
+                         ("<box page=1>0,0,1</box>", "four")):
+        with pytest.raises(GroundingError, match=problem):
+            parse_model_boxes(bad, pages)
+    with pytest.raises(GroundingError, match="phi3v does not write evidence boxes"):
+        ModelSource(backend="phi3v").locate("x", pages, out)
+    assert ModelSource(writes_boxes=True).locate("x", pages, out)[0].page_id == "b"
+
+
+def test_make_source_names_the_choices():
+    assert isinstance(make_source("text", threshold=0.9), TextSource)
+    with pytest.raises(GroundingError, match=r"one of \['model', 'region', 'text'\], got 'ocr'"):
+        make_source("ocr")
+
+
+def test_evidence_round_trip_and_bad_row():
+    item = Evidence("p1", (1.0, 2.0, 3.0, 4.0), "text", 0.8)
+    assert Evidence.from_dict(json.loads(json.dumps(item.to_dict()))) == item
+    with pytest.raises(GroundingError, match="needs page_id, box"):
+        Evidence.from_dict({"page_id": "p1", "source": "text"})
+
+
+@pytest.mark.parametrize("answer, text, span", [
+    ("K7", "REF K7  P.3", (4, 6)), ("P.3", "REF K7  P.3", (8, 11)), ("3", "REF K7  P.3", None),
+    ("2021", "SOURCE: KILO / 2021", (15, 19)), ("kilo", "SOURCE: KILO / 2021", (8, 12)), ("", "x", None),
+])
+def test_answer_span_whole_words(answer, text, span):
+    assert answer_span(answer, text) == span
+
+
+def test_gold_span_box_lies_inside_the_item_and_first_answer_wins():
+    item = {"text": "REF K7  P.3", "kind": "fine_print", "font_size": 14, "cap_height": 10, "box": [8, 152, 84, 162]}
+    x0, y0, x1, y1 = span_box(item, answer_span("K7", item["text"]))
+    assert 8 < x0 < x1 < 84 and (y0, y1) == (152, 162)
+    boxes = gold_evidence(["P.3", "3"], "p1", [item])
+    assert len(boxes) == 1 and boxes[0].box[0] > x1
+    assert gold_evidence(["ZZ"], "p1", [item]) == []
+
+
+def test_gold_evidence_of_the_built_in_corpus(tmp_path):
+    root = generate(tmp_path / "data", SyntheticConfig(n_train=4, n_test=8, train_groups_per_style=1,
+                                                       test_groups_per_style=1, group_size=2, test_fine_groups=1)).root
+    path = write_evidence(root)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows and all(row["drawn"] for row in rows)  # every built-in answer is drawn on its page
+    gold = load_gold(root)
+    assert len(gold) == len(rows)
+    for line in (root / "pages.jsonl").read_text().splitlines():
+        for item in json.loads(line)["items"]:  # a span of the whole text is the drawn item's box
+            assert span_box(item, (0, len(item["text"]))) == pytest.approx(item["box"], abs=1)
