@@ -451,7 +451,7 @@ longer imports (it registers Phi-3-vision when transformers is imported)."""
 
 def test_help_answers_in_under_three_seconds_without_torch():
     """``python -m hkrag.tasks.preflight --help`` imports nothing of :data:`HEAVY_FOR_HELP` and answers in under
-    3 s of wall time and 1 s of CPU. Measured 2026-11-29 on the shared 2-core AMD EPYC at load 6-10: 0.4 s wall,
+    3 s of wall time and 1 s of CPU. Measured 2026-11-29 on the shared 2-core AMD EPYC at load 6-9: 0.4 s wall,
     0.2 s CPU (before: 12-17 s wall, 7 s CPU, when ``import hkrag`` imported torch); ``python -c pass`` takes 0.4 s
     there. The 3 s bound leaves room for a loaded machine; CPU seconds are what load does not inflate."""
     _, _, out = cpu_seconds([sys.executable, "-c", HELP_CODE])
