@@ -2,12 +2,34 @@
 
 Importing the package registers Phi-3-vision (``hkrag.models.phi3v``) with transformers' Auto classes,
 so ``AutoModelForCausalLM`` / ``AutoProcessor.from_pretrained("microsoft/Phi-3-vision-128k-instruct")``
-load our implementation without ``trust_remote_code``. Where transformers or torch is not installed
-(a client of an LVLM server needs only ``hkrag.lvlm.openai_backend``), there is nothing to register.
+load our implementation without ``trust_remote_code``. The registration happens when transformers is imported
+(at once if it already is; :mod:`hkrag.import_hook`), so that a command that never loads a model (``--help``)
+does not wait for torch and transformers. Where transformers or torch is not installed (a client of an LVLM
+server needs only ``hkrag.lvlm.openai_backend``), there is nothing to register.
 """
 
-try:
-    from hkrag.models import phi3v as phi3v  # registers the Auto classes
-except ModuleNotFoundError as error:
-    if error.name not in ("transformers", "torch"):
-        raise
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from hkrag.import_hook import after_import
+
+
+def register_phi3v() -> None:
+    """Import :mod:`hkrag.models.phi3v`, which registers its classes; nothing where torch is not installed."""
+    try:
+        importlib.import_module("hkrag.models.phi3v")
+    except ModuleNotFoundError as error:
+        if error.name not in ("transformers", "torch"):
+            raise
+
+
+def __getattr__(name: str) -> ModuleType:
+    """``hkrag.phi3v``: :mod:`hkrag.models.phi3v`, imported on first use."""
+    if name == "phi3v":
+        return importlib.import_module("hkrag.models.phi3v")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+after_import("transformers", register_phi3v)

@@ -194,10 +194,14 @@ def test_hkrag_package_imports_the_registering_module():
 
 @pytest.mark.slow
 def test_import_hkrag_registers_the_auto_classes():
-    """A fresh interpreter (about 10 s on 2 shared cores): ``import hkrag`` alone registers ours."""
+    """A fresh interpreter (about 10 s on 2 shared cores): ``import hkrag`` alone registers ours, though it imports
+    neither torch nor transformers (the registration runs when transformers is imported, :mod:`hkrag.import_hook`)."""
     code = (
+        "import sys\n"
         "import hkrag\n"
+        "assert not {'torch', 'transformers', 'hkrag.models.phi3v'} & set(sys.modules), sorted(sys.modules)\n"
         "from transformers import AutoConfig, AutoProcessor, AutoModelForCausalLM\n"
+        "assert 'hkrag.models.phi3v' in sys.modules\n"
         "from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING\n"
         "from hkrag.models import phi3v\n"
         "config = AutoConfig.for_model('phi3_v')\n"
@@ -206,6 +210,8 @@ def test_import_hkrag_registers_the_auto_classes():
         "assert IMAGE_PROCESSOR_MAPPING[phi3v.Phi3VConfig]['pil'] is phi3v.Phi3VImageProcessor\n"
         "from transformers.models.auto.processing_auto import PROCESSOR_MAPPING\n"
         "assert PROCESSOR_MAPPING[phi3v.Phi3VConfig] is phi3v.Phi3VProcessor\n"
+        "assert type(AutoModelForCausalLM.from_config(phi3v.tiny_phi3v_config())) is phi3v.Phi3VForCausalLM\n"
+        "assert hkrag.phi3v is phi3v\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

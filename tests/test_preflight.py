@@ -442,21 +442,25 @@ def cpu_seconds(command: list[str]) -> tuple[float, float, str]:
     return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, wall, done.stdout
 
 
-@pytest.mark.slow
-def test_help_answers_before_the_memory_model_is_imported():
-    """``--help`` parses before importing the plan (the memory model, peft, datasets, the trainers): it costs what
-    ``import hkrag`` costs (the package registers Phi-3-vision with transformers, importing torch) and no more. Timed
-    in CPU seconds, not wall time: on this shared 2-core machine (load 8-15) ``import hkrag`` alone took 22-38 s of
-    wall time and 7-8 s of CPU (2026-11-29), so the 3 s target is out of reach while the package imports torch (the
-    command's file alone answers in 0.5 s); the preflight's own share is held under 2 s of CPU."""
-    package, package_wall, _ = cpu_seconds([sys.executable, "-c", "import hkrag"])
-    help_cpu, help_wall, out = cpu_seconds([sys.executable, "-c", HELP_CODE])
+HEAVY_FOR_HELP = {"torch", "transformers", "hydra", "omegaconf", "peft", "datasets", "hkrag.models.phi3v",
+                  "hkrag.tasks.fit", "hkrag.tasks.rehearsal", "hkrag.training.memory", "hkrag.retriever",
+                  "hkrag.training.trainer"}
+"""What ``--help`` must not import: the plan and rehearsal, and torch and transformers, which ``import hkrag`` no
+longer imports (it registers Phi-3-vision when transformers is imported)."""
+
+
+def test_help_answers_in_under_three_seconds_without_torch():
+    """``python -m hkrag.tasks.preflight --help`` imports nothing of :data:`HEAVY_FOR_HELP` and answers in under
+    3 s of wall time and 1 s of CPU. Measured 2026-11-29 on the shared 2-core AMD EPYC at load 6-9: 0.4 s wall,
+    0.2 s CPU (before: 12-17 s wall, 7 s CPU, when ``import hkrag`` imported torch); ``python -c pass`` takes 0.4 s
+    there. The 3 s bound leaves room for a loaded machine; CPU seconds are what load does not inflate."""
+    _, _, out = cpu_seconds([sys.executable, "-c", HELP_CODE])
     modules = set(json.loads(out.strip().splitlines()[-1]))
     assert "usage: preflight" in out
-    assert not modules & {"hkrag.tasks.fit", "hkrag.tasks.rehearsal", "hkrag.training.memory", "peft", "datasets",
-                          "hkrag.retriever", "hkrag.training.trainer"}
-    assert help_cpu < package + 2.0, (f"--help {help_cpu:.1f} s CPU ({help_wall:.1f} s wall), import hkrag "
-                                      f"{package:.1f} s CPU ({package_wall:.1f} s wall)")
+    assert not modules & HEAVY_FOR_HELP, sorted(modules & HEAVY_FOR_HELP)
+    cpu, wall, out = cpu_seconds([sys.executable, "-m", "hkrag.tasks.preflight", "--help"])
+    assert "--gpu-memory" in out
+    assert wall < 3.0 and cpu < 1.0, f"--help {wall:.2f} s wall, {cpu:.2f} s CPU"
 
 
 def measured_row(overrides: list[str], tmp_path: Path, layers: int = 1, vision_layers: int = 2) -> dict:

@@ -9,14 +9,18 @@ the others); ``common`` holds what they share.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hydra.utils import instantiate
-from omegaconf import DictConfig
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 
 def run_eval_task(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
-    """Run the function of ``cfg.task`` (a ``conf/task`` entry) on ``cfg`` into ``output_dir``."""
+    """Run the function of ``cfg.task`` (a ``conf/task`` entry) on ``cfg`` into ``output_dir``. Hydra is imported
+    here, not with the package, so that ``python -m hkrag.tasks.preflight --help`` does not wait for it."""
+    from hydra.utils import instantiate
+    from omegaconf import DictConfig
+
     task = cfg.get("task")
     if not isinstance(task, DictConfig) or "name" not in task or "run" not in task:
         raise ValueError(f"task={task!r} is not a conf/task entry (name, run._target_); pick one with task=<name>, "
