@@ -14,8 +14,9 @@ m_yes / (m_yes + m_no), the first answer token's probability of reading as "yes"
 - ``full``: over the whole vocabulary, when the backend knows the distribution (the local backends answer the
   step's ``word_mass``, :attr:`hkrag.lvlm.GenerationSettings.word_mass`): exact;
 - ``top_k``: over the returned candidates (the chosen token and its ``top_logprobs`` alternatives, as from an
-  OpenAI-compatible server). A class with no listed token is given the smallest listed probability (no unlisted
-  token is likelier than that), so a list holding only "no" gives a P(yes) below ½, one holding neither gives ½.
+  OpenAI-compatible server). A class with no listed token is given the most an unlisted token can have (the
+  smallest listed probability, or the mass the listed ones leave, 1 − Σ listed, when that is less), so a list
+  holding only "no" gives a P(yes) below ½, and one holding neither gives ½.
 
 Without token statistics there is no P(yes) (``None``); a NaN mass is an error naming the value.
 """
@@ -74,14 +75,15 @@ def candidates(first: TokenLogprob) -> list[tuple[str, float]]:
 def masses(first: TokenLogprob) -> tuple[float, float, str, float]:
     """``(m_yes, m_no, source, P(yes))`` of a first token: from its full-vocabulary ``words`` when the backend gave
     both, else from its distinct candidates (every candidate's probability summed into its class, never one
-    overwriting another that normalises alike; an absent class imputed the smallest listed probability)."""
+    overwriting another that normalises alike; an absent class imputed the most an unlisted token can have: the
+    smallest listed probability, or the mass the listed ones leave when that is less)."""
     if first.words is not None and {"yes", "no"} <= set(first.words):
         p_yes, p_no = math.exp(first.words["yes"]), math.exp(first.words["no"])
         return p_yes, p_no, "full", p_yes / (p_yes + p_no) if p_yes + p_no > 0 else 0.5
     scored = [(normalise(token), math.exp(lp)) for token, lp in candidates(first)]
     p_yes = sum(p for token, p in scored if token in YES)
     p_no = sum(p for token, p in scored if token in NO)
-    floor = min(p for _, p in scored)
+    floor = min(min(p for _, p in scored), max(0.0, 1.0 - sum(p for _, p in scored)))
     imputed_yes = p_yes if any(token in YES for token, _ in scored) else floor
     imputed_no = p_no if any(token in NO for token, _ in scored) else floor
     total = imputed_yes + imputed_no

@@ -33,7 +33,7 @@ def baselines_report(results: Mapping[str, Mapping[str, Any]], seconds: Mapping[
                for label in labels for metric in both[:2]]
     costs = {row: result.get("rerank") for row, result in results.items()}
     timing = "wall time\n\n| Method | seconds | LVLM calls / query | LVLM seconds / query |\n|---|---|---|---|\n" + \
-        "\n".join(f"| {row} | {seconds[row]:.1f} | " + (" — | — |" if costs[row] is None else
+        "\n".join(f"| {row} | {seconds[row]:.1f} | " + ("— | — |" if costs[row] is None else
                    f"{costs[row]['calls_per_query']:.1f} | {costs[row]['seconds_per_query']:.2f} |") for row in by_row)
     return {"table": "\n\n".join([*tables, timing]),
             "json": {row: {"seconds": seconds[row], "results": res, **({"rerank": costs[row]} if costs[row] else {})}
