@@ -237,7 +237,7 @@ def pruner_scores(rows: Sequence[Mapping[str, Any]], threshold: float | None = N
     return {"calls": len(rows), "unscored": len(rows) - len(scored),
             "sources": dict(Counter(row["source"] for row in scored)), "auroc": summary(scored),
             "by_pool": {pool: summary([r for r in scored if r["pool"] == pool])
-                        for pool in sorted({r["pool"] for r in scored})},
+                        for pool in sorted({r["pool"] for r in scored if r["pool"]})},
             "by_evidence": {label: summary([r for r in scored if r["evidence"] == label])
                             for label in sorted({r["evidence"] for r in scored if r["evidence"]})},
             "threshold": {"value": threshold, "chosen_on": threshold_source},
