@@ -312,3 +312,15 @@ def test_retriever_rerank_composes_and_binds_its_first_stage_and_scorer():
     assert isinstance(ranker, RerankRanker) and ranker.first is dense and ranker.depth == 7
     with pytest.raises(ValueError, match="retriever=rerank needs a page scorer"):
         bind_ranker(factory, model, None, Path("."))
+
+
+def test_per_query_rows_are_written_as_reproducible_gzipped_json_lines(tmp_path):
+    import gzip
+    import json
+
+    from hkrag.io import write_jsonl_gz
+
+    rows = [{"query_id": "q1", "p_yes": 0.25, "label": True}, {"query_id": "q2", "p_yes": None, "label": False}]
+    first, second = write_jsonl_gz(tmp_path / "a.jsonl.gz", rows), write_jsonl_gz(tmp_path / "b.jsonl.gz", rows)
+    assert first.read_bytes() == second.read_bytes()
+    assert [json.loads(line) for line in gzip.open(first, "rt")] == rows

@@ -35,7 +35,7 @@ import numpy as np
 
 from hkrag.data.opendocvqa import QUERY_PREFIX, QAExample, load_qa
 from hkrag.data.synthetic import PAGES_FILE, load_page_items, question_field
-from hkrag.io import write_json, write_text
+from hkrag.io import write_json, write_jsonl_gz, write_text
 from hkrag.rag.metrics import relaxed_accuracy
 from hkrag.rag.records import CallRecord, PageTruth, QueryOutcome, QueryTruth, words
 from hkrag.rag.report import RUN_CONFIG_FILE
@@ -48,6 +48,8 @@ BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 """Edges of the reliability table's H′ bins (H′ is normalised to [0, 1]; the last bin holds 1.0)."""
 RESAMPLES = 2000
 """Bootstrap resamples of the Pruner's AUROC interval."""
+PRUNER_CALLS_FILE = "pruner_calls.jsonl.gz"
+"""Every Pruner call's row (:func:`pruner_rows`: question, pool, evidence, n, label, decision, P(yes), source)."""
 THIS_REPORT = "this report (no validation threshold given)"
 """Where a threshold came from when none was handed in."""
 
@@ -330,7 +332,8 @@ def report_run(run_dir: str | Path, threshold_from: str | Path | None = None) ->
     """The per-step report of a finished ``eval.py task=rag|generation`` run, written to ``<run_dir>/steps.{json,md}``:
     its trace, its questions' qrels, answers and evidence labels (the run's ``data.qa_source`` and ``rag.split``,
     from its ``rag_config.json``) and, when the corpus records them (the built-in one), its pages' items; the
-    Pruner's P(yes) threshold is the one of ``threshold_from`` (a validation report's ``steps.json``) when given."""
+    Pruner's P(yes) threshold is the one of ``threshold_from`` (a validation report's ``steps.json``) when given.
+    Every Pruner call's row goes to ``<run_dir>/pruner_calls.jsonl.gz``."""
     run_dir = Path(run_dir)
     settings = json.loads((run_dir / RUN_CONFIG_FILE).read_text())["identity"]
     data, split = settings["data"], settings["rag"]["split"]
@@ -342,7 +345,9 @@ def report_run(run_dir: str | Path, threshold_from: str | Path | None = None) ->
         else None
     threshold = {} if threshold_from is None else {"threshold": validation_threshold(threshold_from),
                                                    "threshold_source": str(threshold_from)}
-    report = step_report(outcomes, truths, items, evidence={ex.query_id: ex.evidence for ex in examples}, **threshold)
+    evidence = {ex.query_id: ex.evidence for ex in examples}
+    report = step_report(outcomes, truths, items, evidence=evidence, **threshold)
+    write_jsonl_gz(run_dir / PRUNER_CALLS_FILE, pruner_rows(outcomes, truths, evidence))
     write_json(run_dir / "steps.json", report)
     write_text(run_dir / "steps.md", step_markdown(report, f"Per-step report: {run_dir}"))
     return report

@@ -17,14 +17,13 @@ questions and the paired difference (reranked − first stage) with its paired b
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from hkrag.data.opendocvqa import QAExample, load_qa, qrels
-from hkrag.io import write_bytes, write_json, write_text
+from hkrag.io import write_json, write_jsonl_gz, write_text
 from hkrag.retrieval.metrics import evaluate_run, expected_name
 from hkrag.stats import bootstrap_interval, paired_bootstrap
 
@@ -108,12 +107,6 @@ def summary_markdown(summary: Mapping[str, Any], title: str) -> str:
     return "\n".join(lines)
 
 
-def write_rows(path: Path, rows: Sequence[Mapping[str, Any]]) -> Path:
-    """The rows as gzipped JSON lines, byte for byte reproducible (no timestamp in the header)."""
-    text = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
-    return write_bytes(path, gzip.compress(text.encode("utf-8"), mtime=0))
-
-
 def report(trace_file: Path, qa_source: str, split: str, datasets: Sequence[str], out: Path,
            queries: set[str] | None = None) -> dict[str, Any]:
     """Per-query rows and the summary of ``trace_file`` against the questions of ``datasets`` (``queries``: only
@@ -123,7 +116,7 @@ def report(trace_file: Path, qa_source: str, split: str, datasets: Sequence[str]
     trace = [entry for entry in trace if queries is None or entry["query_id"] in queries]
     rows = per_query_rows(trace, examples)
     summary = summarise(rows)
-    write_rows(out / "per_query.jsonl.gz", rows)
+    write_jsonl_gz(out / "per_query.jsonl.gz", rows)
     write_json(out / "summary.json", summary)
     write_text(out / "summary.md", summary_markdown(summary, f"Reranked vs first stage: {trace_file}, {split}"))
     return summary

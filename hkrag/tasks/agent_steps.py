@@ -33,14 +33,16 @@ from tqdm.auto import tqdm
 
 from hkrag.data.generator_pairs import read_pairs
 from hkrag.data.opendocvqa import QAExample, load_corpus, load_qa
-from hkrag.io import write_json, write_text
+from hkrag.io import write_json, write_jsonl_gz, write_text
 from hkrag.lvlm import LVLMBackend, PageImage
 from hkrag.lvlm.phi3v import Phi3VBackend
 from hkrag.lvlm.uncertainty import uncertainty
 from hkrag.rag.metrics import rule_metrics
 from hkrag.rag.records import CallRecord, PageTruth, Query, QueryOutcome, QueryTruth
 from hkrag.rag.step_report import (
+    PRUNER_CALLS_FILE,
     page_truth,
+    pruner_rows,
     query_truth,
     step_markdown,
     step_report,
@@ -144,6 +146,7 @@ def evaluate(run: Path, out: Path, split: str, pages: Sequence[str], modes: Sequ
             for outcome in outcomes:
                 outcome.metrics = outcome.metrics or rule_metrics(outcome.answer, outcome.gold)
             write_trace(out / f"{name}.jsonl", outcomes)
+            write_jsonl_gz(out / f"{name}-{PRUNER_CALLS_FILE}", pruner_rows(outcomes, truths, evidence))
             results[name] = step_report(outcomes, truths, items, final=mode != "forced", evidence=evidence,
                                         **threshold)
     backend.close()
