@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hkrag.data.opendocvqa import QAExample, load_qa, qrels
+from hkrag.data.opendocvqa import ALL_POOL, QAExample, load_qa, qrels
 from hkrag.io import write_json, write_jsonl_gz, write_text
 from hkrag.retrieval.metrics import evaluate_run, expected_name
 from hkrag.stats import bootstrap_interval, paired_bootstrap
@@ -46,7 +46,8 @@ def query_metrics(docs: Mapping[str, float], example: QAExample) -> dict[str, fl
 
 
 def per_query_rows(trace: Sequence[Mapping[str, Any]], examples: Mapping[str, QAExample]) -> list[dict[str, Any]]:
-    """One row per traced query and pool: its group labels, cost, and nDCG@5 before and after reranking."""
+    """One row per traced query and pool (``all``, or ``single``: any other corpus, e.g. a data set's own pages):
+    its group labels, cost, and nDCG@5 before and after reranking."""
     missing = sorted({entry["query_id"] for entry in trace} - set(examples))
     if missing:
         raise KeyError(f"{len(missing)} reranked queries have no question in the given QA sets, e.g. {missing[:3]}")
@@ -55,7 +56,8 @@ def per_query_rows(trace: Sequence[Mapping[str, Any]], examples: Mapping[str, QA
         example = examples[entry["query_id"]]
         first = {page["doc_id"]: page["first_score"] for page in entry["pages"]}
         reranked = {page["doc_id"]: 1.0 + page["score"] for page in entry["pages"]}
-        rows.append({"query_id": example.query_id, "dataset": dataset_of(example.query_id), "pool": entry["pool"],
+        pool = "all" if entry["pool"] == ALL_POOL else "single"
+        rows.append({"query_id": example.query_id, "dataset": dataset_of(example.query_id), "pool": pool,
                      "evidence": example.evidence, "calls": len(entry["pages"]), "seconds": entry["seconds"],
                      "relevant": list(example.relevant_doc_ids),
                      "first": query_metrics(first, example), "reranked": query_metrics(reranked, example),
