@@ -324,3 +324,12 @@ def test_per_query_rows_are_written_as_reproducible_gzipped_json_lines(tmp_path)
     first, second = write_jsonl_gz(tmp_path / "a.jsonl.gz", rows), write_jsonl_gz(tmp_path / "b.jsonl.gz", rows)
     assert first.read_bytes() == second.read_bytes()
     assert [json.loads(line) for line in gzip.open(first, "rt")] == rows
+
+
+def test_rerank_settings_are_checked_before_any_work():
+    from hkrag.retrieval.rerank import check_settings
+
+    with pytest.raises(ValueError, match=r"retriever.rerank='bm25': expected one of \['pruner'\]"):
+        check_settings("bm25", 10)
+    with pytest.raises(ValueError, match="retriever.depth=-1: the rerank depth must be an integer from 1"):
+        check_settings("pruner", -1)

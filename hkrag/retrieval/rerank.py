@@ -46,6 +46,14 @@ def check_depth(depth: object, pool_size: int | None = None, pool: str = "") -> 
     return depth
 
 
+def check_settings(rerank: object, depth: object) -> None:
+    """A :class:`ValueError` naming a ``rerank`` that is not one of :data:`RERANKERS` or a ``depth`` below 1 (the
+    pool bounds it when a query is ranked); run before any work on a config's values."""
+    if rerank not in RERANKERS:
+        raise ValueError(f"retriever.rerank={rerank!r}: expected one of {list(RERANKERS)}")
+    check_depth(depth)
+
+
 @dataclass
 class RerankRanker:
     """``first``'s top ``depth`` pages per query reordered by ``scorer`` (module docstring); ``rerank`` names the
@@ -60,9 +68,7 @@ class RerankRanker:
     trace: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.rerank not in RERANKERS:
-            raise ValueError(f"retriever.rerank={self.rerank!r}: expected one of {list(RERANKERS)}")
-        check_depth(self.depth)
+        check_settings(self.rerank, self.depth)
 
     def rank(self, qa: Sequence[QAExample], corpus: Corpus, depth: int, corpus_key: str = "corpus") -> Run:
         """``{query_id: {doc_id: score}}``: each query's top ``depth`` pages of ``corpus`` after reranking."""

@@ -35,7 +35,7 @@ from hkrag.retrieval.evaluation import (
     per_query_rows,
     retrieval_rows,
 )
-from hkrag.retrieval.rerank import RerankRanker
+from hkrag.retrieval.rerank import RerankRanker, check_settings
 from hkrag.retriever import Phi3VRetriever
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
@@ -157,6 +157,9 @@ def evaluate_rows(
     accelerator = make_accelerator(cfg.get("cpu", False))
     output_dir = shared_output_dir(accelerator, output_dir)
     factories = {name: instantiate(row) for name, row in rows.items()}  # bad settings fail before any work
+    for factory in filter(_reranks, factories.values()):
+        given = factory.keywords
+        check_settings(given.get("rerank", RerankRanker.rerank), given.get("depth", RerankRanker.depth))
     model = VisualModel(cfg, accelerator.device) if _needs_model(factories) else None
     if accelerator.is_main_process:
         prepare_data(cfg.data)
