@@ -333,3 +333,17 @@ def test_rerank_settings_are_checked_before_any_work():
         check_settings("bm25", 10)
     with pytest.raises(ValueError, match="retriever.depth=-1: the rerank depth must be an integer from 1"):
         check_settings("pruner", -1)
+
+
+def test_the_validation_threshold_is_read_from_either_report_layout(tmp_path):
+    import json
+
+    from hkrag.rag.step_report import validation_threshold
+
+    report = {"pruner": {"p_yes": {"threshold": {"value": 0.3516, "chosen_on": "this report"}}}}
+    (tmp_path / "run.json").write_text(json.dumps(report))
+    (tmp_path / "steps.json").write_text(json.dumps({"reports": {"agents-retrieved": report}}))
+    assert validation_threshold(tmp_path / "run.json") == validation_threshold(tmp_path / "steps.json") == 0.3516
+    (tmp_path / "none.json").write_text(json.dumps({"pruner": {"p_yes": {"threshold": {"value": None}}}}))
+    with pytest.raises(ValueError, match="none.json holds no Pruner P\\(yes\\) threshold"):
+        validation_threshold(tmp_path / "none.json")
