@@ -1,6 +1,6 @@
 """The validation split's runs of the Pruner's P(yes) and of the Pruner as a reranker, for a shipped generator.
 
-    PYTHONPATH=. python scripts/pruner_validation.py --out outputs/pruner_val   # CPU; 10 min idle, 50 under load
+    PYTHONPATH=. python scripts/pruner_validation.py --out outputs/pruner_val   # CPU: about 50 min on 2 shared cores
 
 The validation questions are the agents generator's held-out ones (``generator_training.validation``: fraction
 0.1, seed 0 of ``experiment=generator_agents_tiny``; 108 questions on 11 training documents that no training
