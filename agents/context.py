@@ -77,9 +77,10 @@ def step_request(prompts: Prompts, caps: Caps, question: str, step: str, pages: 
 
     :meth:`QueryContext.ask` sends it; the training curriculum (:mod:`agents.curriculum`) learns on it, so a
     training prompt is the inference prompt by construction. The reply is capped by the step's kind
-    (:data:`~agents.steps.STEPS`, ``caps.max_new_tokens``)."""
+    (:data:`~agents.steps.STEPS`, ``caps.max_new_tokens``) and it asks for the step's ``words`` masses."""
     text = prompts.render(step, question=question, **values)
-    settings = GenerationSettings(max_new_tokens=caps.max_new_tokens[STEPS[step].reply], top_logprobs=top_logprobs)
+    settings = GenerationSettings(max_new_tokens=caps.max_new_tokens[STEPS[step].reply], top_logprobs=top_logprobs,
+                                  word_mass=STEPS[step].words)
     return text, build_request(pages, text, settings)
 
 

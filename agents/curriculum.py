@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hkrag.lvlm import LVLMRequest, LVLMResult
-from hkrag.rag.records import Page, PageTruth, QueryTruth
+from hkrag.rag.records import CallRecord, Page, PageTruth, QueryTruth
 
 from .context import step_request
 from .decoupler import read_answered
 from .judger import Judger
 from .pipeline import GeneratorConfig
-from .pruner import read_yes_no
+from .pruner import read_yes_no, record_reading
 from .steps import STEPS
 
 ORDERS = ("ranked", "relevant_first", "relevant_last")
@@ -110,6 +110,14 @@ class AgentCurriculum:
         if step == "decouple":
             return "yes" if read_answered(result.text, self.config.prompts.answered_marker)[0] else "no"
         return None
+
+    def record(self, step: str, result: LVLMResult, record: CallRecord) -> None:
+        """Write into ``record`` what the agents record of a reply to ``step``: its :meth:`decision` and, for the
+        Pruner, its masses and P(yes) (:func:`agents.pruner.record_reading`)."""
+        if step == "pruner":
+            record_reading(record, read_yes_no(result))
+        else:
+            record.decision = self.decision(step, result)
 
     def request(self, question: str, step: str, pages: Sequence[Page], top_logprobs: int = 0,
                 **values: str) -> LVLMRequest:

@@ -17,12 +17,15 @@ REPEATS = ("once", "pages", "iterations")
 @dataclass(frozen=True)
 class Step:
     """``agent`` asks it; ``reply`` names the ``caps.max_new_tokens`` entry that bounds its reply;
-    ``placeholders`` are the fields its template may use; ``repeats`` is one of :data:`REPEATS`."""
+    ``placeholders`` are the fields its template may use; ``repeats`` is one of :data:`REPEATS`; ``words`` are
+    the answer words whose first-token mass its request asks for (``GenerationSettings.word_mass``: the Pruner's
+    yes and no, for its P(yes))."""
 
     agent: str
     reply: str
     placeholders: frozenset[str]
     repeats: str = "once"
+    words: tuple[str, ...] = ()
 
     def calls(self, top_k: int, max_iters: int) -> int:
         """The step's calls on the longest path of a query with buffer ``top_k`` and ``max_iters``."""
@@ -33,7 +36,7 @@ QUESTION = frozenset({"question"})
 NOTES = frozenset({"question", "salient", "fine_print"})
 
 STEPS: dict[str, Step] = {
-    "pruner": Step("pruner", "yes_no", frozenset({"question", "n"}), "pages"),  # Eq. 6: do pages 1..n suffice?
+    "pruner": Step("pruner", "yes_no", frozenset({"question", "n"}), "pages", ("yes", "no")),  # Eq. 6: 1..n suffice?
     "answer": Step("judger", "answer", QUESTION),  # Definition 1: the initial answer, only measured
     "single_pass": Step("single_pass", "answer", QUESTION),  # the single-pass baseline (VDocGenerator's prompt)
     "verify": Step("summarizer", "answer", QUESTION),  # LQP: a fresh, verified answer

@@ -10,12 +10,13 @@ swapped into place only when complete.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import json
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -80,6 +81,13 @@ def png_bytes(figure: Any, dpi: int = 120) -> bytes:
 def write_json(path: str | Path, obj: Any, indent: int | None = 2) -> Path:
     """Atomically write ``obj`` as JSON to ``path``."""
     return write_text(path, json.dumps(obj, indent=indent, default=str) + "\n")
+
+
+def write_jsonl_gz(path: str | Path, rows: Iterable[Any]) -> Path:
+    """Atomically write ``rows`` as gzipped JSON lines (keys sorted), byte for byte reproducible (no timestamp in
+    the gzip header): small per-query data committed beside a report."""
+    text = "".join(json.dumps(row, sort_keys=True, default=str) + "\n" for row in rows)
+    return write_bytes(path, gzip.compress(text.encode("utf-8"), mtime=0))
 
 
 @contextlib.contextmanager

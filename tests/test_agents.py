@@ -128,16 +128,18 @@ def test_read_yes_no_hand_computed():
     result = LVLMResult("No", [first], 1, 1, 0.0, "stop", "t", "t")
     reading = read_yes_no(result)
     assert reading.yes and reading.p_yes == pytest.approx(0.6) and reading.p_no == pytest.approx(0.2)
+    assert reading.source == "top_k" and reading.probability == pytest.approx(0.75)
     unrelated = LVLMResult("Maybe", [TokenLogprob("Maybe", -0.1)], 1, 1, 0.0, "stop", "t", "t")
-    assert not read_yes_no(unrelated).yes and read_yes_no(unrelated).p_yes is None
+    other = read_yes_no(unrelated)  # neither word listed: no mass either way, P(yes) one half
+    assert not other.yes and (other.p_yes, other.p_no, other.probability) == (0, 0, 0.5)
 
 
 @pytest.mark.parametrize(
     ("text", "first", "top", "expected", "masses"),
     [
         # The chosen first token is no yes/no: tiny yes-like alternatives must not turn a sentence into a yes.
-        ("The pages do not say.", "The", [("The", -0.05), ("Yes", -4.0)], False, None),
-        ("**Yes**, page one.", "**", [("**", -0.2), ("No", -1.9)], True, None),
+        ("The pages do not say.", "The", [("The", -0.05), ("Yes", -4.0)], False, (math.exp(-4.0), 0.0)),
+        ("**Yes**, page one.", "**", [("**", -0.2), ("No", -1.9)], True, (0.0, math.exp(-1.9))),
         # The chosen token also listed among its alternatives counts once; distinct alternatives all count.
         ("yes", "yes", [("yes", math.log(0.4)), ("Yes", math.log(0.15)), ("no", math.log(0.45))], True, (0.55, 0.45)),
         ("no", "no", [("no", math.log(0.5)), ("yes", math.log(0.3)), ("YES", math.log(0.1))], False, (0.4, 0.5)),
@@ -148,7 +150,7 @@ def test_read_yes_no_reads_the_chosen_token_and_sums_every_alternative(text, fir
     logprob = next(lp for token, lp in top if token == first)
     reading = read_yes_no(LVLMResult(text, [TokenLogprob(first, logprob, top=top)], 1, 1, 0.0, "stop", "t", "t"))
     assert reading.yes is expected
-    assert (reading.p_yes, reading.p_no) == (pytest.approx(masses) if masses else (None, None))
+    assert (reading.p_yes, reading.p_no) == pytest.approx(masses)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ from PIL import Image
 
 from hkrag.data.images import ImageError, open_image
 
+from .words import normalise
+
 ROLES = ("system", "user", "assistant")
 
 LOGPROB_TOLERANCE = 1e-4
@@ -112,6 +114,10 @@ class GenerationSettings:
 
     ``top_logprobs``: how many alternatives to return per generated token besides the chosen one
     (0 = chosen token only). ``stop``: strings that end generation (not included in the text).
+    ``word_mass``: words (e.g. ``("yes", "no")``) whose probability over the *whole* vocabulary a backend that
+    knows the full distribution (``exact_word_mass``: the local ones) returns for every generated token, in
+    :attr:`TokenLogprob.words`: the log of the summed probability of every token that reads as the word
+    (:func:`hkrag.lvlm.words.normalise`). Other backends ignore it.
     """
 
     max_new_tokens: int = 128
@@ -120,6 +126,7 @@ class GenerationSettings:
     stop: tuple[str, ...] = ()
     top_logprobs: int = 0
     seed: int | None = None
+    word_mass: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -129,6 +136,9 @@ class GenerationSettings:
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "word_mass", tuple(self.word_mass))
+        if bad := [word for word in self.word_mass if not isinstance(word, str) or not normalise(word)]:
+            raise ValueError(f"word_mass words must be non-empty words, got {bad!r}")
 
     @property
     def greedy(self) -> bool:
@@ -167,7 +177,9 @@ class TokenLogprob:
     """One generated token: its text, id (when known), log-probability, alternatives, entropy.
 
     ``top`` holds up to ``top_logprobs`` ``(token, logprob)`` alternatives, best first. ``entropy`` is the
-    full next-token distribution's entropy in nats; only local backends know it exactly.
+    full next-token distribution's entropy in nats; only local backends know it exactly. ``words`` maps each
+    word of the request's ``word_mass`` to the log of its summed probability over the whole vocabulary (−inf: no
+    token reads as it), when the backend knows the full distribution; ``None`` otherwise.
     """
 
     token: str
@@ -175,6 +187,7 @@ class TokenLogprob:
     token_id: int | None = None
     top: list[tuple[str, float]] = field(default_factory=list)
     entropy: float | None = None
+    words: dict[str, float] | None = None
 
 
 @dataclass
@@ -292,6 +305,7 @@ class LVLMBackend(ABC):
     thread_safe: bool = False
     vocab_size: int | None = None
     exact_entropy: bool = False
+    exact_word_mass: bool = False
     context_length: int | None = None
 
     def count_prompt_tokens(self, request: LVLMRequest) -> int | None:

@@ -15,6 +15,8 @@ rest the same way for both:
 * a request holding a lone surrogate raises :class:`~hkrag.lvlm.base.LVLMTextError` naming its message part;
 * a request whose prompt, or prompt plus ``max_new_tokens``, does not fit the model's context raises
   :class:`~hkrag.lvlm.base.LVLMContextError` naming both lengths before anything is generated (never cut);
+* a request naming ``word_mass`` words gets, at every generated token, each word's log-probability summed over
+  every vocabulary token that reads as it (:mod:`hkrag.lvlm.words`), from the full distribution;
 * NaN logits at any generated step (an overflow, a broken checkpoint) raise
   :class:`~hkrag.lvlm.base.LVLMResponseError` instead of yielding a NaN or silently zero uncertainty;
 * page image features are computed one page at a time and kept in a bounded LRU cache keyed by the
@@ -60,6 +62,7 @@ from .base import (
 )
 from .feature_cache import FeatureCache
 from .prefix_cache import PrefixCache, PromptLayout
+from .words import word_token_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,25 +87,32 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 @dataclass
 class TokenStatistics:
-    """Per generated token of a batch: chosen log-probability, entropy (nats), top-k ids and log-probs."""
+    """Per generated token of a batch: chosen log-probability, entropy (nats), top-k ids and log-probs, and the
+    ``(B, T, W)`` log-masses of the requested words (``W`` = 0 when none were asked for)."""
 
     logprobs: torch.Tensor
     entropies: torch.Tensor
     top_ids: torch.Tensor
     top_logprobs: torch.Tensor
     vocab_size: int
+    word_logprobs: torch.Tensor | None = None
 
 
-def token_statistics(step_logits: Sequence[torch.Tensor], chosen: torch.Tensor, top_k: int) -> TokenStatistics:
+def token_statistics(step_logits: Sequence[torch.Tensor], chosen: torch.Tensor, top_k: int,
+                     word_ids: Sequence[Sequence[int]] = ()) -> TokenStatistics:
     """Statistics of the ``(B, T)`` chosen tokens under the model's ``T`` steps of ``(B, V)`` raw logits.
 
     ``log p = log_softmax(logits)`` in float32; entropy ``H = −Σ_v p_v log p_v`` over the whole vocabulary,
-    a token with ``log p = −inf`` (a masked logit) adding 0. NaN logits give NaN statistics (never hidden).
+    a token with ``log p = −inf`` (a masked logit) adding 0; each ``word_ids`` entry's mass is
+    ``log Σ_{v in ids} p_v`` (−inf for no ids). NaN logits give NaN statistics (never hidden).
     One step at a time, so memory stays ``O(B·V)`` whatever ``T`` is.
     """
-    logprobs, entropies, top_ids, top_values = [], [], [], []
+    logprobs, entropies, top_ids, top_values, words = [], [], [], [], []
     for step, logits in enumerate(step_logits):
         log_p = torch.log_softmax(logits.float(), dim=-1)
+        words.append(torch.stack([torch.logsumexp(log_p[:, list(ids)], dim=-1) if ids else
+                                  torch.full(log_p.shape[:1], -torch.inf) for ids in word_ids], -1)
+                     if word_ids else log_p[:, :0])
         logprobs.append(log_p.gather(-1, chosen[:, step : step + 1]).squeeze(-1))
         terms = torch.where(log_p == -torch.inf, 0.0, log_p.exp() * log_p)
         entropies.append(-terms.sum(-1))
@@ -115,6 +125,7 @@ def token_statistics(step_logits: Sequence[torch.Tensor], chosen: torch.Tensor, 
         torch.stack(top_ids, 1).cpu(),
         torch.stack(top_values, 1).cpu(),
         step_logits[0].shape[-1],
+        torch.stack(words, 1).cpu(),
     )
 
 
@@ -207,11 +218,13 @@ class LocalBackend(LVLMBackend):
         feature_cache_size: pages whose image features are kept (0 disables reuse).
         prefix_cache_size: prompt prefixes whose keys and values are kept (0 disables reuse).
 
-    Every token carries its full-distribution entropy (``exact_entropy``); ``vocab_size`` is the LM
-    head's output size (the ``|V|`` of the normalised entropy).
+    Every token carries its full-distribution entropy (``exact_entropy``) and the full-vocabulary mass of the
+    words its request names (``exact_word_mass``); ``vocab_size`` is the LM head's output size (the ``|V|`` of
+    the normalised entropy).
     """
 
     exact_entropy = True
+    exact_word_mass = True
 
     def __init__(
         self,
@@ -235,6 +248,16 @@ class LocalBackend(LVLMBackend):
         head = model.get_output_embeddings()
         self.vocab_size = None if head is None else int(head.weight.shape[0])
         self.context_length = context_length(model.config)
+        self._vocabulary: list[str] | None = None
+
+    def word_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """For each of ``words``, the vocabulary ids (below the LM head's size) whose decoded text reads as it."""
+        if not words:
+            return []
+        if self._vocabulary is None:
+            size = len(self.tokenizer) if self.vocab_size is None else min(len(self.tokenizer), self.vocab_size)
+            self._vocabulary = [self.tokenizer.decode([token_id]) for token_id in range(size)]
+        return word_token_ids(self._vocabulary, words)
 
     def count_prompt_tokens(self, request: LVLMRequest) -> int:
         """The prompt's tokens, page tokens included (:meth:`prepare`: page features, no decoding)."""
@@ -311,7 +334,7 @@ class LocalBackend(LVLMBackend):
         if layout is not None:
             self.prefixes.store(layout, out.past_key_values)
         generated = out.sequences[:, prompt_length:]
-        stats = token_statistics(out.logits, generated, settings.top_logprobs)
+        stats = token_statistics(out.logits, generated, settings.top_logprobs, self.word_ids(settings.word_mass))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         latency = time.perf_counter() - start
@@ -356,6 +379,8 @@ class LocalBackend(LVLMBackend):
                     for t, lp in zip(stats.top_ids[row, i], stats.top_logprobs[row, i])
                 ],
                 entropy=float(stats.entropies[row, i]),
+                words=({word: float(stats.word_logprobs[row, i, w]) for w, word in enumerate(settings.word_mass)}
+                       if settings.word_mass else None),
             )
             for i in range(keep)
         ]

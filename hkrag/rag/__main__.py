@@ -31,9 +31,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     steps = commands.add_parser("steps", help="the per-step report (Pruner, notes, answers per step, calibration "
                                 "of H') of an eval.py run on the built-in corpus; writes steps.{json,md} into it")
     steps.add_argument("run_dir", type=Path)
+    steps.add_argument("--threshold-from", type=Path, default=None, help="a validation run's steps.json: its "
+                       "Pruner P(yes) threshold is applied here (default: one chosen on this run, labelled so)")
     args = parser.parse_args(argv)
     if args.command == "steps":
-        report_run(args.run_dir)
+        report_run(args.run_dir, args.threshold_from)
         print((args.run_dir / "steps.md").read_text())
     elif args.command == "sweep":
         print(sweep_summary(args.folder, args.out, args.key)["table"])

@@ -123,8 +123,10 @@ class CallRecord:
 
     ``step`` names the prompt (for the agentic generator, a step of ``agents/steps.py:STEPS``, docs/agents.md);
     ``iteration`` is the Decoupler's t (Eqs. 7–8) or the Pruner's n (Eq. 6). A yes/no call (Pruner,
-    Decoupler's "answers the question") records its ``decision`` and, when log-probabilities decided it,
-    the probability mass of the yes-like and no-like first tokens.
+    Decoupler's "answers the question") records its ``decision``; a Pruner call with token statistics also records
+    the first token's yes-like and no-like probability masses (``p_yes``, ``p_no``), where they come from
+    (``p_source``: ``full`` vocabulary or ``top_k`` candidates) and its P(yes) (``yes_probability``,
+    ``agents.pruner``; docs/agents.md).
     """
 
     agent: str
@@ -145,6 +147,8 @@ class CallRecord:
     decision: str | None = None
     p_yes: float | None = None
     p_no: float | None = None
+    p_source: str | None = None
+    yes_probability: float | None = None
     error: str | None = None
 
     @classmethod

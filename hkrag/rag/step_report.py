@@ -5,7 +5,10 @@ From traces (:class:`~hkrag.rag.records.QueryOutcome`, each call a :class:`~hkra
 :class:`~hkrag.rag.records.PageTruth`):
 
 - **Pruner** (``pruner`` calls): yes/no accuracy against "pages 1..n hold a relevant page" (qrels), with precision
-  and recall of "yes";
+  and recall of "yes"; and as a scored classifier, its recorded P(yes) (``yes_probability``, docs/agents.md): the
+  AUROC for "pages 1..n hold a relevant page" with a 95 % percentile bootstrap interval over questions (every call
+  of a drawn question drawn with it), overall, by pool and by evidence label, and the yes/no accuracy of
+  "P(yes) ≥ t" at a threshold t chosen on a validation report (or, without one, on this report, labelled so);
 - **notes** (``fine_print`` calls at t = 1, ``salient`` calls) whose pages include a relevant page: the share that
   hold the relevant page's reference code (``fields["code"]``, as a whole word), and the share that hold every
   fine-print (salient) string of it;
@@ -23,13 +26,16 @@ from ``truths`` is an error naming it. ``python -m hkrag.rag steps RUN_DIR`` rep
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hkrag.data.opendocvqa import QUERY_PREFIX, QAExample, load_qa
 from hkrag.data.synthetic import PAGES_FILE, load_page_items, question_field
-from hkrag.io import write_json, write_text
+from hkrag.io import write_json, write_jsonl_gz, write_text
 from hkrag.rag.metrics import relaxed_accuracy
 from hkrag.rag.records import CallRecord, PageTruth, QueryOutcome, QueryTruth, words
 from hkrag.rag.report import RUN_CONFIG_FILE
@@ -40,6 +46,12 @@ ANSWER_STEPS = ("answer", "verify", "integrate", "single_pass")
 """The steps whose reply is an answer to the question."""
 BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 """Edges of the reliability table's H′ bins (H′ is normalised to [0, 1]; the last bin holds 1.0)."""
+RESAMPLES = 2000
+"""Bootstrap resamples of the Pruner's AUROC interval."""
+PRUNER_CALLS_FILE = "pruner_calls.jsonl.gz"
+"""Every Pruner call's row (:func:`pruner_rows`: question, pool, evidence, n, label, decision, P(yes), source)."""
+THIS_REPORT = "this report (no validation threshold given)"
+"""Where a threshold came from when none was handed in."""
 
 
 def query_truth(example: QAExample) -> QueryTruth:
@@ -71,9 +83,12 @@ def said_yes(call: CallRecord) -> bool:
 
 def step_report(outcomes: Sequence[QueryOutcome], truths: Mapping[str, QueryTruth],
                 pages: Mapping[str, PageTruth] | None = None, bins: Sequence[float] = BINS,
-                final: bool = True) -> dict[str, Any]:
+                final: bool = True, evidence: Mapping[str, str | None] | None = None,
+                threshold: float | None = None, threshold_source: str = THIS_REPORT) -> dict[str, Any]:
     """The per-step figures of ``outcomes`` (see the module docstring); ``pages`` (the pages' items) enables the
-    notes rows; ``final=False`` leaves out the final answer (outcomes whose calls were asked one by one)."""
+    notes rows; ``final=False`` leaves out the final answer (outcomes whose calls were asked one by one);
+    ``evidence`` (query id -> label) splits the Pruner's AUROC by evidence; ``threshold`` is the P(yes) threshold
+    chosen on validation (``threshold_source`` says where), else one is chosen on these outcomes."""
     missing = sorted({outcome.query_id for outcome in outcomes} - set(truths))
     if missing:
         raise KeyError(f"{len(missing)} traced queries have no ground truth, e.g. {missing[:3]}")
@@ -112,7 +127,8 @@ def step_report(outcomes: Sequence[QueryOutcome], truths: Mapping[str, QueryTrut
     return {
         "queries": len(outcomes),
         "pruner": {"accuracy": share(tp + tn, tp + fp + tn + fn), "precision_yes": share(tp, tp + fp),
-                   "recall_yes": share(tp, tp + fn), "counts": pruner},
+                   "recall_yes": share(tp, tp + fn), "counts": pruner,
+                   "p_yes": pruner_scores(pruner_rows(outcomes, truths, evidence or {}), threshold, threshold_source)},
         "notes": {name: share(*counts) for name, counts in notes.items()},
         "decouple_marker": share(*marker),
         "answers": {step: share(*counts) for step, counts in answers.items()},
@@ -144,18 +160,119 @@ def calibration(judged: Sequence[tuple[float, bool]], bins: Sequence[float] = BI
         last = index == len(bins) - 2
         inside = [right for value, right in judged if low <= value < high or (last and value == high)]
         rows.append({"from": low, "to": high, **share(sum(inside), len(inside))})
-    right = [value for value, ok in judged if ok]
-    wrong = [value for value, ok in judged if not ok]
-    auroc = None
-    if right and wrong:
-        auroc = sum((r < w) + 0.5 * (r == w) for r in right for w in wrong) / (len(right) * len(wrong))
-    return {"bins": rows, "auroc_lower_is_right": auroc, "n": len(judged)}
+    lower_is_right = auroc([-value for value, _ in judged], [ok for _, ok in judged]) if judged else None
+    return {"bins": rows, "auroc_lower_is_right": lower_is_right, "n": len(judged)}
+
+
+def auroc(scores: Sequence[float], labels: Sequence[bool], weights: Sequence[float] | None = None) -> float | None:
+    """P(a positive scores above a negative), ties counting half (the Mann–Whitney statistic), each row counted
+    ``weights`` times (1 each by default); ``None`` without both a positive and a negative of positive weight."""
+    values, inverse = np.unique(np.asarray(scores, dtype=float), return_inverse=True)
+    weight = np.ones(len(inverse)) if weights is None else np.asarray(weights, dtype=float)
+    label = np.asarray(labels, dtype=bool)
+    positive = np.bincount(inverse, weights=weight * label, minlength=len(values))
+    negative = np.bincount(inverse, weights=weight * ~label, minlength=len(values))
+    if positive.sum() <= 0 or negative.sum() <= 0:
+        return None
+    below = np.cumsum(negative) - negative
+    return float((positive * (below + 0.5 * negative)).sum() / (positive.sum() * negative.sum()))
+
+
+def auroc_interval(scores: Sequence[float], labels: Sequence[bool], clusters: Sequence[Hashable],
+                   n_resamples: int = RESAMPLES, seed: int = 0, confidence: float = 0.95) -> dict[str, Any]:
+    """:func:`auroc` with a percentile bootstrap interval that resamples ``clusters`` (questions) whole: each
+    resample draws as many clusters as there are, with replacement, every row weighted by its cluster's draws;
+    a resample without both classes is skipped. ``auroc``/``low``/``high`` are ``None`` without both classes."""
+    index = {key: i for i, key in enumerate(dict.fromkeys(clusters))}
+    members = np.array([index[key] for key in clusters], dtype=int)
+    value = auroc(scores, labels) if len(members) else None
+    found = {"auroc": value, "low": None, "high": None, "n": len(members), "positives": int(sum(labels)),
+             "questions": len(index), "resamples": 0}
+    if value is None:
+        return found
+    rng = np.random.default_rng(seed)
+    draws = [auroc(scores, labels, np.bincount(rng.integers(0, len(index), len(index)), minlength=len(index))[members])
+             for _ in range(n_resamples)]
+    kept = [draw for draw in draws if draw is not None]
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(kept, [alpha, 1 - alpha])
+    return {**found, "low": float(low), "high": float(high), "resamples": len(kept)}
+
+
+def pruner_rows(outcomes: Sequence[QueryOutcome], truths: Mapping[str, QueryTruth],
+                evidence: Mapping[str, str | None]) -> list[dict[str, Any]]:
+    """One row per answered Pruner call: query, data set, pool, evidence, n, label (pages 1..n hold a relevant
+    page), the decision, P(yes) (``None`` without token statistics) and its source."""
+    return [{"query_id": outcome.query_id, "dataset": outcome.dataset, "pool": outcome.pool,
+             "evidence": evidence.get(outcome.query_id), "n": call.iteration,
+             "label": any(page_id in truths[outcome.query_id].relevant for page_id in call.page_ids),
+             "said_yes": said_yes(call), "p_yes": call.yes_probability, "source": call.p_source}
+            for outcome in outcomes for call in outcome.calls if call.step == "pruner" and not call.error]
+
+
+def best_threshold(rows: Sequence[Mapping[str, Any]]) -> float | None:
+    """The threshold t maximising the accuracy of "yes iff P(yes) ≥ t" over ``rows`` (scored ones), among the
+    midpoints between consecutive distinct P(yes) values and the two ends; ties go to the t nearest ½ (the
+    likelier-answer rule's). ``None`` without a scored row."""
+    values = sorted({row["p_yes"] for row in rows if row["p_yes"] is not None})
+    if not values:
+        return None
+    candidates = [values[0], *[(a + b) / 2 for a, b in zip(values, values[1:])], np.nextafter(values[-1], 2.0)]
+    scored = [(row["p_yes"], row["label"]) for row in rows if row["p_yes"] is not None]
+    correct = {t: sum((p >= t) == label for p, label in scored) for t in candidates}
+    return float(max(candidates, key=lambda t: (correct[t], -abs(t - 0.5))))
+
+
+def pruner_scores(rows: Sequence[Mapping[str, Any]], threshold: float | None = None,
+                  threshold_source: str = THIS_REPORT) -> dict[str, Any]:
+    """The Pruner's P(yes) as a classifier: AUROC [bootstrap over questions] overall, by pool and by evidence, and
+    the accuracy of "P(yes) ≥ t" at ``threshold`` (chosen on these rows when ``None``)."""
+    scored = [row for row in rows if row["p_yes"] is not None]
+
+    def summary(subset: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return auroc_interval([r["p_yes"] for r in subset], [r["label"] for r in subset],
+                              [r["query_id"] for r in subset])
+
+    if threshold is None:
+        threshold, threshold_source = best_threshold(scored), THIS_REPORT
+    hits = sum((row["p_yes"] >= threshold) == row["label"] for row in scored) if threshold is not None else 0
+    return {"calls": len(rows), "unscored": len(rows) - len(scored),
+            "sources": dict(Counter(row["source"] for row in scored)), "auroc": summary(scored),
+            "by_pool": {pool: summary([r for r in scored if r["pool"] == pool])
+                        for pool in sorted({r["pool"] for r in scored if r["pool"]})},
+            "by_evidence": {label: summary([r for r in scored if r["evidence"] == label])
+                            for label in sorted({r["evidence"] for r in scored if r["evidence"]})},
+            "threshold": {"value": threshold, "chosen_on": threshold_source},
+            "accuracy_at_threshold": share(hits, len(scored) if threshold is not None else 0)}
 
 
 def _cell(row: Mapping[str, Any]) -> str:
     if row["rate"] is None:
         return "— (n = 0)"
     return f"{100 * row['rate']:.1f} [{100 * row['low']:.1f}, {100 * row['high']:.1f}] ({row['hits']}/{row['n']})"
+
+
+def _auroc_cell(summary: Mapping[str, Any]) -> str:
+    if summary["auroc"] is None:
+        return f"— ({summary['n']} calls, {summary['positives']} yes labels)"
+    return (f"{summary['auroc']:.3f} [{summary['low']:.3f}, {summary['high']:.3f}] ({summary['n']} calls, "
+            f"{summary['positives']} yes labels, {summary['questions']} questions)")
+
+
+def p_yes_markdown(scores: Mapping[str, Any]) -> list[str]:
+    """The Pruner's P(yes) section of :func:`step_markdown`: AUROC rows and the accuracy at the threshold."""
+    threshold = scores["threshold"]
+    value = "—" if threshold["value"] is None else f"{threshold['value']:.4f}"
+    sources = ", ".join(f"{source}: {count}" for source, count in scores["sources"].items()) or "none"
+    lines = ["", "The Pruner's P(yes) as a classifier of \"pages 1..n hold a relevant page\" "
+             f"({scores['calls']} calls; P(yes) from {sources}; {scores['unscored']} without token statistics). "
+             "AUROC with its 95 % percentile bootstrap interval over questions:", "", "| calls | AUROC [95 %] |",
+             "|---|---|",
+             f"| all | {_auroc_cell(scores['auroc'])} |"]
+    lines += [f"| pool {pool} | {_auroc_cell(row)} |" for pool, row in scores["by_pool"].items()]
+    lines += [f"| evidence {label} | {_auroc_cell(row)} |" for label, row in scores["by_evidence"].items()]
+    return lines + ["", f"Yes/no accuracy of P(yes) ≥ {value} (threshold chosen on {threshold['chosen_on']}): "
+                    f"{_cell(scores['accuracy_at_threshold'])}."]
 
 
 def figures(report: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
@@ -176,6 +293,8 @@ def summary_markdown(reports: Mapping[str, Mapping[str, Any]]) -> str:
     lines = ["| figure | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for label in table[names[0]]:
         lines.append(f"| {label} | " + " | ".join(_cell(table[name][label]) for name in names) + " |")
+    lines.append("| pruner: AUROC of P(yes) [95 %, questions] | " + " | ".join(
+        _auroc_cell(report["pruner"]["p_yes"]["auroc"]) for report in reports.values()) + " |")
     lines.append("| H′: AUROC of −H′ for a right initial answer | " + " | ".join(
         "—" if (auroc := report["calibration"]["auroc_lower_is_right"]) is None else f"{auroc:.3f}"
         for report in reports.values()) + " |")
@@ -187,6 +306,7 @@ def step_markdown(report: Mapping[str, Any], title: str = "Per-step report") -> 
     lines = [f"## {title}", "", f"{report['queries']} queries.", "", "| step: figure | value ×100 [95 %] |",
              "|---|---|"]
     lines += [f"| {label} | {_cell(row)} |" for label, row in figures(report).items()]
+    lines += p_yes_markdown(report["pruner"]["p_yes"])
     table = report["calibration"]
     auroc = table["auroc_lower_is_right"]
     lines += ["", f"Calibration of H′ (the Judger's initial answers, n = {table['n']}; AUROC of −H′ for a right "
@@ -197,19 +317,37 @@ def step_markdown(report: Mapping[str, Any], title: str = "Per-step report") -> 
     return "\n".join(lines) + "\n"
 
 
-def report_run(run_dir: str | Path) -> dict[str, Any]:
+def validation_threshold(steps_json: str | Path) -> float:
+    """The P(yes) threshold a validation report (``steps.json`` of :func:`report_run` or of
+    ``hkrag.tasks.agent_steps``, whose reports are keyed by name: its first with a threshold) chose."""
+    data = json.loads(Path(steps_json).read_text())
+    reports = data["reports"].values() if "reports" in data else [data]
+    found = [r["pruner"]["p_yes"]["threshold"]["value"] for r in reports if r["pruner"].get("p_yes")]
+    if not found or found[0] is None:
+        raise ValueError(f"{steps_json} holds no Pruner P(yes) threshold (no scored Pruner call)")
+    return float(found[0])
+
+
+def report_run(run_dir: str | Path, threshold_from: str | Path | None = None) -> dict[str, Any]:
     """The per-step report of a finished ``eval.py task=rag|generation`` run, written to ``<run_dir>/steps.{json,md}``:
-    its trace, its questions' qrels and answers (the run's ``data.qa_source`` and ``rag.split``, from its
-    ``rag_config.json``) and, when the corpus records them (the built-in one), its pages' items."""
+    its trace, its questions' qrels, answers and evidence labels (the run's ``data.qa_source`` and ``rag.split``,
+    from its ``rag_config.json``) and, when the corpus records them (the built-in one), its pages' items; the
+    Pruner's P(yes) threshold is the one of ``threshold_from`` (a validation report's ``steps.json``) when given.
+    Every Pruner call's row goes to ``<run_dir>/pruner_calls.jsonl.gz``."""
     run_dir = Path(run_dir)
     settings = json.loads((run_dir / RUN_CONFIG_FILE).read_text())["identity"]
     data, split = settings["data"], settings["rag"]["split"]
     outcomes = load_trace(run_dir / MERGED_FILE)
-    truths = {ex.query_id: query_truth(ex) for dataset in sorted({o.dataset for o in outcomes})
-              for ex in load_qa(data["qa_source"], dataset, split)}
+    examples = [ex for dataset in sorted({o.dataset for o in outcomes})
+                for ex in load_qa(data["qa_source"], dataset, split)]
+    truths = {ex.query_id: query_truth(ex) for ex in examples}
     items = page_truth(data["root"], split) if data.get("root") and (Path(data["root"]) / PAGES_FILE).is_file() \
         else None
-    report = step_report(outcomes, truths, items)
+    threshold = {} if threshold_from is None else {"threshold": validation_threshold(threshold_from),
+                                                   "threshold_source": str(threshold_from)}
+    evidence = {ex.query_id: ex.evidence for ex in examples}
+    report = step_report(outcomes, truths, items, evidence=evidence, **threshold)
+    write_jsonl_gz(run_dir / PRUNER_CALLS_FILE, pruner_rows(outcomes, truths, evidence))
     write_json(run_dir / "steps.json", report)
     write_text(run_dir / "steps.md", step_markdown(report, f"Per-step report: {run_dir}"))
     return report

@@ -33,13 +33,22 @@ from tqdm.auto import tqdm
 
 from hkrag.data.generator_pairs import read_pairs
 from hkrag.data.opendocvqa import QAExample, load_corpus, load_qa
-from hkrag.io import write_json, write_text
+from hkrag.io import write_json, write_jsonl_gz, write_text
 from hkrag.lvlm import LVLMBackend, PageImage
 from hkrag.lvlm.phi3v import Phi3VBackend
 from hkrag.lvlm.uncertainty import uncertainty
 from hkrag.rag.metrics import rule_metrics
 from hkrag.rag.records import CallRecord, PageTruth, Query, QueryOutcome, QueryTruth
-from hkrag.rag.step_report import page_truth, query_truth, step_markdown, step_report, summary_markdown
+from hkrag.rag.step_report import (
+    PRUNER_CALLS_FILE,
+    page_truth,
+    pruner_rows,
+    query_truth,
+    step_markdown,
+    step_report,
+    summary_markdown,
+    validation_threshold,
+)
 from hkrag.rag.trace import write_trace
 from hkrag.tasks.common import BASE_DIR, CONF_DIR, FINAL_ADAPTER
 from hkrag.tasks.rag import answer_all, question_text
@@ -88,7 +97,7 @@ def forced_outcome(curriculum: Any, backend: LVLMBackend, truth: QueryTruth, pag
         result = backend(example.request)
         keys = [page.key for page in example.request.images]
         record = CallRecord.from_result(example.step, "", keys, result, step=example.step, iteration=example.iteration)
-        record.decision = curriculum.decision(example.step, result)
+        curriculum.record(example.step, result, record)
         if example.step == "answer":
             record.uncertainty, record.estimator = uncertainty(result, estimator).value, estimator
         outcome.calls.append(record)
@@ -96,14 +105,18 @@ def forced_outcome(curriculum: Any, backend: LVLMBackend, truth: QueryTruth, pag
 
 
 def evaluate(run: Path, out: Path, split: str, pages: Sequence[str], modes: Sequence[str],
-             max_queries: int | None = None) -> dict[str, Any]:
-    """The traces and per-step reports of every (mode, page set); returns ``steps.json``'s content."""
+             max_queries: int | None = None, threshold_from: Path | None = None) -> dict[str, Any]:
+    """The traces and per-step reports of every (mode, page set); returns ``steps.json``'s content. The Pruner's
+    P(yes) threshold is ``threshold_from``'s (a validation ``steps.json``) when given, else chosen on each report."""
     cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
     queries = held_out_queries(run, cfg, split)[:max_queries]
     corpus_split = "train" if split == "validation" else "test"
     corpus_configs = [cfg.data.train.corpus_config] if split == "validation" else ["all"]
     corpora = [load_corpus(cfg.data.corpus_source, name, corpus_split) for name in corpus_configs]
     truths = {ex.query_id: query_truth(ex) for ex in queries}
+    evidence = {ex.query_id: ex.evidence for ex in queries}
+    threshold = {} if threshold_from is None else {"threshold": validation_threshold(threshold_from),
+                                                   "threshold_source": str(threshold_from)}
     items = page_truth(cfg.data.root, corpus_split)
     backend = Phi3VBackend(base=str(run / BASE_DIR), adapter=str(run / FINAL_ADAPTER), device="cpu",
                            dtype="float32")
@@ -133,7 +146,9 @@ def evaluate(run: Path, out: Path, split: str, pages: Sequence[str], modes: Sequ
             for outcome in outcomes:
                 outcome.metrics = outcome.metrics or rule_metrics(outcome.answer, outcome.gold)
             write_trace(out / f"{name}.jsonl", outcomes)
-            results[name] = step_report(outcomes, truths, items, final=mode != "forced")
+            write_jsonl_gz(out / f"{name}-{PRUNER_CALLS_FILE}", pruner_rows(outcomes, truths, evidence))
+            results[name] = step_report(outcomes, truths, items, final=mode != "forced", evidence=evidence,
+                                        **threshold)
     backend.close()
     report = {"run": str(run), "split": split, "queries": len(queries), "reports": results}
     write_json(out / "steps.json", report)
@@ -151,9 +166,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--pages", nargs="+", choices=PAGE_SETS, default=["gold"])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--max-queries", type=int, default=None)
+    parser.add_argument("--threshold-from", type=Path, default=None,
+                        help="a validation steps.json whose Pruner P(yes) threshold is applied")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    report = evaluate(args.run, args.out, args.split, args.pages, args.modes, args.max_queries)
+    report = evaluate(args.run, args.out, args.split, args.pages, args.modes, args.max_queries, args.threshold_from)
     print((args.out / "steps.md").read_text())
     logger.info("%d queries; reports in %s", report["queries"], args.out)
 

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 
 from agents import build_generator
 from agents.pipeline import GeneratorConfig
+from agents.pruner import PageScorer
 from hkrag.data.generator_pairs import warn_few_pages
 from hkrag.data.ocr import OcrSettings
 from hkrag.data.opendocvqa import QUERY_PREFIX, Corpus, QAExample, load_corpus, load_qa, pools
@@ -438,6 +439,16 @@ def build_grounder(cfg: DictConfig, store: PageStore, backend: str) -> Grounder 
         return None
     gold = load_gold(cfg.data.root) if cfg.data.get("synthetic") is not None else None
     return Grounder(source, store.view, gold, OcrSettings(psm=settings.psm, upscale=settings.upscale))
+
+
+def page_scorer(cfg: DictConfig) -> tuple[Callable[[QAExample, list[PageImage]], list[float]], LVLMBackend]:
+    """The visual reranker's scorer (``retriever=rerank``, :mod:`hkrag.retrieval.rerank`): the generator's
+    P(yes | question, page) (:class:`agents.pruner.PageScorer`) with ``cfg.generator``'s prompts on ``cfg.lvlm``'s
+    backend, asked the question as the agents ask it; and the backend, for the caller to close."""
+    config = GeneratorConfig.from_config(OmegaConf.to_container(cfg.generator, resolve=True))
+    backend = build_backend(OmegaConf.to_container(cfg.lvlm, resolve=True))
+    scorer = PageScorer(backend, config.prompts, config.caps, config.top_logprobs)
+    return (lambda example, pages: scorer(question_text(example), pages)), backend
 
 
 def run_rag_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:

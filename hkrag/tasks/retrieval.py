@@ -35,6 +35,7 @@ from hkrag.retrieval.evaluation import (
     per_query_rows,
     retrieval_rows,
 )
+from hkrag.retrieval.rerank import RerankRanker, check_settings
 from hkrag.retriever import Phi3VRetriever
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
@@ -48,6 +49,9 @@ from hkrag.tasks.common import (
     shared_output_dir,
 )
 from hkrag.tasks.validation import ConfigError, validate_config
+
+RERANK_FILE = "rerank.json"
+"""A reranked evaluation's cost (queries, LVLM calls, seconds, per query) and every query's scored pages."""
 
 
 def run_retrieval_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
@@ -133,7 +137,13 @@ def _with_empty_pages(row: DictConfig) -> DictConfig:
 
 
 def _needs_model(factories: dict[str, Any]) -> bool:
-    return any(isinstance(factory, functools.partial) for factory in factories.values())
+    """Whether a ranker needs the visual model: a partial, or a reranker whose first stage is one."""
+    return any(isinstance(factory.keywords.get("first"), functools.partial) if _reranks(factory)
+               else isinstance(factory, functools.partial) for factory in factories.values())
+
+
+def _reranks(factory: Any) -> bool:
+    return isinstance(factory, functools.partial) and factory.func is RerankRanker
 
 
 def evaluate_rows(
@@ -147,6 +157,9 @@ def evaluate_rows(
     accelerator = make_accelerator(cfg.get("cpu", False))
     output_dir = shared_output_dir(accelerator, output_dir)
     factories = {name: instantiate(row) for name, row in rows.items()}  # bad settings fail before any work
+    for factory in filter(_reranks, factories.values()):
+        given = factory.keywords
+        check_settings(given.get("rerank", RerankRanker.rerank), given.get("depth", RerankRanker.depth))
     model = VisualModel(cfg, accelerator.device) if _needs_model(factories) else None
     if accelerator.is_main_process:
         prepare_data(cfg.data)
@@ -154,16 +167,32 @@ def evaluate_rows(
     settings = eval_config(cfg)
     check_pools(settings)
     results, times = {}, {}
-    for row, factory in factories.items():
-        work_dir = output_dir / row if by_row else output_dir
-        start = time.perf_counter()
-        ranker = bind_ranker(factory, model, settings, work_dir)
-        name = ranker.name if by_row and isinstance(ranker, DenseRanker) else row  # late_interaction says so
-        results[name] = evaluate_ranker(ranker, settings, work_dir)
-        times[name] = time.perf_counter() - start
-        if accelerator.is_main_process:
-            write_report(cfg, work_dir, results[name])
+    scorer, backend = page_scorer(cfg) if any(map(_reranks, factories.values())) else (None, None)
+    try:
+        for row, factory in factories.items():
+            work_dir = output_dir / row if by_row else output_dir
+            start = time.perf_counter()
+            ranker = bind_ranker(factory, model, settings, work_dir, scorer)
+            name = ranker.name if by_row and isinstance(ranker, DenseRanker) else row  # late_interaction says so
+            results[name] = evaluate_ranker(ranker, settings, work_dir)
+            times[name] = time.perf_counter() - start
+            if isinstance(ranker, RerankRanker) and results[name]:
+                results[name]["rerank"] = {**ranker.cost, **ranker.per_query_cost()}
+                write_json(work_dir / RERANK_FILE, {**results[name]["rerank"], "queries": ranker.trace})
+            if accelerator.is_main_process:
+                write_report(cfg, work_dir, results[name])
+    finally:
+        if backend is not None:
+            backend.close()
     return results, times, output_dir
+
+
+def page_scorer(cfg: DictConfig) -> tuple[Any, Any]:
+    """The reranker's page scorer and its backend, built at the composition root (:func:`hkrag.tasks.rag.page_scorer`:
+    the generator's P(yes | question, page))."""
+    from hkrag.tasks.rag import page_scorer as build  # the root imports this module: import it when needed
+
+    return build(cfg)
 
 
 class VisualModel:
@@ -184,10 +213,16 @@ class VisualModel:
 
 
 def bind_ranker(
-    factory: Ranker | functools.partial, model: VisualModel | None, settings: RetrievalEvalConfig, work_dir: Path
+    factory: Ranker | functools.partial, model: VisualModel | None, settings: RetrievalEvalConfig, work_dir: Path,
+    scorer: Any = None,
 ) -> Ranker:
     """The ranker of an instantiated ``retriever`` config: itself, or (a partial) given ``model``'s
-    :class:`DenseRanker` searching into ``work_dir``: as the ranker (``dense``) or handed to it as ``dense``."""
+    :class:`DenseRanker` searching into ``work_dir``: as the ranker (``dense``) or handed to it as ``dense``; a
+    reranker (``retriever=rerank``) gets its first stage bound alike and ``scorer``."""
+    if _reranks(factory):
+        if scorer is None:
+            raise ValueError("retriever=rerank needs a page scorer (hkrag.tasks.rag.page_scorer)")
+        return factory(first=bind_ranker(factory.keywords["first"], model, settings, work_dir), scorer=scorer)
     if not isinstance(factory, functools.partial):
         return factory
     dense = model.ranker(settings, work_dir)
