@@ -30,7 +30,9 @@ import numpy as np
 
 from hkrag.index.plaid import CentroidInteraction, default_centroids, gather_pages
 from hkrag.index.shards import check_multivectors
+from hkrag.index.spec import SEARCH_COUNT, check_factory, check_search_parameters
 from hkrag.io import atomic_write, write_json
+from hkrag.ranges import Rule
 
 MANIFEST = "multivector.json"
 FORMAT = 1
@@ -189,6 +191,15 @@ class Muvera:
 
 
 STAGES = ("", "muvera", "tokens", "plaid")
+SPEC_RULES: dict[str, Rule] = {
+    "pool": Rule(int, low=1, high=64), "candidates": SEARCH_COUNT, "reps": Rule(int, low=1, high=1000),
+    "ksim": Rule(int, low=1, high=20), "dproj": Rule(int, low=1, high=4096), "final": Rule(int, low=0, high=2**20),
+    "prune": Rule(int, low=0, high=2**20), "centroids": Rule(int, low=0, high=2**24), "nprobe": SEARCH_COUNT,
+    "t_cs": Rule(float, low=-1, high=1), "ndocs": SEARCH_COUNT, "rerank": Rule(int, low=0, high=2**20),
+    "seed": Rule(int, low=0),
+}
+"""Range of each numeric :class:`MultiVectorSpec` setting (``prune``, ``rerank``, ``final``, ``centroids``: 0 is
+their documented "none" / "automatic", never a missing value)."""
 SEARCH_SETTINGS = ("candidates", "stage_params", "prune", "nprobe", "t_cs", "ndocs", "rerank")
 
 
@@ -246,10 +257,11 @@ class MultiVectorSpec:
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
             raise ValueError(f"unknown candidate stage {self.stage!r}; expected one of {STAGES}")
-        if min(self.pool, self.candidates, self.nprobe, self.ndocs) < 1 or self.centroids < 0:
-            raise ValueError(f"pool, candidates, nprobe and ndocs must be >= 1 and centroids >= 0, got "
-                             f"pool={self.pool} candidates={self.candidates} nprobe={self.nprobe} ndocs={self.ndocs} "
-                             f"centroids={self.centroids}")
+        for name, rule in SPEC_RULES.items():
+            rule.check(f"multi-vector index setting {name}", getattr(self, name))
+        check_factory(self.codec)
+        check_factory(self.stage_index)
+        check_search_parameters(self.stage_params)
 
     @classmethod
     def parse(cls, text: str | MultiVectorSpec) -> MultiVectorSpec:
@@ -262,7 +274,9 @@ class MultiVectorSpec:
             key, sep, value = item.partition("=")
             if not sep or key.strip() not in types:
                 raise ValueError(f"bad multi-vector index setting {item!r} in {text!r}; known: {sorted(types)}")
-            values[key.strip()] = {"str": str, "float": float}.get(types[key.strip()], int)(value.strip())
+            rule = SPEC_RULES.get(key.strip())
+            values[key.strip()] = rule.parse(f"multi-vector index setting {key.strip()}", value.strip()) if rule \
+                else value.strip()
         return cls(**values)
 
     def __str__(self) -> str:

@@ -41,6 +41,7 @@ from hkrag.rag.metrics import rule_metrics
 from hkrag.rag.records import CallRecord, PageTruth, Query, QueryOutcome, QueryTruth
 from hkrag.rag.step_report import page_truth, query_truth, step_markdown, step_report, summary_markdown
 from hkrag.rag.trace import write_trace
+from hkrag.ranges import POSITIVE
 from hkrag.tasks.common import BASE_DIR, CONF_DIR, FINAL_ADAPTER
 from hkrag.tasks.rag import answer_all, question_text
 
@@ -150,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--split", choices=("validation", "test"), default="validation")
     parser.add_argument("--pages", nargs="+", choices=PAGE_SETS, default=["gold"])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--max-queries", type=int, default=None)
+    parser.add_argument("--max-queries", type=POSITIVE.arg, default=None, help="the first N queries only")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     report = evaluate(args.run, args.out, args.split, args.pages, args.modes, args.max_queries)

@@ -38,10 +38,10 @@ from hkrag.io import write_json
 from hkrag.lvlm import PageImage
 from hkrag.models.phi3v import Phi3VConfig, load_processor, tiny_phi3v
 from hkrag.models.phi3v.loading import CheckpointNotFoundError
+from hkrag.ranges import POSITIVE, PROCESSES, memory_size
 from hkrag.retriever import VDOCRAG_LORA_TARGETS, HeadSettings, LoraSettings, describe_lora_modules
 from hkrag.training.generator import single_pass_prompt
 from hkrag.training.memory import (
-    GIB,
     GPU_SIZES_GB,
     MALLOC_ENV,
     MAXSIM_PHASE,
@@ -231,17 +231,6 @@ def late_interaction_head(cfg: DictConfig, query_tokens: int) -> LateInteraction
     return LateInteractionHead(dim=head.dim, query_tokens=query_tokens + head.query_augmentation, queries=queries,
                                pages=queries * (1 + int(cfg.trainer.get("hard_negatives") or 0)),
                                scores=float(cfg.loss.get("infonce_weight", 1.0)) > 0)
-
-
-def parse_size(text: str) -> int:
-    """``80GB`` / ``80`` (GB, as GPUs are sold) or ``79.6GiB`` -> bytes."""
-    value = text.strip().upper()
-    scale = GIB if value.endswith("GIB") else 10**9
-    number = value.removesuffix("GIB").removesuffix("GB")
-    try:
-        return int(float(number) * scale)
-    except ValueError as error:
-        raise SystemExit(f"--gpu-memory: {text!r} is not a size (e.g. 80GB, 24, 79.6GiB)") from error
 
 
 def fits(result: Estimate, memory: int) -> bool:
@@ -603,13 +592,15 @@ def overrides_first(argv: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. experiment=hkrag_retriever")
-    parser.add_argument("--gpu-memory", help="refuse (exit 1) unless the step fits this much, e.g. 80GB")
+    parser.add_argument("--gpu-memory", type=memory_size,
+                        help="refuse (exit 1) unless the step fits this much, e.g. 80GB")
     parser.add_argument("--model-config", help="folder with the model's config.json and tokenizer (default: "
                                                "model.base)")
-    parser.add_argument("--processes", type=int, default=1, help="data-parallel processes sharing the global batch")
+    parser.add_argument("--processes", type=PROCESSES.arg, default=1,
+                        help="data-parallel processes sharing the global batch")
     parser.add_argument("--measure", action="store_true", help="measure --path (default: training) at --layers")
-    parser.add_argument("--layers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--vision-layers", type=int, nargs="+", default=[24],
+    parser.add_argument("--layers", type=POSITIVE.arg, nargs="+", default=[1, 2])
+    parser.add_argument("--vision-layers", type=POSITIVE.arg, nargs="+", default=[24],
                         help="CLIP depths measured (each with every --layers)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="--measure on CPU (fp32, resident "
                         "set) or CUDA (bf16, max_memory_allocated)")
@@ -622,12 +613,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="--measure: the experiment's training step (train), one encoding batch of its retriever "
                              "(encode), or one query of eval.py's generator through the Phi3V local backend (query: "
                              "the overrides are eval.py's, e.g. generator=hkrag lvlm=phi3v)")
-    parser.add_argument("--pages", type=int, default=2, help="--path encode: pages in the batch")
-    parser.add_argument("--queries", type=int, default=2, help="--path encode: queries in the batch")
-    parser.add_argument("--full-depth", type=int, default=32, help="LM layers extrapolated to")
-    parser.add_argument("--full-vision-depth", type=int, default=24,
+    parser.add_argument("--pages", type=POSITIVE.arg, default=2, help="--path encode: pages in the batch")
+    parser.add_argument("--queries", type=POSITIVE.arg, default=2, help="--path encode: queries in the batch")
+    parser.add_argument("--full-depth", type=POSITIVE.arg, default=32, help="LM layers extrapolated to")
+    parser.add_argument("--full-vision-depth", type=POSITIVE.arg, default=24,
                         help="--path train: CLIP layers extrapolated to (with two CLIP depths measured)")
-    parser.add_argument("--measure-one", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--measure-one", type=POSITIVE.arg, help=argparse.SUPPRESS)
     args = parser.parse_args(overrides_first(sys.argv[1:] if argv is None else argv))
     cfg = compose_config(args.overrides, "eval" if args.path == "query" else "train")
     if args.measure_one:
@@ -652,7 +643,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                      [*rows, *([full] if full else [])]]))
         return
     p = plan(cfg, args.model_config, args.processes)
-    memory = parse_size(args.gpu_memory) if args.gpu_memory else None
+    memory = args.gpu_memory
     print(table_row(p, cfg.model.get("num_crops")) if args.row else report(p, memory))
     if memory:
         check(p, memory, cfg)
