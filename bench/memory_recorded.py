@@ -13,10 +13,10 @@ Nothing here runs a model: it re-reads the evidence after a change to the model.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
+from hkrag.io import read_json
 from hkrag.tasks.preflight import compose_config, predicted_row
 
 RUNS = Path(__file__).resolve().parent / "runs"
@@ -64,7 +64,7 @@ def recorded(model_config: str | None) -> list[dict[str, Any]]:
         path = RUNS / name
         if not path.is_file():
             continue
-        for row in json.loads(path.read_text()):
+        for row in read_json(path):
             row = {**context, **row, "source": name}
             rows.append(predicted_row(compose_config(row["overrides"]), row, model_config))
     return rows

@@ -136,7 +136,8 @@ def _parse(path: Path, text: str, line: int | None = None) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as error:
         where = f"line {line}" if line is not None else f"line {error.lineno} column {error.colno}"
-        truncated = " (truncated?)" if error.pos >= len(text.rstrip()) else ""
+        ends_early = error.pos >= len(text.rstrip()) or error.msg.startswith("Unterminated string")
+        truncated = " (truncated?)" if ends_early else ""
         raise FileFormatError(path, f"{where}: not valid JSON{truncated}: {error.msg}") from None
 
 

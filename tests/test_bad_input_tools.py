@@ -3,12 +3,17 @@ the allowed range), non-finite vectors and scores, damaged files (named), shippe
 for, evaluation settings that differ from training, and resumes that cannot be trusted."""
 
 import math
+import re
+import sys
+from pathlib import Path
 
 import pytest
 
 from hkrag.index.multivector import MultiVectorSpec
 from hkrag.index.spec import IndexSpec
 from hkrag.ranges import POSITIVE, parse_size
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 # --- 1. numbers on the command line and in specs ------------------------------------------------------------------
 
@@ -120,3 +125,313 @@ def test_the_documented_zero_settings_still_mean_none_and_valid_specs_parse():
     assert IndexSpec.parse("faiss:HNSW32,SQ8;efSearch=64,k_factor_rf=4").params == "efSearch=64,k_factor_rf=4"
     assert parse_size("79.6GiB") == int(79.6 * 2**30) and parse_size("80") == 80 * 10**9
     assert POSITIVE.arg("3") == 3 and math.isclose(POSITIVE.describe() == "an integer >= 1", True)
+
+
+# --- 3. damaged files name the file --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content, named", [
+    ('{"identity": {"a": 1', "line 1 column 21: not valid JSON (truncated?)"),
+    ("", "not valid JSON (truncated?)"),
+    ('{"identity": 1}\ngarbage', "line 2 column 1: not valid JSON"),
+    (b'{"identity": "\xff"}', "line 1 is not UTF-8 (invalid start byte at byte 14)"),
+    ('{"other": 1}', "run config lacks key(s) ['identity'] (found ['other'])"),
+    ("[1, 2]", "lacks key(s) ['identity'] (found list)"),
+])
+def test_a_damaged_json_file_is_named_with_what_is_wrong(tmp_path, content, named):
+    from hkrag.io import FileFormatError, read_json
+
+    path = tmp_path / "rag_config.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(FileFormatError) as error:
+        read_json(path, keys=("identity",), what="run config")
+    assert str(error.value).startswith(f"{path}: ") and named in str(error.value)
+
+
+@pytest.mark.parametrize("content, named", [
+    ('{"doc_id": "a", "selected": []}\n{"doc_id": "b", "sel', "line 2: not valid JSON (truncated?)"),
+    ('{"doc_id": "a"}\n', "line 1: record lacks key(s) ['selected']"),
+    ('\n{"doc_id": "a", "selected": []}\n[]\n', "line 3: record lacks key(s) ['doc_id', 'selected']"),
+    (b'{"doc_id": "a", "selected": []}\n{"doc_id": "\xe9"}\n', "line 2 is not UTF-8"),
+])
+def test_region_rows_without_their_keys_or_truncated_name_the_file_and_line(tmp_path, content, named):
+    from hkrag.data.region_corpus import detected_regions
+    from hkrag.io import FileFormatError
+
+    path = tmp_path / "chartqa" / "test.jsonl"
+    path.parent.mkdir()
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(FileFormatError) as error:
+        detected_regions(tmp_path, "chartqa", "test")
+    assert str(error.value).startswith(f"{path}: ") and named in str(error.value)
+
+
+@pytest.mark.parametrize("row", ['{"doc_id": "p0", "split": "test"}', '{"split": "test", "items": []}'])
+def test_a_corpus_without_items_is_named_by_the_fine_print_reader(tmp_path, row):
+    from hkrag.data.degrade import fine_print_boxes
+    from hkrag.io import FileFormatError
+
+    path = tmp_path / "pages.jsonl"
+    path.write_text(row + "\n")
+    with pytest.raises(FileFormatError, match=r"pages.jsonl: line 1: record lacks key\(s\)"):
+        fine_print_boxes(path)
+
+
+def _saved_index(tmp_path):
+    import numpy as np
+
+    from hkrag.index.faiss_index import DocumentIndex
+
+    vectors = np.random.default_rng(0).standard_normal((40, 8)).astype(np.float32)
+    index = DocumentIndex.build([f"d{i}" for i in range(40)], vectors, "flat", use_gpu=False)
+    return index.save(tmp_path / "index"), vectors
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+@pytest.mark.parametrize("keep", [0, 3, 0.5, -1])
+def test_a_truncated_faiss_index_is_named_before_faiss_reads_it(tmp_path, mmap, keep):
+    from hkrag.index.faiss_index import DocumentIndex
+    from hkrag.io import FileFormatError
+
+    directory, _ = _saved_index(tmp_path)
+    path = directory / "index.faiss"
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep) if isinstance(keep, float) else keep % len(data)])
+    with pytest.raises(FileFormatError, match=rf"index.faiss: holds \d+ bytes, {len(data)} were written"):
+        DocumentIndex.load(directory, use_gpu=False, mmap=mmap)
+
+
+def test_an_index_saved_before_sizes_were_recorded_still_names_a_truncated_file(tmp_path):
+    from hkrag.index.faiss_index import DocumentIndex
+    from hkrag.io import FileFormatError, read_json, write_json
+
+    directory, vectors = _saved_index(tmp_path)
+    meta = read_json(directory / "index.json")
+    write_json(directory / "index.json", {k: v for k, v in meta.items() if k != "index_bytes"})
+    assert len(DocumentIndex.load(directory, use_gpu=False)) == 40  # an old, whole index loads
+    path = directory / "index.faiss"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(FileFormatError, match="index.faiss: not a readable FAISS index .truncated or corrupt."):
+        DocumentIndex.load(directory, use_gpu=False)
+
+
+@pytest.mark.parametrize("damage", ['{"spec": {"kind": "fl', "", '{"dim": 8}'])
+def test_a_tuned_index_with_damaged_settings_is_named(tmp_path, damage):
+    from hkrag.io import FileFormatError
+
+    directory, _ = _saved_index(tmp_path)
+    (directory / "index.json").write_text(damage)
+    with pytest.raises(FileFormatError, match="index.json: "):
+        IndexSpec.parse(f"tuned:{directory}")
+
+
+@pytest.mark.parametrize("damage", ['[{"layers": 1, "peak"', '[{"layers": 1}]\n]'])
+def test_recorded_measurement_rows_that_are_damaged_are_named(tmp_path, damage):
+    from hkrag.io import FileFormatError
+    from hkrag.tasks.preflight import main
+
+    rows = tmp_path / "rows.json"
+    rows.write_text(damage)
+    with pytest.raises(FileFormatError, match=rf"^{rows}: line \d+ column \d+: not valid JSON"):
+        main(["experiment=hkrag_retriever", "--compare", str(rows)])
+
+
+def test_a_truncated_rag_config_is_named_and_left_as_it_was(tmp_path):
+    from omegaconf import OmegaConf
+
+    from hkrag.io import FileFormatError
+    from hkrag.tasks.rag import prepare_run_dir
+
+    (tmp_path / "trace" / "parts").mkdir(parents=True)
+    (tmp_path / "trace" / "parts" / "part-0.jsonl").write_text("{}\n")
+    marker = tmp_path / "rag_config.json"
+    marker.write_text('{"hash": "ab", "identity": {"task": "ra')
+    cfg = OmegaConf.create({"task": {"name": "rag"}, "rag": {"resume": True}})
+    with pytest.raises(FileFormatError, match=rf"^{tmp_path}/rag_config.json: line 1 column \d+: not valid JSON"):
+        prepare_run_dir(cfg, tmp_path)
+    assert marker.read_text() == '{"hash": "ab", "identity": {"task": "ra'
+
+
+def _evaluation(folder, scores: dict[str, float], dataset="synfine", pool="all"):
+    from hkrag.io import write_json
+
+    folder.mkdir()
+    write_json(folder / "per_query.json", {dataset: {pool: {q: {"ndcg@5": s} for q, s in scores.items()}}})
+    return folder
+
+
+@pytest.mark.parametrize("second, named", [
+    ({"q1": 0.5}, r"lacks 1 \(e.g. \['q2'\]\) and adds 0"),
+    ({"q1": 0.5, "q2": 0.1, "q3": 1.0}, r"lacks 0 \(e.g. \[\]\) and adds 1 \(e.g. \['q3'\]\)"),
+    ({"q1": 0.5, "q9": 0.1}, r"lacks 1 \(e.g. \['q2'\]\) and adds 1 \(e.g. \['q9'\]\)"),
+])
+def test_a_seed_table_refuses_runs_that_do_not_share_their_questions(tmp_path, second, named, capsys):
+    from hkrag.tasks.seeds import main
+
+    a, b = _evaluation(tmp_path / "s0", {"q1": 1.0, "q2": 0.0}), _evaluation(tmp_path / "s1", second)
+    error = _usage_error(main, [str(a), str(b), "--corpus", str(tmp_path / "corpus")], capsys)
+    assert "do not share the questions of synfine/all" in error
+    assert re.search(named, error)
+
+
+# --- 2. non-finite vectors and scores ------------------------------------------------------------------------------
+
+
+def _spoiling(row: int, value: float, multi_vector: bool = False):
+    """An embedding function whose document ``row`` (of the corpus) holds ``value`` in its first entry."""
+    import numpy as np
+    from test_shards import embed, tokens
+
+    def fn(rows):
+        out = tokens(rows) if multi_vector else embed(rows).numpy()
+        for i, r in enumerate(rows):
+            if r["seed"] == row:
+                out[i] = np.array(out[i], copy=True)
+                out[i].flat[-1] = value
+        return out
+    return fn
+
+
+BAD_VALUES = [math.nan, math.inf, -math.inf]
+
+
+@pytest.mark.parametrize("multi_vector", [False, True])
+@pytest.mark.parametrize("value, dtype", [*((v, "float32") for v in BAD_VALUES), (1e6, "float16")])
+def test_a_shard_with_a_non_finite_row_is_not_written(tmp_path, value, dtype, multi_vector):
+    from test_shards import encode
+
+    from hkrag.index.shards import ShardError
+
+    with pytest.raises(ShardError, match=r"shard-00001: row 2 \(page id 'doc007'.*\) holds NaN or infinite values "
+                                         r"\(1 of 5 rows do\); not written"):
+        encode(_corpus(), tmp_path, embed_fn=_spoiling(7, value, multi_vector), dtype=dtype, multi_vector=multi_vector)
+    assert not (tmp_path / "shard-00001.npy").exists() and (tmp_path / "shard-00000.npy").exists()
+
+
+def _corpus(n=12):
+    return [{"doc_id": f"doc{i:03d}", "seed": i} for i in range(n)]
+
+
+@pytest.mark.parametrize("value", BAD_VALUES)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_dense_shard_damaged_on_disk_is_refused_when_read(tmp_path, value, dtype):
+    import numpy as np
+    from test_shards import encode
+
+    from hkrag.index.shards import ShardError, load_shards
+
+    encode(_corpus(), tmp_path, dtype=dtype)
+    path = tmp_path / "shard-00002.npy"
+    block = np.load(path)
+    block[1, 3] = value
+    np.save(path, block)
+    with pytest.raises(ShardError, match=r"shard-00002: row 1 \(page id 'doc011'\) holds NaN or infinite values"):
+        load_shards(tmp_path)
+
+
+@pytest.mark.parametrize("value", BAD_VALUES)
+def test_a_multivector_shard_damaged_on_disk_is_refused_when_read(tmp_path, value):
+    import numpy as np
+    from test_shards import encode_tokens
+
+    from hkrag.index.shards import ShardError, load_multi_vector_shards
+
+    encode_tokens(_corpus(), tmp_path, dtype="float16")
+    path = tmp_path / "shard-00001.npy"
+    block, offsets = np.load(path), np.load(tmp_path / "shard-00001.offsets.npy")
+    block[offsets[2] + 1, 0] = value  # page 2 of the shard (doc007, 4 tokens), its second token
+    np.save(path, block)
+    with pytest.raises(ShardError, match=r"shard-00001: row 2 \(page id 'doc007', token 1\) holds NaN or infinite"):
+        load_multi_vector_shards(tmp_path)
+
+
+@pytest.mark.parametrize("value", BAD_VALUES)
+def test_a_ranking_with_a_non_finite_score_is_not_cut(value):
+    from hkrag.retrieval.metrics import cut_with_ties, truncate
+
+    run = {"q1": {"a": 0.5, "b": 0.2}, "q2": {"a": 0.9, "b": value, "c": 0.1}}
+    for cut in (cut_with_ties, truncate):
+        with pytest.raises(ValueError, match=rf"query 'q2': page 'b' scored {value}, which cannot be ranked"):
+            cut(run, 1)
+
+
+@pytest.mark.parametrize("value", BAD_VALUES)
+def test_a_non_finite_query_vector_is_refused_by_the_index(tmp_path, value):
+    directory, vectors = _saved_index(tmp_path)
+    from hkrag.index.faiss_index import DocumentIndex
+
+    queries = vectors[:3].copy()
+    queries[2, 0] = value
+    with pytest.raises(ValueError, match=r"query row 2 holds NaN or infinite values \(1 of 3 rows do\)"):
+        DocumentIndex.load(directory, use_gpu=False).search(queries, 5)
+
+
+# --- 4. a shipped model whose manifest cannot vouch for it ---------------------------------------------------------
+
+ADAPTER = Path("checkpoints/final/adapter")
+
+
+@pytest.fixture()
+def agents_generator(tmp_path):
+    import shutil
+
+    return Path(shutil.copytree(Path(__file__).parents[1] / "weights" / "generator_agents_tiny", tmp_path / "g"))
+
+
+def _tamper(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda text: text[: len(text) // 2], r"cannot vouch for the shipped files \(.*not valid JSON \(truncated\?\)"),
+    (lambda text: "", "cannot vouch for the shipped files"),
+    (lambda text: '{"command": "python train.py"}', r"cannot vouch .*lacks key\(s\) \['files'\]"),
+    (lambda text: '{"files": {"base/config.json": "abc"}}', r"entries \['base/config.json'\] hold no sha256"),
+    (lambda text: "[]", "cannot vouch for the shipped files"),
+])
+@pytest.mark.parametrize("part", ["base", str(ADAPTER)])
+def test_a_shipped_folder_whose_manifest_cannot_be_read_is_refused(agents_generator, damage, named, part):
+    from hkrag.models.phi3v.loading import ShippedFileMismatch, verify_shipped
+
+    manifest = agents_generator / "manifest.json"
+    manifest.write_text(damage(manifest.read_text()))
+    _tamper(agents_generator / ADAPTER / "adapter_model.safetensors")
+    with pytest.raises(ShippedFileMismatch, match=f"{manifest} {named}"):
+        verify_shipped(agents_generator / part)
+
+
+@pytest.mark.parametrize("unlisted", [str(ADAPTER / "adapter_model.safetensors"), str(ADAPTER / "adapter_config.json"),
+                                      "base/model.safetensors"])
+def test_a_file_the_manifest_no_longer_lists_is_refused(agents_generator, unlisted):
+    from hkrag.io import read_json, write_json
+    from hkrag.models.phi3v.loading import ShippedFileMismatch, verify_shipped
+
+    manifest = read_json(agents_generator / "manifest.json")
+    del manifest["files"][unlisted]
+    write_json(agents_generator / "manifest.json", manifest)
+    _tamper(agents_generator / unlisted)
+    with pytest.raises(ShippedFileMismatch, match=f"{agents_generator / unlisted} is not listed in "):
+        verify_shipped(agents_generator / Path(unlisted).parent)
+
+
+@pytest.mark.parametrize("extra", [ADAPTER / "adapter_model.bin", ADAPTER / "README.md",
+                                   Path("base/model-2.safetensors")])
+def test_an_extra_file_beside_the_shipped_ones_is_refused(agents_generator, extra):
+    from hkrag.models.phi3v.loading import ShippedFileMismatch, verify_shipped
+
+    (agents_generator / extra).write_bytes(b"not shipped")
+    with pytest.raises(ShippedFileMismatch, match=f"{agents_generator / extra} is not listed"):
+        verify_shipped(agents_generator / extra.parent)
+
+
+def test_the_agents_generator_with_an_unvouched_adapter_does_not_answer(agents_generator):
+    from hkrag.lvlm.phi3v import Phi3VBackend
+    from hkrag.models.phi3v.loading import ShippedFileMismatch
+
+    manifest = agents_generator / "manifest.json"
+    manifest.write_text(manifest.read_text()[:-40])
+    _tamper(agents_generator / ADAPTER / "adapter_model.safetensors")
+    with pytest.raises(ShippedFileMismatch, match="cannot vouch"):
+        Phi3VBackend(base=str(agents_generator / "base"), adapter=str(agents_generator / ADAPTER), device="cpu")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hkrag.data.opendocvqa import TEXT_COLUMN, Corpus, DataError, QAExample
+from hkrag.io import read_json
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def read_hard_negatives(path: str | Path) -> dict[str, tuple[str, ...]]:
     """``query_id -> mined doc ids, hardest first`` from a ``python -m hkrag.index.mine`` file."""
     path = Path(path)
     try:
-        negatives = json.loads(path.read_text())["negatives"]
+        negatives = read_json(path, keys=("negatives",), what="hard-negative file")["negatives"]
     except FileNotFoundError as error:
         message = f"hard-negative file {path} does not exist: mine one with python -m hkrag.index.mine"
         raise FileNotFoundError(message) from error

@@ -67,6 +67,7 @@ from hkrag.data.opendocvqa import (
 from hkrag.data.regions import GLOBAL_CLASSES, Region
 from hkrag.data.synthetic import TextItem
 from hkrag.data.writer import declare_text_columns, save_split
+from hkrag.io import read_jsonl
 
 MODES = ("all-box", "semantic_box-only", "concatenation")
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -162,7 +163,7 @@ def detected_regions(folder: str | Path, config: str, split: str) -> dict[str, l
     path = Path(folder) / config / f"{split}.jsonl"
     if not path.is_file():
         raise DataError(f"{path} is missing: run python -m hkrag.data.layout detect first")
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = read_jsonl(path, keys=("doc_id", "selected"))
     return {row["doc_id"]: [Region(tuple(b[:4]), b[4], b[5]) for b in row["selected"]] for row in rows}
 
 

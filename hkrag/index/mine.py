@@ -18,7 +18,6 @@ is what :func:`hkrag.data.pairs.read_hard_negatives` reads (docs/training.md "Ha
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -28,7 +27,7 @@ import numpy as np
 from hkrag.data.opendocvqa import load_corpus
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import load_shards, read_manifest
-from hkrag.io import write_json
+from hkrag.io import read_json, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     allowed = None
     if args.corpus_source:
         allowed = set(load_corpus(args.corpus_source, args.corpus_config, args.split).doc_ids)
-    qrels = json.loads(Path(args.qrels).read_text())
+    qrels = read_json(args.qrels)
     negatives = mine_from_embeddings(args.queries, args.corpus, qrels, args.depth, args.keep, args.skip, allowed)
     settings = {key: getattr(args, key) for key in ("queries", "corpus", "qrels", "depth", "skip", "keep",
                                                     "corpus_source", "corpus_config", "split")}

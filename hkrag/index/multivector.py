@@ -19,7 +19,6 @@ bench/RESULTS.md give the measured settings.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
@@ -31,7 +30,7 @@ import numpy as np
 from hkrag.index.plaid import CentroidInteraction, default_centroids, gather_pages
 from hkrag.index.shards import check_multivectors
 from hkrag.index.spec import SEARCH_COUNT, check_factory, check_search_parameters
-from hkrag.io import atomic_write, write_json
+from hkrag.io import atomic_write, read_json, write_json
 from hkrag.ranges import Rule
 
 MANIFEST = "multivector.json"
@@ -511,7 +510,7 @@ class MultiVectorIndex:
         path = directory / MANIFEST
         if not path.is_file():
             raise FileNotFoundError(f"no multi-vector index at {directory} ({path} is missing)")
-        manifest = json.loads(path.read_text())
+        manifest = read_json(path, keys=("format",))
         if manifest.get("format") != FORMAT:
             raise ValueError(f"{path}: format {manifest.get('format')!r}, this code reads {FORMAT}")
         index = cls(manifest["dim"], MultiVectorSpec(**manifest["spec"]))
@@ -530,7 +529,7 @@ class MultiVectorIndex:
             index.plaid = CentroidInteraction(np.load(directory / "centroids.npy"), assignment, index.offsets)
         if index.spec.rerank:
             index.full = (np.load(directory / "vectors.npy", mmap_mode="r"), np.load(directory / "vector_offsets.npy"))
-        index.ids = json.loads((directory / "ids.json").read_text())
+        index.ids = read_json(directory / "ids.json")
         index.build_seconds = manifest.get("build", {})
         stage_rows = {None: len(index.ids), "muvera": len(index.ids), "tokens": len(index.codes),
                       "plaid": len(index.ids)}[

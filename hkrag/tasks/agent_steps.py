@@ -20,7 +20,6 @@ the ones the agents send. CPU, float32, greedy.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +32,7 @@ from tqdm.auto import tqdm
 
 from hkrag.data.generator_pairs import read_pairs
 from hkrag.data.opendocvqa import QAExample, load_corpus, load_qa
-from hkrag.io import write_json, write_text
+from hkrag.io import read_json, write_json, write_text
 from hkrag.lvlm import LVLMBackend, PageImage
 from hkrag.lvlm.phi3v import Phi3VBackend
 from hkrag.lvlm.uncertainty import uncertainty
@@ -62,7 +61,7 @@ def generator_config(name: str) -> dict[str, Any]:
 def held_out_queries(run: Path, cfg: Any, split: str) -> list[QAExample]:
     """The run's validation queries (training split, held-out documents) or the test questions."""
     if split == "validation":
-        ids = set(json.loads((run / "report.json").read_text())["validation_queries"])
+        ids = set(read_json(run / "report.json", keys=("validation_queries",))["validation_queries"])
         if not ids:
             raise ValueError(f"{run} held out no validation queries (generator_training.validation was not set)")
         return [ex for ex in load_qa(cfg.data.qa_source, cfg.data.train.qa_config, "train") if ex.query_id in ids]

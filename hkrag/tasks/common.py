@@ -9,7 +9,6 @@ RAG task build on these; entry points only call a task's ``run_*`` function. The
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import multiprocessing
 import os
@@ -31,7 +30,7 @@ from tqdm.auto import tqdm
 
 from hkrag.data.opendocvqa import ALL_POOL, check_pool_pages, load_corpus, pools
 from hkrag.data.synthetic import CONFIG_FILE, SyntheticConfig, generate
-from hkrag.io import atomic_directory, write_json, write_text
+from hkrag.io import atomic_directory, read_json, write_json, write_text
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.models.phi3v.loading import save_processor, tiny_phi3v
 from hkrag.retrieval.evaluation import RetrievalEvalConfig
@@ -85,7 +84,7 @@ def prepare_data(data_cfg: DictConfig) -> None:
         return
     root, config = Path(data_cfg.root), SyntheticConfig(**data_cfg.synthetic)
     marker = root / CONFIG_FILE
-    if marker.is_file() and json.loads(marker.read_text()) == dataclasses.asdict(config):
+    if marker.is_file() and read_json(marker) == dataclasses.asdict(config):
         return
     if root.exists() and any(root.iterdir()):
         if not marker.is_file():
@@ -325,7 +324,7 @@ TIMINGS_FILE = "timings.json"
 def read_timings(out: Path) -> dict[str, float]:
     """The compute recorded in ``out`` so far (``{}`` before the first run)."""
     path = out / TIMINGS_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json(path) if path.is_file() else {}
 
 
 def record_time(timings: dict[str, float], out: Path, name: str, seconds: float) -> None:

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
 from hkrag.data.collators import RetrieverCollator
-from hkrag.io import write_json
+from hkrag.io import read_json, write_json
 from hkrag.lvlm import PageImage
 from hkrag.models.phi3v import Phi3VConfig, load_processor, tiny_phi3v
 from hkrag.models.phi3v.loading import CheckpointNotFoundError
@@ -632,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps(row))
         return
     if args.measure or args.compare:
-        rows = measure(args.overrides, args) if args.measure else json.loads(Path(args.compare).read_text())
+        rows = measure(args.overrides, args) if args.measure else read_json(args.compare)
         if args.out:
             write_json(Path(args.out), rows)
         if rows and rows[0].get("path", "train") != "train":

@@ -19,7 +19,6 @@ run at once, with every finished query already in the trace (docs/errors.md, "Ge
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import re
 import shutil
@@ -43,7 +42,7 @@ from hkrag.data.generator_pairs import warn_few_pages
 from hkrag.data.opendocvqa import QUERY_PREFIX, Corpus, QAExample, load_corpus, load_qa, pools
 from hkrag.environment import environment
 from hkrag.index.shards import config_hash
-from hkrag.io import WriteError, write_json, write_text
+from hkrag.io import WriteError, read_json, write_json, write_text
 from hkrag.lvlm import LVLMBackend, PageImage, build_backend
 from hkrag.rag.grader import build_grader
 from hkrag.rag.html import write_html
@@ -246,10 +245,15 @@ def prepare_run_dir(cfg: DictConfig, output_dir: Path) -> None:
     """Start fresh (``rag.resume=false``) or check that the trace there was made with these settings."""
     identity = run_identity(cfg)
     marker = output_dir / RUN_CONFIG_FILE
+    parts = output_dir / PARTS_DIR
     if not cfg.rag.resume:
-        shutil.rmtree(output_dir / PARTS_DIR, ignore_errors=True)
-    elif marker.is_file() and (output_dir / PARTS_DIR).is_dir():
-        saved = json.loads(marker.read_text())
+        shutil.rmtree(parts, ignore_errors=True)
+    elif not marker.is_file() and parts.is_dir() and any(parts.iterdir()):
+        raise ValueError(f"{parts} holds answers but {marker} is missing: nothing vouches for the settings they were "
+                         "made with, so they cannot be resumed; restore the file, use another run directory, or "
+                         "rag.resume=false to start over")
+    elif marker.is_file() and parts.is_dir():
+        saved = read_json(marker, keys=("identity",), what="run config")
         changed = sorted(k for k in identity if saved.get("identity", {}).get(k) != identity[k])
         if changed:
             raise ValueError(
