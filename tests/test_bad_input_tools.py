@@ -7,7 +7,9 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from hkrag.index.multivector import MultiVectorSpec
 from hkrag.index.spec import IndexSpec
@@ -435,3 +437,102 @@ def test_the_agents_generator_with_an_unvouched_adapter_does_not_answer(agents_g
     _tamper(agents_generator / ADAPTER / "adapter_model.safetensors")
     with pytest.raises(ShippedFileMismatch, match="cannot vouch"):
         Phi3VBackend(base=str(agents_generator / "base"), adapter=str(agents_generator / ADAPTER), device="cpu")
+
+
+# --- 6. settings that must match training ----------------------------------------------------------------------------
+
+LATE = {"head": "late_interaction", "late_interaction": {"dim": 128, "query_augmentation": 10}}
+
+
+def _trained_adapter(folder: Path, model: dict, shipped: bool) -> Path:
+    """An adapter folder whose training settings are recorded as ``train.py`` (state.json) or a shipment does."""
+    from dataclasses import asdict
+
+    from hkrag.io import write_json
+    from hkrag.training.checkpoint import TrainState
+
+    adapter = folder / "checkpoints" / "final" / "adapter"
+    adapter.mkdir(parents=True)
+    (folder / "base").mkdir()
+    (folder / "base" / "config.json").write_text("{}")
+    if shipped:
+        write_json(folder / "manifest.json", {"command": "python train.py", "config": {"model": model}, "files": {}})
+    else:
+        flat = {"model.kind": "tiny", "model.head": model.get("head", "dense"),
+                **{f"model.late_interaction.{k}": v for k, v in model.get("late_interaction", {}).items()}}
+        write_json(adapter.parent / "state.json", asdict(TrainState(config=flat)))
+    return adapter
+
+
+@pytest.mark.parametrize("shipped", [False, True])
+@pytest.mark.parametrize("asked, named", [
+    ({**LATE, "late_interaction": {"dim": 128, "query_augmentation": 5}},
+     "model.late_interaction.query_augmentation=5"),
+    ({**LATE, "late_interaction": {"dim": 128, "query_augmentation": 0}},
+     "model.late_interaction.query_augmentation=0"),
+    ({**LATE, "late_interaction": {"dim": 64, "query_augmentation": 10}}, "model.late_interaction.dim=64"),
+    ({"head": "dense"}, "model.head=dense"),
+])
+def test_a_late_interaction_adapter_evaluated_with_other_head_settings_is_refused(tmp_path, shipped, asked, named):
+    from omegaconf import OmegaConf
+
+    from hkrag.tasks.common import check_trained_head
+    from hkrag.tasks.validation import ConfigError
+
+    adapter = _trained_adapter(tmp_path / "run", LATE, shipped)
+    needed = ("model.head=late_interaction model.late_interaction.dim=128 "
+              "model.late_interaction.query_augmentation=10")
+    with pytest.raises(ConfigError, match=rf"trained with other head settings than asked \({named}.*\): evaluate it "
+                                          rf"with {needed} \(or run_dir="):
+        check_trained_head(OmegaConf.create({"adapter": str(adapter), **asked}))
+    check_trained_head(OmegaConf.create({"adapter": str(adapter), **LATE}))  # the trained settings pass
+
+
+def test_a_dense_adapter_asked_for_late_interaction_is_refused_naming_the_head(tmp_path):
+    from omegaconf import OmegaConf
+
+    from hkrag.tasks.common import check_trained_head
+    from hkrag.tasks.validation import ConfigError
+
+    adapter = _trained_adapter(tmp_path / "run", {"kind": "tiny"}, shipped=True)
+    with pytest.raises(ConfigError, match="model.head=late_interaction.*evaluate it with model.head=dense "):
+        check_trained_head(OmegaConf.create({"adapter": str(adapter), **LATE}))
+
+
+@pytest.mark.parametrize("shipped", [False, True])
+def test_run_dir_evaluates_a_late_interaction_run_with_its_own_head_shipped_or_not(tmp_path, shipped):
+    from omegaconf import OmegaConf
+
+    from hkrag.tasks.common import trained_model_config
+
+    trained = {**LATE, "late_interaction": {"dim": 96, "query_augmentation": 4}}
+    _trained_adapter(tmp_path / "run", trained, shipped)
+    model = trained_model_config(OmegaConf.create({"kind": "tiny", "head": "dense"}), tmp_path / "run")
+    assert model.head == "late_interaction" and dict(model.late_interaction) == trained["late_interaction"]
+
+
+@pytest.mark.parametrize("padding", [lambda dim: np.zeros((3, dim), np.float32), lambda dim: np.zeros((0, dim)),
+                                     lambda dim: torch.zeros(12, dim)])
+def test_a_query_of_padding_only_is_refused_instead_of_scoring_zero(padding):
+    from hkrag.index.maxsim import MaxSimIndex
+
+    rng = np.random.default_rng(0)
+    index = MaxSimIndex.from_pages(["a", "b"], [rng.standard_normal((3, 8)).astype(np.float32) for _ in range(2)])
+    good = rng.standard_normal((2, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match="query 'q2' is padding only .1 of 3 queries are.: no token vector"):
+        index.to_run(["q1", "q2", "q3"], [good, padding(8), good], 2)
+    with pytest.raises(ValueError, match="query #1 is padding only"):
+        index.scores([good, padding(8)])
+
+
+@pytest.mark.parametrize("how", ["same folder", "a copy", "a link"])
+def test_the_seed_table_refuses_one_evaluation_given_as_two_seeds(tmp_path, how, capsys):
+    import shutil
+
+    from hkrag.tasks.seeds import main
+
+    first = _evaluation(tmp_path / "s0", {"q1": 1.0, "q2": 0.5})
+    second = {"same folder": lambda: first, "a copy": lambda: Path(shutil.copytree(first, tmp_path / "s1")),
+              "a link": lambda: (tmp_path / "s1").symlink_to(first) or tmp_path / "s1"}[how]()
+    error = _usage_error(main, [str(first), str(second), "--corpus", str(tmp_path / "corpus")], capsys)
+    assert ("is given twice" if how != "a copy" else "hold the same evaluation") in error
