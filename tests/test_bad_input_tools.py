@@ -536,3 +536,124 @@ def test_the_seed_table_refuses_one_evaluation_given_as_two_seeds(tmp_path, how,
               "a link": lambda: (tmp_path / "s1").symlink_to(first) or tmp_path / "s1"}[how]()
     error = _usage_error(main, [str(first), str(second), "--corpus", str(tmp_path / "corpus")], capsys)
     assert ("is given twice" if how != "a copy" else "hold the same evaluation") in error
+
+
+# --- 8. still open: resumes, generator.top_k, undecodable questions, empty pre-training text ------------------------
+
+
+def _train_config(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("override, named", [
+    ("model.lora.r=8", "model.lora.r=8, but model.adapter=.* holds model.lora.r=16"),
+    ("model.lora.r=64", "model.lora.r=64, but"),
+    ("model.lora.alpha=8", "model.lora.alpha=8, but .* holds model.lora.alpha=32"),
+    ("model.lora.dropout=0.1", "model.lora.dropout=0.1, but .* holds model.lora.dropout=0.0"),
+    ("model.lora.target_modules=[qkv_proj]", r"model.lora.target_modules=\['qkv_proj'\], but"),
+])
+def test_training_on_an_adapter_with_other_lora_settings_is_refused(override, named):
+    from hkrag.tasks.common import build_retriever
+    from hkrag.tasks.validation import ConfigError
+
+    cfg = _train_config(override)
+    with pytest.raises(ConfigError, match=named + ".*a continued adapter keeps its own LoRA settings"):
+        build_retriever(cfg.model)
+    assert build_retriever(_train_config().model).model.peft_config["default"].r == 16  # its own settings pass
+
+
+def test_resuming_train_py_with_another_lora_rank_is_refused_and_leaves_the_run_as_it_was(tmp_path):
+    from hkrag.tasks.training import run_training
+    from hkrag.tasks.validation import ConfigError
+
+    run = tmp_path / "run"
+    settings = [f"paths.data_dir={tmp_path / 'data'}", f"paths.output_dir={run}", "data.synthetic.n_train=16",
+                "data.synthetic.n_test=4", "data.synthetic.train_groups_per_style=1",
+                "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "model.num_crops=4",
+                "trainer.global_batch_size=4", "trainer.max_steps=2", "trainer.save_every=1", "eval_before_after=false"]
+    run_training(_train_config(*settings), run)
+    before = {path: path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file()}
+    for resume in ("resume=latest", f"resume={run / 'checkpoints' / 'step-1'}"):
+        with pytest.raises(ConfigError, match="model.lora.r=8, but model.adapter="):
+            run_training(_train_config(*settings, resume, "model.lora.r=8"), run)
+    assert {path: path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file()} == before
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_trace_without_its_rag_config_is_not_resumed(tmp_path, resume):
+    from omegaconf import OmegaConf
+
+    from hkrag.tasks.rag import prepare_run_dir
+
+    part = tmp_path / "trace" / "part-00000.jsonl"
+    part.parent.mkdir()
+    part.write_text('{"query_id": "q1"}\n')
+    cfg = OmegaConf.create({"task": {"name": "rag"}, "rag": {"resume": resume}})
+    if resume:
+        with pytest.raises(ValueError, match=r"trace holds answers but .*rag_config.json is missing: nothing vouches "
+                                             "for the settings they were made with"):
+            prepare_run_dir(cfg, tmp_path)
+        assert part.read_text() == '{"query_id": "q1"}\n' and not (tmp_path / "rag_config.json").exists()
+    else:  # starting over was asked for
+        prepare_run_dir(cfg, tmp_path)
+        assert not part.exists() and (tmp_path / "rag_config.json").is_file()
+
+
+@pytest.mark.parametrize("top_k", ["0", "-1", "1.5"])
+def test_generator_training_refuses_a_top_k_below_one(tmp_path, top_k):
+    from hkrag.tasks.generator_training import run_generator_training
+    from hkrag.tasks.validation import ConfigError
+
+    cfg = _train_config("experiment=generator_agents_tiny", f"generator.top_k={top_k}",
+                        f"paths.data_dir={tmp_path / 'data'}")
+    with pytest.raises(ConfigError, match=rf"generator.top_k={top_k}: expected an integer >= 1"):
+        run_generator_training(cfg, tmp_path / "run")
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
+
+
+def _undecodable(good: list[str], bad_row: int):
+    """A string array whose row ``bad_row`` holds bytes that are not UTF-8 (Arrow does not check on write)."""
+    import pyarrow as pa
+
+    data = b"".join(b"\xff\xfe" if i == bad_row else text.encode() for i, text in enumerate(good))
+    lengths = [2 if i == bad_row else len(text.encode()) for i, text in enumerate(good)]
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), type=pa.int32()).buffers()[1]
+    return pa.Array.from_buffers(pa.string(), len(good), [None, offsets, pa.py_buffer(data)])
+
+
+@pytest.mark.parametrize("column, row", [("query", 1), ("query", 0), ("answers", 2), ("relevant_doc_ids", 1)])
+def test_a_question_or_answer_that_is_not_utf8_names_the_file_and_row(tmp_path, column, row):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hkrag.data.opendocvqa import DataError, load_qa
+
+    n = 3
+    columns = {"query_id": pa.array([f"q{i}" for i in range(n)]),
+               "query": pa.array([f"What is {i}?" for i in range(n)]), "answers": pa.array([["x"]] * n),
+               "relevant_doc_ids": pa.array([["d1"]] * n)}
+    strings = _undecodable(["What is 0?", "What is 1?", "What is 2?"] if column == "query" else ["x", "d1", "y"], row)
+    if column == "query":
+        columns["query"] = strings
+    else:
+        columns[column] = pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32)), strings)
+    path = tmp_path / "data" / "test-00000-of-00001.parquet"
+    path.parent.mkdir()
+    pq.write_table(pa.table(columns), path)
+    with pytest.raises(DataError, match=rf"{path}\): row {row} \(query_id 'q{row}'\), column '{column}' is not UTF-8 "
+                                        r"text \(invalid start byte at byte 0\)"):
+        load_qa(tmp_path, None, "test")
+
+
+@pytest.mark.parametrize("texts", [[None, None], ["", "  "], [None, "\n\t"]])
+def test_pretraining_on_text_empty_everywhere_names_the_column(texts):
+    from test_bad_input_more import corpus_with_texts
+
+    from hkrag.data.opendocvqa import DataError
+    from hkrag.data.pairs import pretraining_pairs
+
+    with pytest.raises(DataError, match=r"pre\[docstruct/train\]: column 'query' is empty on every one of its 2 pages"):
+        pretraining_pairs(corpus_with_texts(texts), column="query")

@@ -99,6 +99,10 @@ def pretraining_pairs(corpus: Corpus, column: str = TEXT_COLUMN) -> list[Trainin
     if bad:
         raise DataError(f"{corpus.name}: column {column!r} holds {len(bad)} page text(s) that are not UTF-8 strings, "
                         f"e.g. {'; '.join(bad[:3])}: store the column as strings (decoded UTF-8)")
+    if not pairs:
+        raise DataError(f"{corpus.name}: column {column!r} is empty on every one of its {len(corpus)} pages (null, "
+                        "empty or blank): pre-training has no page text to learn from; fill the column (OCR the "
+                        "pages, re-ingest the PDFs with their text layer) or name another text column")
     if len(pairs) < len(corpus):
         logger.warning("%d of %d pages of %s have no text in column %r and were skipped", len(corpus) - len(pairs),
                        len(corpus), corpus.name, column)

@@ -110,6 +110,8 @@ def build_retriever(
     head = HeadSettings.of(model_cfg)
     if not trainable:
         check_trained_head(model_cfg)
+    elif adapter:
+        check_adapter_lora(model_cfg)
     if model_cfg.kind == "tiny":
         model, processor = tiny_phi3v(texts=texts or (), num_crops=model_cfg.num_crops, seed=model_cfg.seed,
                                       **model_cfg.get("config", {}))
@@ -230,6 +232,33 @@ def recorded_head(adapter: str | Path) -> HeadSettings | None:
     late = {k.removeprefix("model.late_interaction."): v for k, v in flat.items()
             if k.startswith("model.late_interaction.") and k.rsplit(".", 1)[1] in ("dim", "query_augmentation")}
     return HeadSettings(head=flat.get("model.head") or "dense", **late)
+
+
+LORA_KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "target_modules"}
+"""``model.lora`` keys and their names in peft's ``adapter_config.json``."""
+
+
+def check_adapter_lora(model_cfg: DictConfig) -> None:
+    """Refuse ``model.lora`` settings other than those of the adapter a run continues (``model.adapter``, a local
+    folder): the adapter keeps its own rank, so ``model.lora.r=8`` over a rank-16 adapter would be ignored, silently,
+    in a new run and in a resumed one alike. Hub adapters (not readable here) pass."""
+    path = Path(str(model_cfg.adapter)) / "adapter_config.json"
+    lora = model_cfg.get("lora")
+    if lora is None or not path.is_file():
+        return
+    saved = read_json(path)
+
+    def norm(value: Any) -> Any:
+        return sorted(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else value
+
+    differ = [key for key, name in LORA_KEYS.items() if key in lora and name in saved
+              and norm(lora[key]) != norm(saved[name])]
+    if differ:
+        given = ", ".join(f"model.lora.{k}={norm(lora[k])}" for k in differ)
+        held = " ".join(f"model.lora.{k}={norm(saved[LORA_KEYS[k]])}" for k in differ)
+        raise ConfigError(f"{given}, but model.adapter={model_cfg.adapter} holds {held}: a continued adapter keeps "
+                          f"its own LoRA settings, so these would be ignored; pass {held}, or model.adapter=null to "
+                          "train a new adapter with yours")
 
 
 def check_trained_head(model_cfg: DictConfig) -> None:

@@ -263,6 +263,14 @@ def prepare_run_dir(cfg: DictConfig, output_dir: Path) -> None:
     write_json(marker, {"hash": config_hash(identity), "identity": identity})
 
 
+def generator_problems(cfg: DictConfig) -> list[str]:
+    """Every problem of ``cfg``'s ``generator`` group (:meth:`agents.pipeline.GeneratorConfig.problems`), for
+    :func:`~hkrag.tasks.validation.validate_config`'s ``extra``: the one place ``hkrag`` reaches the agents' checks,
+    shared by ``eval.py task=rag|generation`` and the generator's training (``generator.top_k`` 0 would train on
+    examples without pages)."""
+    return GeneratorConfig.problems(OmegaConf.to_container(cfg.generator, resolve=True))
+
+
 def run_dir_problems(cfg: DictConfig) -> list[str]:
     """Why ``run_dir`` (when set) names no finished ``train.py`` run: missing, or half-written (no final
     adapter, no base model) as :func:`~hkrag.tasks.common.trained_model_config` checks."""
@@ -429,7 +437,7 @@ def run_rag_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any
     """
     resolve_retrieval_mode(cfg)
     generator_cfg = OmegaConf.to_container(cfg.generator, resolve=True)
-    validate_config(cfg, extra=run_dir_problems(cfg) + GeneratorConfig.problems(generator_cfg))
+    validate_config(cfg, extra=run_dir_problems(cfg) + generator_problems(cfg))
     if cfg.retrieval == "none":
         generator_cfg["allow_no_pages"] = True
     accelerator = make_accelerator(cfg.get("cpu", False))
