@@ -73,13 +73,14 @@ class MaxSimIndex:
                  ) -> tuple[np.ndarray, np.ndarray]:
         """The queries as ``(vectors, offsets)``, checked; a query of padding only (no token, or only zero rows:
         it would score 0 against every page) is refused naming it (``ids``) or its position."""
-        empty = [i for i, query in enumerate(queries) if not np.asarray(query).any()]
-        if empty:
-            name = repr(ids[empty[0]]) if ids is not None else f"#{empty[0]}"
-            raise ValueError(f"query {name} is padding only ({len(empty)} of {len(queries)} queries are): no token "
-                             "vector to score pages with, so every page would score 0; its text tokenises to nothing "
-                             "(and model.late_interaction.query_augmentation=0 adds none)")
         vectors, offsets = _stacked(queries)
+        if vectors.ndim == 2 and vectors.shape[1] == self.dim:  # a shape error is check_multivectors' to name
+            empty = [i for i, query in enumerate(queries) if not np.asarray(query).any()]
+            if empty:
+                name = repr(ids[empty[0]]) if ids is not None else f"#{empty[0]}"
+                raise ValueError(f"query {name} is padding only ({len(empty)} of {len(queries)} queries are): no "
+                                 "token vector to score pages with, so every page would score 0; its text tokenises "
+                                 "to nothing (and model.late_interaction.query_augmentation=0 adds none)")
         return check_multivectors(vectors, offsets, name="queries", dim=self.dim)
 
     def scores(self, queries: Sequence[np.ndarray]) -> np.ndarray:
