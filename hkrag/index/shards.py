@@ -243,23 +243,19 @@ def _write_shard(out: Path, shard: int, ids: list[str], vectors: np.ndarray, hea
     write_json(out / f"{shard_name(shard)}.json", meta, indent=1)
 
 
-_EXPONENT = {np.dtype(np.float16): (np.uint16, 0x7FFF, 0x7C00),
-             np.dtype(np.float32): (np.uint32, 0x7FFFFFFF, 0x7F800000)}
-"""Per float dtype: its bits as an unsigned integer, the mask without the sign, and the smallest inf/NaN pattern."""
-
-
 def nonfinite_rows(vectors: np.ndarray) -> np.ndarray:
-    """Indices of the rows of ``vectors`` holding a NaN or an infinity. One reduction over the raw bits first (a
-    comparison of the exponent field, several times faster than ``np.isfinite`` on float16); the
-    rows are located only when that finds one."""
+    """Indices of the rows of ``vectors`` holding a NaN or an infinity. One reduction over the whole array first
+    (float16: the exponent bits compared as integers, about 40x faster than ``np.isfinite``, which has no vector path
+    for half floats; otherwise the sum, which a NaN or an infinity makes non-finite, and which an overflow of finite
+    values only sends to the exact check); the rows are located only when that finds one."""
     if vectors.size == 0:
         return np.zeros(0, np.int64)
-    bits = _EXPONENT.get(vectors.dtype)
-    if bits is not None and vectors.flags.c_contiguous:
-        unsigned, mask, exponent = bits
-        if (vectors.view(unsigned) & unsigned(mask)).max() < exponent:
-            return np.zeros(0, np.int64)
-    return np.flatnonzero(~np.isfinite(vectors).all(axis=1))
+    if vectors.dtype == np.float16 and vectors.flags.c_contiguous:
+        clean = (vectors.view(np.uint16) & np.uint16(0x7FFF)).max() < 0x7C00  # exponent all ones: inf or NaN
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):
+            clean = bool(np.isfinite(vectors.sum()))
+    return np.zeros(0, np.int64) if clean else np.flatnonzero(~np.isfinite(vectors).all(axis=1))
 
 
 def check_finite(vectors: np.ndarray, ids: Sequence[str], name: str, offsets: np.ndarray | None = None,
