@@ -387,11 +387,11 @@ def _tamper(path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage, named", [
-    (lambda text: text[: len(text) // 2], r"cannot vouch for the shipped files \(.*not valid JSON \(truncated\?\)"),
-    (lambda text: "", "cannot vouch for the shipped files"),
-    (lambda text: '{"command": "python train.py"}', r"cannot vouch .*lacks key\(s\) \['files'\]"),
+    (lambda text: text[: len(text) // 2], r"line \d+ column \d+: not valid JSON \(truncated\?\)"),
+    (lambda text: "", r"line 1 column 1: not valid JSON \(truncated\?\)"),
+    (lambda text: '{"command": "python train.py"}', r"lacks key\(s\) \['files'\]"),
     (lambda text: '{"files": {"base/config.json": "abc"}}', r"entries \['base/config.json'\] hold no sha256"),
-    (lambda text: "[]", "cannot vouch for the shipped files"),
+    (lambda text: "[]", r"lacks key\(s\) \['files'\] \(found list\)"),
 ])
 @pytest.mark.parametrize("part", ["base", str(ADAPTER)])
 def test_a_shipped_folder_whose_manifest_cannot_be_read_is_refused(agents_generator, damage, named, part):
@@ -400,7 +400,7 @@ def test_a_shipped_folder_whose_manifest_cannot_be_read_is_refused(agents_genera
     manifest = agents_generator / "manifest.json"
     manifest.write_text(damage(manifest.read_text()))
     _tamper(agents_generator / ADAPTER / "adapter_model.safetensors")
-    with pytest.raises(ShippedFileMismatch, match=f"{manifest} {named}"):
+    with pytest.raises(ShippedFileMismatch, match=f"{manifest} cannot vouch for the shipped files \\(.*{named}"):
         verify_shipped(agents_generator / part)
 
 
