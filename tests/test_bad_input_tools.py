@@ -602,14 +602,19 @@ def test_a_trace_without_its_rag_config_is_not_resumed(tmp_path, resume):
         assert not part.exists() and (tmp_path / "rag_config.json").is_file()
 
 
-@pytest.mark.parametrize("top_k", ["0", "-1", "1.5"])
-def test_generator_training_refuses_a_top_k_below_one(tmp_path, top_k):
+@pytest.mark.parametrize("override, named", [
+    ("generator.top_k=0", "generator.top_k=0: expected an integer >= 1"),
+    ("generator.top_k=-1", "generator.top_k=-1: expected an integer >= 1"),
+    ("generator.top_k=1.5", "generator.top_k=1.5: expected an integer >= 1"),
+    ("generator_training.max_queries=0", "generator_training.max_queries=0: expected an integer >= 1 or null"),
+    ("generator_training.optim.batch_size=0", "generator_training.optim.batch_size=0: expected an integer >= 1"),
+])
+def test_generator_training_refuses_a_top_k_or_query_cap_below_one(tmp_path, override, named):
     from hkrag.tasks.generator_training import run_generator_training
     from hkrag.tasks.validation import ConfigError
 
-    cfg = _train_config("experiment=generator_agents_tiny", f"generator.top_k={top_k}",
-                        f"paths.data_dir={tmp_path / 'data'}")
-    with pytest.raises(ConfigError, match=rf"generator.top_k={top_k}: expected an integer >= 1"):
+    cfg = _train_config("experiment=generator_agents_tiny", override, f"paths.data_dir={tmp_path / 'data'}")
+    with pytest.raises(ConfigError, match=re.escape(named)):
         run_generator_training(cfg, tmp_path / "run")
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
 

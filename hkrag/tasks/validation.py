@@ -67,6 +67,19 @@ RULES: dict[str, Rule] = {
     "rag.top_k": POSITIVE,
     "rag.max_queries": OPTIONAL_POSITIVE,
     "rag.concurrency": POSITIVE,
+    "generator_training.max_queries": OPTIONAL_POSITIVE,
+    "generator_training.optim.batch_size": POSITIVE,
+    "generator_training.optim.grad_accum": POSITIVE,
+    "generator_training.optim.lr": Rule(float, low=0, low_open=True),
+    "generator_training.optim.weight_decay": Rule(float, low=0),
+    "generator_training.optim.warmup_ratio": FRACTION,
+    "generator_training.optim.max_grad_norm": Rule(float, low=0, low_open=True, nullable=True),
+    "generator_training.optim.epochs": POSITIVE,
+    "generator_training.optim.max_steps": OPTIONAL_POSITIVE,
+    "generator_training.optim.seed": Rule(int, low=0),
+    "generator_training.optim.log_every": POSITIVE,
+    "generator_training.optim.save_every": Rule(int, low=0),
+    "generator_training.optim.num_workers": Rule(int, low=0),
 }
 """Config key -> allowed values. Add a row here when a group gains a numeric setting. The ``generator``
 group has no rows: its config class checks it (``agents.pipeline.GeneratorConfig.problems``), and the task
