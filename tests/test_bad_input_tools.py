@@ -217,6 +217,23 @@ def test_an_index_saved_before_sizes_were_recorded_still_names_a_truncated_file(
         DocumentIndex.load(directory, use_gpu=False)
 
 
+@pytest.mark.parametrize("name, keep", [("codec.faiss", 0.5), ("codec.faiss", 0), ("stage.faiss", 0.9),
+                                        ("multivector.json", 0.5)])
+def test_a_damaged_multivector_index_file_is_named(tmp_path, name, keep):
+    from hkrag.index.multivector import MultiVectorIndex
+    from hkrag.io import FileFormatError
+
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((60, 8)).astype(np.float32)
+    index = MultiVectorIndex.build([f"p{i}" for i in range(20)], vectors, np.arange(0, 61, 3),
+                                   "stage=muvera;stage_index=HNSW8,Flat;candidates=5")
+    directory = index.save(tmp_path / "mv")
+    path = directory / name
+    path.write_bytes(path.read_bytes()[: int(len(path.read_bytes()) * keep)])
+    with pytest.raises(FileFormatError, match=rf"^{path}: "):
+        MultiVectorIndex.load(directory)
+
+
 @pytest.mark.parametrize("damage", ['{"spec": {"kind": "fl', "", '{"dim": 8}'])
 def test_a_tuned_index_with_damaged_settings_is_named(tmp_path, damage):
     from hkrag.io import FileFormatError

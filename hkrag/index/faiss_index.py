@@ -65,6 +65,15 @@ def read_faiss(path: Path, size: int | None, mmap: bool = False) -> faiss.Index:
         raise FileFormatError(path, f"not a readable FAISS index (truncated or corrupt): {reason}") from None
 
 
+def deserialize_file(path: Path) -> faiss.Index:
+    """The FAISS index serialized in ``path`` (``faiss.serialize_index`` bytes); a damaged file is named."""
+    try:
+        return faiss.deserialize_index(np.fromfile(path, np.uint8))
+    except RuntimeError as error:
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        raise FileFormatError(path, f"not a readable FAISS index (truncated or corrupt): {reason}") from None
+
+
 def _has_gpu_part(index: faiss.Index) -> bool:
     """Whether ``index`` or a sub-index it wraps lives on a GPU."""
     return any(type(part).__name__.startswith("Gpu") for part in index_parts(index))

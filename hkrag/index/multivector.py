@@ -27,6 +27,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
+from hkrag.index.faiss_index import deserialize_file
 from hkrag.index.plaid import CentroidInteraction, default_centroids, gather_pages
 from hkrag.index.shards import check_multivectors
 from hkrag.index.spec import SEARCH_COUNT, check_factory, check_search_parameters
@@ -514,9 +515,9 @@ class MultiVectorIndex:
         if manifest.get("format") != FORMAT:
             raise ValueError(f"{path}: format {manifest.get('format')!r}, this code reads {FORMAT}")
         index = cls(manifest["dim"], MultiVectorSpec(**manifest["spec"]))
-        index.codec = faiss.deserialize_index(np.fromfile(directory / "codec.faiss", np.uint8))
+        index.codec = deserialize_file(directory / "codec.faiss")
         if index.stage is not None:
-            index.stage = faiss.deserialize_index(np.fromfile(directory / "stage.faiss", np.uint8))
+            index.stage = deserialize_file(directory / "stage.faiss")
         if index.muvera is not None:
             index.muvera.center = np.load(directory / "center.npy")
         index.codes = np.load(directory / "codes.npy", mmap_mode="r" if mmap else None)
