@@ -126,7 +126,7 @@ def test_the_documented_zero_settings_still_mean_none_and_valid_specs_parse():
     assert MultiVectorSpec.parse("rerank=0;prune=0").rerank == 0
     assert IndexSpec.parse("faiss:HNSW32,SQ8;efSearch=64,k_factor_rf=4").params == "efSearch=64,k_factor_rf=4"
     assert parse_size("79.6GiB") == int(79.6 * 2**30) and parse_size("80") == 80 * 10**9
-    assert POSITIVE.arg("3") == 3 and math.isclose(POSITIVE.describe() == "an integer >= 1", True)
+    assert POSITIVE.arg("3") == 3 and POSITIVE.describe() == "an integer >= 1"
 
 
 # --- 3. damaged files name the file --------------------------------------------------------------------------------
@@ -180,8 +180,6 @@ def test_a_corpus_without_items_is_named_by_the_fine_print_reader(tmp_path, row)
 
 
 def _saved_index(tmp_path):
-    import numpy as np
-
     from hkrag.index.faiss_index import DocumentIndex
 
     vectors = np.random.default_rng(0).standard_normal((40, 8)).astype(np.float32)
@@ -298,7 +296,6 @@ def test_a_seed_table_refuses_runs_that_do_not_share_their_questions(tmp_path, s
 
 def _spoiling(row: int, value: float, multi_vector: bool = False):
     """An embedding function whose document ``row`` (of the corpus) holds ``value`` in its first entry."""
-    import numpy as np
     from test_shards import embed, tokens
 
     def fn(rows):
@@ -334,7 +331,6 @@ def _corpus(n=12):
 @pytest.mark.parametrize("value", BAD_VALUES)
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_a_dense_shard_damaged_on_disk_is_refused_when_read(tmp_path, value, dtype):
-    import numpy as np
     from test_shards import encode
 
     from hkrag.index.shards import ShardError, load_shards
@@ -350,7 +346,6 @@ def test_a_dense_shard_damaged_on_disk_is_refused_when_read(tmp_path, value, dty
 
 @pytest.mark.parametrize("value", BAD_VALUES)
 def test_a_multivector_shard_damaged_on_disk_is_refused_when_read(tmp_path, value):
-    import numpy as np
     from test_shards import encode_tokens
 
     from hkrag.index.shards import ShardError, load_multi_vector_shards
