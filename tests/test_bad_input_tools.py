@@ -79,6 +79,15 @@ def test_the_budget_sweep_refuses_k_below_one(value, capsys):
     assert "argument --k" in error and "expected an integer >= 1" in error
 
 
+@pytest.mark.parametrize("argv, named", [(["--depth", "0"], "argument --depth: '0': expected an integer >= 1"),
+                                         (["--keep", "-1"], "argument --keep"), (["--skip", "-1"], "argument --skip")])
+def test_hard_negative_mining_refuses_counts_out_of_range(argv, named, capsys):
+    from hkrag.index.mine import main
+
+    error = _usage_error(main, ["--queries", "q", "--corpus", "c", "--qrels", "r", "--out", "o", *argv], capsys)
+    assert named in error
+
+
 @pytest.mark.parametrize("spec, named", [
     ("ivfpq:nbits=0", "index setting nbits=0: expected an integer >= 1 and <= 16"),
     ("ivfpq:nbits=40", "nbits=40"),
