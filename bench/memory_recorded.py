@@ -17,10 +17,10 @@ change to the model.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
+from hkrag.io import read_json
 from hkrag.tasks.fit import compose_config
 from hkrag.tasks.rehearsal import predicted_row
 
@@ -73,7 +73,7 @@ def recorded(model_config: str | None) -> list[dict[str, Any]]:
         path = RUNS / name
         if not path.is_file():
             continue
-        for row in json.loads(path.read_text()):
+        for row in read_json(path):
             row = {**context, **row, "source": name}
             rows.append(with_history(predicted_row(compose_config(row["overrides"]), row, model_config)))
     return rows

@@ -1,10 +1,14 @@
-"""Atomic file writes: every file the project writes goes through here.
+"""Atomic file writes and named reads: every file the project writes or parses goes through here.
 
 A file is written to a hidden temporary name in the same folder, flushed to disk, and renamed over
 the target. A crash, a full disk or an exception mid-write leaves the previous version intact (and no
 half-written file under the real name); the error names the path that could not be written.
 Folders (checkpoints, parquet corpora) use :func:`atomic_directory`: built under a temporary name and
 swapped into place only when complete.
+
+Reads of JSON and JSON Lines go through :func:`read_json` / :func:`read_jsonl`: a truncated, non-UTF-8 or
+malformed file, or one without the keys its reader needs, raises :class:`FileFormatError` naming the file, the
+line (or key) and what is wrong, instead of the parser's bare ``JSONDecodeError`` / ``UnicodeDecodeError``.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -28,6 +32,14 @@ class WriteError(OSError):
         reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
         message = f"could not write {path}: {reason}; the previous version (if any) is intact"
         super().__init__(getattr(error, "errno", None), message)
+        self.path = Path(path)
+
+
+class FileFormatError(ValueError):
+    """A file that cannot be parsed as its format, or lacks a key its reader needs; the message names the file."""
+
+    def __init__(self, path: str | Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
         self.path = Path(path)
 
 
@@ -115,3 +127,55 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
             raise WriteError(path, error) from error
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _text(path: Path) -> str:
+    """``path`` decoded as UTF-8; a bad byte raises :class:`FileFormatError` naming its line and offset."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise FileFormatError(path, f"line {line} is not UTF-8 ({error.reason} at byte {error.start})") from None
+
+
+def _parse(path: Path, text: str, line: int | None = None) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        where = f"line {line}" if line is not None else f"line {error.lineno} column {error.colno}"
+        ends_early = error.pos >= len(text.rstrip()) or error.msg.startswith("Unterminated string")
+        truncated = " (truncated?)" if ends_early else ""
+        raise FileFormatError(path, f"{where}: not valid JSON{truncated}: {error.msg}") from None
+
+
+def _missing(value: Any, keys: Sequence[str]) -> list[str]:
+    return [key for key in keys if not isinstance(value, dict) or key not in value]
+
+
+def read_json(path: str | Path, keys: Sequence[str] = (), what: str = "") -> Any:
+    """The JSON document at ``path``; with ``keys``, an object holding each of them. ``what`` names the file's role
+    in the error (e.g. ``"run config"``). Raises :class:`FileFormatError` naming the file, or ``FileNotFoundError``."""
+    path = Path(path)
+    value = _parse(path, _text(path))
+    missing = _missing(value, keys)
+    if missing:
+        found = sorted(value) if isinstance(value, dict) else type(value).__name__
+        raise FileFormatError(path, f"{what + ' ' if what else ''}lacks key(s) {missing} (found {found})")
+    return value
+
+
+def read_jsonl(path: str | Path, keys: Sequence[str] = ()) -> list[Any]:
+    """The records of the JSON Lines file at ``path`` (blank lines skipped); with ``keys``, each an object holding
+    them. Raises :class:`FileFormatError` naming the file and the line."""
+    path = Path(path)
+    rows = []
+    for number, line in enumerate(_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        row = _parse(path, line, number)
+        missing = _missing(row, keys)
+        if missing:
+            raise FileFormatError(path, f"line {number}: record lacks key(s) {missing}")
+        rows.append(row)
+    return rows

@@ -173,7 +173,7 @@ def test_load_detects_shard_of_another_run(tmp_path):
 
 
 def test_bad_embeddings_and_arguments_fail_clearly(tmp_path):
-    with pytest.raises(ValueError, match="non-finite embedding for documents \\['doc000'"):
+    with pytest.raises(ValueError, match="shard-00000: row 0 \\(page id 'doc000'\\) holds NaN or infinite values"):
         encode(corpus(), tmp_path / "nan", embed_fn=lambda rows: torch.full((len(rows), DIM), float("nan")))
     with pytest.raises(ValueError, match="returned shape"):
         encode(corpus(), tmp_path / "shape", embed_fn=lambda rows: torch.ones(len(rows) + 1, DIM))
@@ -275,5 +275,5 @@ def test_multi_vector_shards_check_their_files(tmp_path):
         load_multi_vector_shards(tmp_path)
     with pytest.raises(ValueError, match="expected one \\(tokens >= 1, dim\\) array per row"):
         encode_tokens(corpus(), tmp_path / "bad", embed_fn=lambda rows: [torch.zeros(0, DIM) for _ in rows])
-    with pytest.raises(ValueError, match="non-finite embedding for documents \\['doc000'"):
+    with pytest.raises(ValueError, match="shard-00000: row 0 \\(page id 'doc000', token 0\\) holds NaN or infinite"):
         encode_tokens(corpus(), tmp_path / "nan", embed_fn=lambda rows: [torch.full((2, DIM), np.nan)] * len(rows))

@@ -41,7 +41,7 @@ from hkrag.data.images import open_image, page_png
 from hkrag.data.ocr import corpus_splits, local_or_hub
 from hkrag.data.opendocvqa import CORPUS_FEATURES, Corpus, DataError, load_corpus
 from hkrag.data.writer import save_split
-from hkrag.io import write_json
+from hkrag.io import read_jsonl, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -181,10 +181,8 @@ def fine_print_boxes(pages_file: str | Path) -> dict[str, list[Box]]:
         raise DataError(f"fine_print_blur needs the fine-print boxes of every page: {path} does not exist "
                         f"(the built-in corpus writes it beside its corpus folder; pass boxes=<pages.jsonl>)")
     boxes = {}
-    with path.open(encoding="utf-8") as lines:
-        for line in lines:
-            page = json.loads(line)
-            boxes[page["doc_id"]] = [tuple(item["box"]) for item in page["items"] if item["kind"] == FINE_PRINT]
+    for page in read_jsonl(path, keys=("doc_id", "items")):
+        boxes[page["doc_id"]] = [tuple(item["box"]) for item in page["items"] if item["kind"] == FINE_PRINT]
     return boxes
 
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hkrag.io import write_text
+from hkrag.io import read_jsonl, write_text
 
 from .opendocvqa import QAExample
 
@@ -68,12 +68,12 @@ def write_pairs(path: str | Path, pairs: Sequence[GeneratorPair], settings: Mapp
 
 def read_pairs(path: str | Path, settings: Mapping[str, Any] | None = None) -> list[GeneratorPair]:
     """The pairs of a :func:`write_pairs` file; with ``settings``, a file made with others is an error naming them."""
-    lines = Path(path).read_text().splitlines()
-    if not lines or "settings" not in json.loads(lines[0]):
+    lines = read_jsonl(path)
+    if not lines or "settings" not in lines[0]:
         raise ValueError(f"{path} is not a generator pairs file (its first line must hold the settings)")
-    saved = json.loads(lines[0])["settings"]
+    saved = lines[0]["settings"]
     if settings is not None and saved != json.loads(json.dumps(dict(settings))):
         differ = sorted(k for k in {*saved, *settings} if saved.get(k) != settings.get(k))
         raise ValueError(f"{path} was built with other settings ({differ}); delete it or choose another path")
-    rows = [json.loads(line) for line in lines[1:]]
+    rows = lines[1:]
     return [GeneratorPair(r["query_id"], r["question"], tuple(r["answers"]), tuple(r["doc_ids"])) for r in rows]

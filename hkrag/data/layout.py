@@ -88,7 +88,7 @@ from hkrag.data.synthetic import (
     page_regions,
     render_page,
 )
-from hkrag.io import atomic_directory, write_bytes, write_json, write_text
+from hkrag.io import atomic_directory, read_json, read_jsonl, write_bytes, write_json, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -167,11 +167,10 @@ def gold_pages(root: str | Path, split: str | None = None) -> list[GoldPage]:
         if not (root / name).is_file():
             raise LayoutError(f"{root / name} is missing: gold boxes come from a built-in corpus folder "
                               f"(python -m hkrag.data.synthetic --out {root})")
-    config = SyntheticConfig(**json.loads((root / CONFIG_FILE).read_text()))
+    config = SyntheticConfig(**read_json(root / CONFIG_FILE))
     fields = [f.name for f in dataclasses.fields(PageSpec)]
     pages = []
-    for line_no, line in enumerate((root / "pages.jsonl").read_text().splitlines(), start=1):
-        row = json.loads(line)
+    for line_no, row in enumerate(read_jsonl(root / "pages.jsonl", keys=(*fields, "split", "items")), start=1):
         if split is not None and row["split"] != split:
             continue
         spec = PageSpec(**{**{name: row[name] for name in fields}, "bars": tuple(row["bars"])})

@@ -109,7 +109,7 @@ def load_qa(
     name = _name(source, config, split)
     columns = [c for c in (*QA_COLUMNS, "evidence") if c in dataset.column_names]
     examples, seen = [], set()
-    for index, row in enumerate(dataset.select_columns(columns)):
+    for index, row in enumerate(_decoded_rows(dataset.select_columns(columns), name, source, config, split)):
         example = QAExample(
             query_id=_identifier(row["query_id"], "query_id", index, name),
             query=row["query"] or "",
@@ -125,6 +125,33 @@ def load_qa(
         examples.append(example)
     logger.info("loaded %d queries from %s", len(examples), _name(source, config, split))
     return examples
+
+
+def _decoded_rows(dataset: datasets.Dataset, name: str, source: str | Path, config: str | None,
+                  split: str) -> list[dict[str, Any]]:
+    """The rows of ``dataset``; a stored string whose bytes are not UTF-8 (Arrow does not check what a parquet file
+    holds) is a :class:`DataError` naming the data set, its parquet file(s), the row, its ``query_id`` and column,
+    instead of the bare ``UnicodeDecodeError`` of reading the column."""
+    try:
+        return list(dataset)
+    except UnicodeDecodeError:
+        pass
+    table = dataset.with_format("arrow")[:]
+    ids = table.column("query_id").to_pylist() if "query_id" in table.column_names else None
+    bad = []
+    for column in table.column_names:
+        for row, value in enumerate(table.column(column)):
+            try:
+                value.as_py()
+            except UnicodeDecodeError as error:
+                bad.append((row, column, f"{error.reason} at byte {error.start}"))
+    row, column, reason = min(bad)
+    files = (_split_files(Path(source), config, split) or sorted(Path(source).glob(f"**/{split}-*.parquet"))
+             if _looks_local(source) else [])
+    where = f" ({', '.join(map(str, files))})" if files else ""
+    query = f" (query_id {ids[row]!r})" if ids is not None and column != "query_id" else ""
+    raise DataError(f"{name}{where}: row {row}{query}, column {column!r} is not UTF-8 text ({reason}); {len(bad)} "
+                    "value(s) in all: re-export the split with its text decoded as UTF-8")
 
 
 def _strings_of(value: Any) -> tuple[str, ...]:
@@ -327,16 +354,23 @@ def _stored_rows(root: Path, config: str | None, split: str) -> int | None:
     ``datasets`` reports an empty split in many ways (a zero-row file fails with "An error occurred while
     generating the dataset"); counting the rows tells an empty split from a broken one.
     """
+    files = _split_files(root, config, split)
+    try:
+        return sum(pq.ParquetFile(path).metadata.num_rows if path.stat().st_size else 0 for path in files) \
+            if files else None
+    except (OSError, pa.ArrowException):
+        return None
+
+
+def _split_files(root: Path, config: str | None, split: str) -> list[Path]:
+    """The parquet files a local folder's card maps ``config``/``split`` to (``[]`` when it cannot tell)."""
     try:
         meta, _ = read_card(root / "README.md")
         entry = next(c for c in meta.get("configs", []) if c.get("config_name") == (config or "default"))
         patterns = [f["path"] for f in entry.get("data_files", []) if f.get("split") == split]
-        files = sorted({p for pattern in patterns for pat in _as_list(pattern) for p in root.glob(pat)})
-        if not files:
-            return None
-        return sum(pq.ParquetFile(path).metadata.num_rows if path.stat().st_size else 0 for path in files)
-    except (DataError, StopIteration, OSError, TypeError, AttributeError, pa.ArrowException):
-        return None
+        return sorted({p for pattern in patterns for pat in _as_list(pattern) for p in root.glob(pat)})
+    except (DataError, StopIteration, OSError, TypeError, AttributeError):
+        return []
 
 
 def _as_list(value: Any) -> list[str]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hkrag.data.opendocvqa import TEXT_COLUMN, Corpus, DataError, QAExample
+from hkrag.io import read_json
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,10 @@ def pretraining_pairs(corpus: Corpus, column: str = TEXT_COLUMN) -> list[Trainin
     if bad:
         raise DataError(f"{corpus.name}: column {column!r} holds {len(bad)} page text(s) that are not UTF-8 strings, "
                         f"e.g. {'; '.join(bad[:3])}: store the column as strings (decoded UTF-8)")
+    if not pairs:
+        raise DataError(f"{corpus.name}: column {column!r} is empty on every one of its {len(corpus)} pages (null, "
+                        "empty or blank): pre-training has no page text to learn from; fill the column (OCR the "
+                        "pages, re-ingest the PDFs with their text layer) or name another text column")
     if len(pairs) < len(corpus):
         logger.warning("%d of %d pages of %s have no text in column %r and were skipped", len(corpus) - len(pairs),
                        len(corpus), corpus.name, column)
@@ -152,7 +157,7 @@ def read_hard_negatives(path: str | Path) -> dict[str, tuple[str, ...]]:
     """``query_id -> mined doc ids, hardest first`` from a ``python -m hkrag.index.mine`` file."""
     path = Path(path)
     try:
-        negatives = json.loads(path.read_text())["negatives"]
+        negatives = read_json(path, keys=("negatives",), what="hard-negative file")["negatives"]
     except FileNotFoundError as error:
         message = f"hard-negative file {path} does not exist: mine one with python -m hkrag.index.mine"
         raise FileNotFoundError(message) from error

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from hkrag.data.images import page_png
 from hkrag.data.opendocvqa import ALL_POOL, PAGE_TEXT_FEATURES, QA_FEATURES, QUERY_PREFIX, TEXT_COLUMN, format_query
 from hkrag.data.writer import declare_text_columns, save_split
-from hkrag.io import write_json, write_text
+from hkrag.io import read_jsonl, write_json, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -250,8 +250,7 @@ def load_page_items(root: str | Path, split: str | None = None) -> dict[str, dic
                                 "from the built-in corpus's drawn items; a corpus without them can train the answer "
                                 "and Pruner steps only (generator_training.curriculum.steps)")
     pages = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        row = json.loads(line)
+    for number, row in enumerate(read_jsonl(path, keys=("doc_id",)), 1):
         if split is not None and row.get("split") != split:
             continue
         if "items" not in row:

@@ -15,7 +15,6 @@ few IVF lists probed); those slots are dropped, never mapped to a document.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import asdict, replace
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hkrag.io import atomic_write, write_json
+from hkrag.io import FileFormatError, atomic_write, read_json, write_json
 
 logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its INFO lines list every SIMD variant it tried
 import faiss  # noqa: E402
@@ -37,6 +36,7 @@ from hkrag.index.mmap import (  # noqa: E402
     own_refine_base,
     prefetch_candidates,
 )
+from hkrag.index.shards import nonfinite_rows  # noqa: E402
 from hkrag.index.spec import META_FILE, IndexSpec, read_meta  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,32 @@ log = logging.getLogger(__name__)
 GPU_KINDS = ("flat", "ivfpq", "faiss")
 _INDEX_FILE = "index.faiss"
 _IDS_FILE = "ids.json"
+
+
+def read_faiss(path: Path, size: int | None, mmap: bool = False) -> faiss.Index:
+    """The FAISS index in ``path``, checked first against the ``size`` :meth:`DocumentIndex.save` recorded (a
+    truncated file mapped from disk would crash the process at its first search); FAISS's own read errors are
+    re-raised naming the file."""
+    actual = path.stat().st_size if path.is_file() else None
+    if actual is None:
+        raise FileNotFoundError(f"{path} is missing: the index folder is incomplete; rebuild the index")
+    if size is not None and actual != size:
+        raise FileFormatError(path, f"holds {actual} bytes, {size} were written (truncated or replaced); rebuild "
+                                    "the index or copy the file again")
+    try:
+        return faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC if mmap else 0)
+    except RuntimeError as error:
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        raise FileFormatError(path, f"not a readable FAISS index (truncated or corrupt): {reason}") from None
+
+
+def deserialize_file(path: Path) -> faiss.Index:
+    """The FAISS index serialized in ``path`` (``faiss.serialize_index`` bytes); a damaged file is named."""
+    try:
+        return faiss.deserialize_index(np.fromfile(path, np.uint8))
+    except RuntimeError as error:
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        raise FileFormatError(path, f"not a readable FAISS index (truncated or corrupt): {reason}") from None
 
 
 def _has_gpu_part(index: faiss.Index) -> bool:
@@ -255,6 +281,10 @@ class DocumentIndex:
         """Raw FAISS search: (scores, row numbers) of shape (nq, min(k, n)); -1 marks no result."""
         queries = _as_matrix(queries, "queries")
         self._check_dim(queries, "queries")
+        bad = nonfinite_rows(queries)
+        if len(bad):
+            raise ValueError(f"query row {int(bad[0])} holds NaN or infinite values ({len(bad)} of {len(queries)} "
+                             "rows do): FAISS would rank pages for it by chance")
         if k <= 0:
             raise ValueError(f"k must be positive, got {k}")
         if not self.ids:
@@ -332,7 +362,9 @@ class DocumentIndex:
 
     def save_meta(self, directory: str | Path) -> Path:
         """Rewrite only ``index.json`` (after tuning an index already saved in ``directory``)."""
-        meta = {"spec": asdict(self.spec), "dim": self.dim, "count": len(self.ids), "tuning": self.tuning}
+        index_file = Path(directory) / _INDEX_FILE
+        meta = {"spec": asdict(self.spec), "dim": self.dim, "count": len(self.ids), "tuning": self.tuning,
+                "index_bytes": index_file.stat().st_size if index_file.is_file() else None}
         return write_json(Path(directory) / META_FILE, meta)
 
     @classmethod
@@ -346,8 +378,8 @@ class DocumentIndex:
         """
         directory = Path(directory)
         meta = read_meta(directory)
-        ids = json.loads((directory / _IDS_FILE).read_text())
-        cpu = faiss.read_index(str(directory / _INDEX_FILE), faiss.IO_FLAG_MMAP_IFC if mmap else 0)
+        ids = read_json(directory / _IDS_FILE)
+        cpu = read_faiss(directory / _INDEX_FILE, meta.get("index_bytes"), mmap)
         if mmap:
             own_refine_base(cpu)
             own_inverted_lists(cpu)

@@ -69,8 +69,18 @@ class MaxSimIndex:
     def dim(self) -> int:
         return int(self.vectors.shape[1])
 
-    def _queries(self, queries: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def _queries(self, queries: Sequence[np.ndarray], ids: Sequence[str] | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """The queries as ``(vectors, offsets)``, checked; a query of padding only (no token, or only zero rows:
+        it would score 0 against every page) is refused naming it (``ids``) or its position."""
         vectors, offsets = _stacked(queries)
+        if vectors.ndim == 2 and vectors.shape[1] == self.dim:  # a shape error is check_multivectors' to name
+            empty = [i for i, query in enumerate(queries) if not np.asarray(query).any()]
+            if empty:
+                name = repr(ids[empty[0]]) if ids is not None else f"#{empty[0]}"
+                raise ValueError(f"query {name} is padding only ({len(empty)} of {len(queries)} queries are): no "
+                                 "token vector to score pages with, so every page would score 0; its text tokenises "
+                                 "to nothing (and model.late_interaction.query_augmentation=0 adds none)")
         return check_multivectors(vectors, offsets, name="queries", dim=self.dim)
 
     def scores(self, queries: Sequence[np.ndarray]) -> np.ndarray:
@@ -88,7 +98,7 @@ class MaxSimIndex:
             raise ValueError(f"k must be positive, got {k}")
         if not len(queries):
             return {}
-        vectors, offsets = self._queries(queries)
+        vectors, offsets = self._queries(queries, query_ids)
         k = min(k, len(self))
         if self.index is None:
             scores, rows = exact_search(vectors, offsets, self.vectors, self.offsets, k, memory=self.memory)

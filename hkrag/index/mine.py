@@ -18,7 +18,6 @@ is what :func:`hkrag.data.pairs.read_hard_negatives` reads (docs/training.md "Ha
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -28,7 +27,8 @@ import numpy as np
 from hkrag.data.opendocvqa import load_corpus
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import load_shards, read_manifest
-from hkrag.io import write_json
+from hkrag.io import read_json, write_json
+from hkrag.ranges import NON_NEGATIVE, POSITIVE
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +103,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser.add_argument("--corpus", required=True, help="page embedding shards of the training corpus")
     parser.add_argument("--qrels", required=True, help="qrels.json of the same queries ({query_id: {doc_id: 1}})")
     parser.add_argument("--out", required=True, help="hard-negative file to write (JSON)")
-    parser.add_argument("--depth", type=int, default=30, help="pages retrieved per query")
-    parser.add_argument("--skip", type=int, default=0, help="top ranks never used (likely unlabelled positives)")
-    parser.add_argument("--keep", type=int, default=8, help="hard negatives kept per query")
+    parser.add_argument("--depth", type=POSITIVE.arg, default=30, help="pages retrieved per query")
+    parser.add_argument("--skip", type=NON_NEGATIVE.arg, default=0,
+                        help="top ranks never used (likely unlabelled positives)")
+    parser.add_argument("--keep", type=POSITIVE.arg, default=8, help="hard negatives kept per query")
     parser.add_argument("--corpus-source", help="training corpus (data set or folder): negatives only from its pages")
     parser.add_argument("--corpus-config", default=None, help="its config name")
     parser.add_argument("--split", default="train", help="its split (default train)")
@@ -114,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     allowed = None
     if args.corpus_source:
         allowed = set(load_corpus(args.corpus_source, args.corpus_config, args.split).doc_ids)
-    qrels = json.loads(Path(args.qrels).read_text())
+    qrels = read_json(args.qrels)
     negatives = mine_from_embeddings(args.queries, args.corpus, qrels, args.depth, args.keep, args.skip, allowed)
     settings = {key: getattr(args, key) for key in ("queries", "corpus", "qrels", "depth", "skip", "keep",
                                                     "corpus_source", "corpus_config", "split")}

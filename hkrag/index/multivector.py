@@ -19,7 +19,6 @@ bench/RESULTS.md give the measured settings.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
@@ -28,10 +27,13 @@ from pathlib import Path
 import faiss
 import numpy as np
 
+from hkrag.index.faiss_index import deserialize_file
 from hkrag.index.mmap import drop_from_page_cache, read_rows
 from hkrag.index.plaid import CentroidInteraction, default_centroids, gather_pages
 from hkrag.index.shards import check_multivectors
-from hkrag.io import atomic_write, write_json
+from hkrag.index.spec import SEARCH_COUNT, check_factory, check_search_parameters
+from hkrag.io import atomic_write, read_json, write_json
+from hkrag.ranges import Rule
 
 MANIFEST = "multivector.json"
 FORMAT = 1
@@ -204,6 +206,15 @@ class Muvera:
 
 
 STAGES = ("", "muvera", "tokens", "plaid")
+SPEC_RULES: dict[str, Rule] = {
+    "pool": Rule(int, low=1, high=64), "candidates": SEARCH_COUNT, "reps": Rule(int, low=1, high=1000),
+    "ksim": Rule(int, low=1, high=20), "dproj": Rule(int, low=1, high=4096), "final": Rule(int, low=0, high=2**20),
+    "prune": Rule(int, low=0, high=2**20), "centroids": Rule(int, low=0, high=2**24), "nprobe": SEARCH_COUNT,
+    "t_cs": Rule(float, low=-1, high=1), "ndocs": SEARCH_COUNT, "rerank": Rule(int, low=0, high=2**20),
+    "seed": Rule(int, low=0),
+}
+"""Range of each numeric :class:`MultiVectorSpec` setting (``prune``, ``rerank``, ``final``, ``centroids``: 0 is
+their documented "none" / "automatic", never a missing value)."""
 SEARCH_SETTINGS = ("candidates", "stage_params", "prune", "nprobe", "t_cs", "ndocs", "rerank")
 
 
@@ -261,10 +272,11 @@ class MultiVectorSpec:
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
             raise ValueError(f"unknown candidate stage {self.stage!r}; expected one of {STAGES}")
-        if min(self.pool, self.candidates, self.nprobe, self.ndocs) < 1 or self.centroids < 0:
-            raise ValueError(f"pool, candidates, nprobe and ndocs must be >= 1 and centroids >= 0, got "
-                             f"pool={self.pool} candidates={self.candidates} nprobe={self.nprobe} ndocs={self.ndocs} "
-                             f"centroids={self.centroids}")
+        for name, rule in SPEC_RULES.items():
+            rule.check(f"multi-vector index setting {name}", getattr(self, name))
+        check_factory(self.codec)
+        check_factory(self.stage_index)
+        check_search_parameters(self.stage_params)
 
     @classmethod
     def parse(cls, text: str | MultiVectorSpec) -> MultiVectorSpec:
@@ -277,7 +289,9 @@ class MultiVectorSpec:
             key, sep, value = item.partition("=")
             if not sep or key.strip() not in types:
                 raise ValueError(f"bad multi-vector index setting {item!r} in {text!r}; known: {sorted(types)}")
-            values[key.strip()] = {"str": str, "float": float}.get(types[key.strip()], int)(value.strip())
+            rule = SPEC_RULES.get(key.strip())
+            values[key.strip()] = rule.parse(f"multi-vector index setting {key.strip()}", value.strip()) if rule \
+                else value.strip()
         return cls(**values)
 
     def __str__(self) -> str:
@@ -532,13 +546,13 @@ class MultiVectorIndex:
         path = directory / MANIFEST
         if not path.is_file():
             raise FileNotFoundError(f"no multi-vector index at {directory} ({path} is missing)")
-        manifest = json.loads(path.read_text())
+        manifest = read_json(path, keys=("format",))
         if manifest.get("format") != FORMAT:
             raise ValueError(f"{path}: format {manifest.get('format')!r}, this code reads {FORMAT}")
         index = cls(manifest["dim"], MultiVectorSpec(**manifest["spec"]))
-        index.codec = faiss.deserialize_index(np.fromfile(directory / "codec.faiss", np.uint8))
+        index.codec = deserialize_file(directory / "codec.faiss")
         if index.stage is not None:
-            index.stage = faiss.deserialize_index(np.fromfile(directory / "stage.faiss", np.uint8))
+            index.stage = deserialize_file(directory / "stage.faiss")
         if index.muvera is not None:
             index.muvera.center = np.load(directory / "center.npy")
         index.codes = np.load(directory / "codes.npy", mmap_mode="r" if mmap else None)
@@ -552,7 +566,7 @@ class MultiVectorIndex:
         if index.spec.rerank:
             index.full = (np.load(directory / "vectors.npy", mmap_mode="r"), np.load(directory / "vector_offsets.npy"))
             index.directory = directory
-        index.ids = json.loads((directory / "ids.json").read_text())
+        index.ids = read_json(directory / "ids.json")
         index.build_seconds = manifest.get("build", {})
         stage_rows = {None: len(index.ids), "muvera": len(index.ids), "tokens": len(index.codes),
                       "plaid": len(index.ids)}[

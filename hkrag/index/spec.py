@@ -8,7 +8,6 @@ docs/index.md, "FAISS index".
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, fields, replace
@@ -16,9 +15,31 @@ from pathlib import Path
 
 import faiss
 
+from hkrag.io import read_json
+from hkrag.ranges import INTEGER, OPTIONAL_POSITIVE, POSITIVE, PQ_BITS, Rule
+
 KINDS = ("flat", "ivfpq", "sq8", "fp16", "faiss")
 META_FILE = "index.json"
 """A saved index's description (spec, dim, count, tuning record), next to its FAISS file."""
+SEARCH_COUNT = Rule(int, low=1, high=2**20)
+"""Probed lists, graph candidates (``efSearch``), re-ranked pages: more than 2**20 is a typo."""
+FACTORY_NUMBERS: dict[str, tuple[str, Rule]] = {
+    "HNSW": ("M (graph links a node)", Rule(int, low=2, high=512)),
+    "IVF": ("nlist (inverted lists)", Rule(int, low=1, high=2**24)),
+    "PQ": ("m (sub-quantisers)", Rule(int, low=1, high=4096)),
+}
+"""The numbers of a factory string's components (``HNSW32``, ``IVF1024``, ``PQ16x8``), checked before FAISS sees
+them: FAISS builds ``HNSW0`` or ``PQ16x0`` without complaint and then searches to nothing or aborts."""
+SEARCH_PARAMETERS: dict[str, Rule] = {
+    "nprobe": SEARCH_COUNT,
+    "efSearch": SEARCH_COUNT,
+    "quantizer_efSearch": SEARCH_COUNT,
+    "max_codes": SEARCH_COUNT,
+    "k_factor": Rule(float, low=1, high=2**10),
+    "k_factor_rf": Rule(float, low=1, high=2**10),
+}
+"""FAISS ``ParameterSpace`` names and their ranges (FAISS casts ``efSearch=nan`` to -2**31 and searches to nothing);
+other names go to FAISS, which refuses those it does not know."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +69,11 @@ class IndexSpec:
             raise ValueError(f"a factory string goes with kind 'faiss' only ({self.kind=}, {self.factory=})")
         if self.params and self.kind != "faiss":
             raise ValueError(f"search parameters {self.params!r} apply to faiss: specs only, not {self.kind!r}")
+        for name, rule in (("nlist", OPTIONAL_POSITIVE), ("m", POSITIVE), ("nbits", PQ_BITS), ("nprobe", SEARCH_COUNT)):
+            rule.check(f"index setting {name}", getattr(self, name))
+        if self.kind == "faiss":
+            check_factory(self.factory)
+            check_search_parameters(self.params)
 
     @classmethod
     def parse(cls, text: str | IndexSpec) -> IndexSpec:
@@ -69,7 +95,7 @@ class IndexSpec:
             key, sep, value = item.partition("=")
             if not sep or key.strip() not in known:
                 raise ValueError(f"bad index parameter {item!r} in {text!r}; known: {sorted(known)}")
-            values[key.strip()] = int(value)
+            values[key.strip()] = INTEGER.parse(f"index setting {key.strip()}", value.strip())
         return cls(kind=kind.strip().lower(), **values)
 
     def __str__(self) -> str:
@@ -140,9 +166,39 @@ def search_space(n: int, dim: int, *, prefix: str = "", codes: str = "SQ8", suff
     return [f"{prefix}{spec}{suffix}" for spec in specs]
 
 
+def check_factory(factory: str) -> str:
+    """``factory`` if each ``HNSW<M>``, ``IVF<nlist>`` and ``PQ<m>x<nbits>`` in it is in range, else a ``ValueError``
+    naming the component, the number and the allowed range."""
+    for match in re.finditer(r"(HNSW|IVF|PQ)(-?[0-9.]+(?:e[0-9]+)?)(?:x(-?[0-9]+))?", factory):
+        component, number, bits = match.groups()
+        name, rule = FACTORY_NUMBERS[component]
+        _factory_number(rule, f"{match.group(0)} in {factory!r}: {name}", number)
+        if component == "PQ" and bits is not None:
+            _factory_number(PQ_BITS, f"{match.group(0)} in {factory!r}: nbits (bits per code)", bits)
+    return factory
+
+
+def check_search_parameters(params: str) -> str:
+    """``params`` (``name=value,...``, FAISS ``ParameterSpace``) if each of :data:`SEARCH_PARAMETERS` is in range."""
+    for item in filter(None, (part.strip() for part in params.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"search parameter {item!r} in {params!r}: expected name=value")
+        rule = SEARCH_PARAMETERS.get(name.strip())
+        if rule is not None:
+            rule.parse(f"search parameter {name.strip()}", value.strip())
+    return params
+
+
+def _factory_number(rule: Rule, what: str, text: str) -> None:
+    problem = rule.problem(int(text)) if re.fullmatch(r"-?[0-9]+", text) else f"expected {rule.describe()}"
+    if problem:
+        raise ValueError(f"{what}={text}: {problem}")
+
+
 def read_meta(directory: str | Path) -> dict:
-    """The ``index.json`` of a saved index (spec, dim, count, tuning record)."""
+    """The ``index.json`` of a saved index (spec, dim, count, tuning record); a damaged one is named."""
     path = Path(directory) / META_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no saved index at {directory!s} ({path} is missing)")
-    return json.loads(path.read_text())
+    return read_json(path, keys=("spec",))

@@ -39,6 +39,7 @@ from tqdm import tqdm
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import load_shards, read_manifest
 from hkrag.index.spec import META_FILE, search_space
+from hkrag.ranges import CONFIDENCE, POSITIVE, POSITIVE_NUMBER, PROBABILITY
 from hkrag.stats import bootstrap_interval
 
 log = logging.getLogger(__name__)
@@ -251,20 +252,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="build and tune each factory string, keep the cheapest meeting the target (select); 'auto': "
         "spec.search_space (IVF, HNSW32, IVF_HNSW32 over SQ8) for the corpus size",
     )
-    parser.add_argument("--max-ram", type=float, help="with --select: largest index memory, a fraction of flat")
+    parser.add_argument("--max-ram", type=POSITIVE_NUMBER.arg,
+                        help="with --select: largest index memory, a fraction of flat")
     parser.add_argument("--cost", choices=COSTS, default="ms_per_query", help="what --select minimises")
-    parser.add_argument("--target", type=float, default=0.95, help="recall@k against exact search to reach")
+    parser.add_argument("--target", type=PROBABILITY.arg, default=0.95, help="recall@k against exact search to reach")
     parser.add_argument(
         "--confidence",
-        type=float,
+        type=CONFIDENCE.arg,
         default=0.95,
         help="the target must hold for the tuning queries' one-sided normal lower bound of recall at this level "
         "(0.5: the mean); a selection rule, optimistic after selection: --test-queries measures the tuned index",
     )
     parser.add_argument("--test-queries", help="shard directory of held-out test query embeddings (never tuned on): "
                         "the tuned index's recall on them with its 95 %% interval")
-    parser.add_argument("--k", type=int, default=5)
-    parser.add_argument("--chunk", type=int, default=65536, help="documents per exact-search chunk")
+    parser.add_argument("--k", type=POSITIVE.arg, default=5)
+    parser.add_argument("--chunk", type=POSITIVE.arg, default=65536, help="documents per exact-search chunk")
     parser.add_argument("--cpu", action="store_true", help="never use a GPU")
     parser.add_argument(
         "--mmap", action="store_true", help="open the saved index with its stored vectors mapped from disk"

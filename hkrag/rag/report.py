@@ -23,7 +23,6 @@ answer or verdict; their ids and reasons are listed.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from hkrag.environment import describe
-from hkrag.io import png_bytes, write_bytes, write_json, write_text
+from hkrag.io import png_bytes, read_json, write_bytes, write_json, write_text
 from hkrag.rag.metrics import METRICS
 from hkrag.rag.records import ROUTES, QueryOutcome
 from hkrag.rag.trace import MERGED_FILE, load_trace, outcome_key
@@ -451,7 +450,7 @@ def load_sweep(folder: str | Path, threshold_key: str = "generator.threshold") -
     runs: dict[float, list[QueryOutcome]] = {}
     for trace in sorted(Path(folder).rglob(MERGED_FILE)):
         config = trace.parent / RUN_CONFIG_FILE
-        identity = json.loads(config.read_text()).get("identity", {}) if config.is_file() else {}
+        identity = read_json(config).get("identity", {}) if config.is_file() else {}
         threshold = _dotted(identity, threshold_key)
         if threshold is None:
             raise ValueError(f"{trace.parent}: no {threshold_key!r} in {config.name}; cannot place it in the sweep")
@@ -549,7 +548,7 @@ def compare_runs(run_dirs: Sequence[str | Path], metric: str = "accuracy") -> st
         report_file = run_dir / REPORT_FILE
         if not report_file.is_file():
             raise FileNotFoundError(f"{run_dir}: no {REPORT_FILE} (not a finished eval.py task=rag|generation run)")
-        summaries[run_dir.name] = json.loads(report_file.read_text())
+        summaries[run_dir.name] = read_json(report_file, keys=("overall",))
     if metric == "accuracy" and all(s["overall"]["accuracy"] is None for s in summaries.values()):
         raise ValueError("no run was judged (judge: disabled); compare a rule metric, e.g. --metric relaxed_accuracy")
     return comparison_table(summaries, metric)

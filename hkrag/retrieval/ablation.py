@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from hkrag.io import png_bytes, write_bytes, write_json, write_text
+from hkrag.io import png_bytes, read_json, read_jsonl, write_bytes, write_json, write_text
 from hkrag.retrieval.evaluation import AFTER_TRAINING_DIR, BEFORE_TRAINING_DIR, CURVE_DIR, PER_QUERY_FILE
 from hkrag.run_log import METRICS_FILE, RunLogger
 from hkrag.stats import (
@@ -124,7 +124,7 @@ def condition_label(chosen: dict[str, str], by: Sequence[str]) -> str | None:
 def read_scores(per_query: Path) -> dict[str, dict[tuple[str, str], tuple[str | None, float]]]:
     """``pool -> (dataset, query_id) -> (evidence, nDCG@5)`` of a ``per_query.json``."""
     scores: dict[str, dict[tuple[str, str], tuple[str | None, float]]] = {}
-    for dataset, by_pool in json.loads(per_query.read_text()).items():
+    for dataset, by_pool in read_json(per_query).items():
         for pool, by_query in by_pool.items():
             for query_id, entry in by_query.items():
                 scores.setdefault(pool, {})[(dataset, query_id)] = (entry["evidence"], float(entry[METRIC]))
@@ -154,7 +154,7 @@ def load_run(job: Path, by: str | Sequence[str] = "loss", seed_key: str = "train
     if not per_query.is_file():
         raise AblationError(f"{job}: {per_query.relative_to(job)} is missing: did the run finish its evaluation?")
     metrics = job / METRICS_FILE
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    rows = read_jsonl(metrics) if metrics.is_file() else []
     masks = [{"step": row["step"], **{k: row[k] for k in MASK_SHARES}} for row in rows if "mask/one" in row]
     return Run(job, condition, int(chosen[seed_key]), read_scores(per_query), masks, read_curve(job))
 

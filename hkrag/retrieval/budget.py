@@ -33,6 +33,7 @@ import numpy as np
 from hkrag.index.faiss_index import DocumentIndex
 from hkrag.index.shards import load_shards, read_manifest
 from hkrag.io import atomic_write, write_json, write_text
+from hkrag.ranges import POSITIVE
 from hkrag.retrieval.metrics import Qrels, check_qrels, evaluate_run, load_qrels
 
 log = logging.getLogger(__name__)
@@ -226,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--qrels", required=True, help="qrels JSON or TREC file")
     parser.add_argument("--specs", nargs="+", help="index specs (default: those of DEFAULT_SPECS that fit the "
                         "embeddings: PCA below their dimension, IVF-PQ from 256 documents)")
-    parser.add_argument("--k", type=int, default=10)
+    parser.add_argument("--k", type=POSITIVE.arg, default=10)
     parser.add_argument("--out", default="budget", help="output directory")
     parser.add_argument("--cpu", action="store_true", help="never use a GPU")
     args = parser.parse_args(argv)

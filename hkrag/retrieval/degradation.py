@@ -19,7 +19,6 @@ OCR resume too). A BM25 ranker should set ``allow_empty=True``: heavily degraded
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 from hkrag.data.degrade import DEGRADATIONS, Degradation, degrade_corpus
 from hkrag.data.ocr import OcrSettings, add_page_text
 from hkrag.data.opendocvqa import TEXT_COLUMN, pools
-from hkrag.io import write_json, write_text
+from hkrag.io import read_json, write_json, write_text
 from hkrag.retrieval.evaluation import Ranker, RetrievalEvalConfig, evaluate_ranker
 
 logger = logging.getLogger(__name__)
@@ -101,7 +100,7 @@ def run_study(
                                               point_dir / label)["results"]
                        for label, ranker in rankers(point_dir).items()}
             write_json(saved, results)
-        rows += _rows(point, json.loads(saved.read_text(encoding="utf-8")), study.metric)
+        rows += _rows(point, read_json(saved), study.metric)
     table = study_table(rows, study.metric)
     write_json(work_dir / STUDY_FILE, rows)
     write_text(work_dir / STUDY_TABLE, table + "\n")

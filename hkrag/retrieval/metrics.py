@@ -29,7 +29,6 @@ pages, whose float32 scores differ in their last bits, are tied as BM25's exactl
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import pytrec_eval
+
+from hkrag.io import read_json
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def load_qrels(path: str | Path) -> dict[str, dict[str, int]]:
     """Read qrels from JSON ``{qid: {docid: grade}}`` or a TREC file ``qid 0 docid grade``."""
     path = Path(path)
     if path.suffix == ".json":
-        return {str(q): {str(d): int(g) for d, g in docs.items()} for q, docs in json.loads(path.read_text()).items()}
+        return {str(q): {str(d): int(g) for d, g in docs.items()} for q, docs in read_json(path).items()}
     qrels: dict[str, dict[str, int]] = {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -92,14 +93,31 @@ def chance_ndcg(pool_size: int, k: int = 5) -> float:
     return sum(1 / math.log2(rank + 1) for rank in range(1, min(k, pool_size) + 1)) / pool_size
 
 
-def trec_order(docs: Mapping[str, float]) -> list[str]:
-    """Doc ids in trec_eval's ranking order: score descending, then doc id descending."""
+def trec_order(docs: Mapping[str, float], query: str | None = None) -> list[str]:
+    """Doc ids in trec_eval's ranking order: score descending, then doc id descending. A NaN or infinite score is
+    refused (``ValueError`` naming ``query`` and the page): NaN compares false with everything, so a ranking holding
+    one, and every cut of it, would depend on where it happens to stand."""
+    bad = None if _finite_sum(docs.values()) else next(
+        (d for d, score in docs.items() if not math.isfinite(float(score))), None)
+    if bad is not None:
+        where = f"query {query!r}: " if query is not None else ""
+        raise ValueError(f"{where}page {bad!r} scored {float(docs[bad])}, which cannot be ranked (NaN or infinite "
+                         "score: a non-finite embedding or model output upstream)")
     return sorted(docs, key=lambda d: (float(docs[d]), d), reverse=True)
+
+
+def _finite_sum(scores: Iterable[float]) -> bool:
+    """Whether the scores' sum is finite: true of every list of finite scores but for an overflow, so one C-level
+    pass clears a ranking (a tenth of the time of checking each score; the caller checks each when it is false)."""
+    try:
+        return math.isfinite(sum(scores))
+    except TypeError:
+        return False
 
 
 def truncate(run: Run, k: int) -> dict[str, dict[str, float]]:
     """The run cut to each query's top k in trec_eval order."""
-    return {q: {d: float(docs[d]) for d in trec_order(docs)[:k]} for q, docs in run.items()}
+    return {q: {d: float(docs[d]) for d in trec_order(docs, q)[:k]} for q, docs in run.items()}
 
 
 def cut_with_ties(run: Run, k: int) -> dict[str, dict[str, float]]:
@@ -107,7 +125,7 @@ def cut_with_ties(run: Run, k: int) -> dict[str, dict[str, float]]:
     kept never depends on doc ids), in trec_eval order."""
     cut = {}
     for q, docs in run.items():
-        order = trec_order(docs)
+        order = trec_order(docs, q)
         floor = float(docs[order[k - 1]]) if len(order) > k else -math.inf
         cut[q] = {d: float(docs[d]) for d in order if float(docs[d]) >= floor}
     return cut

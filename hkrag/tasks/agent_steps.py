@@ -20,7 +20,6 @@ the ones the agents send. CPU, float32, greedy.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +32,7 @@ from tqdm.auto import tqdm
 
 from hkrag.data.generator_pairs import read_pairs
 from hkrag.data.opendocvqa import QAExample, load_corpus, load_qa
-from hkrag.io import write_json, write_jsonl_gz, write_text
+from hkrag.io import read_json, write_json, write_jsonl_gz, write_text
 from hkrag.lvlm import LVLMBackend, PageImage
 from hkrag.lvlm.phi3v import Phi3VBackend
 from hkrag.lvlm.uncertainty import uncertainty
@@ -50,6 +49,7 @@ from hkrag.rag.step_report import (
     validation_threshold,
 )
 from hkrag.rag.trace import write_trace
+from hkrag.ranges import POSITIVE
 from hkrag.tasks.common import BASE_DIR, CONF_DIR, FINAL_ADAPTER
 from hkrag.tasks.rag import answer_all, question_text
 
@@ -70,7 +70,7 @@ def generator_config(name: str) -> dict[str, Any]:
 def held_out_queries(run: Path, cfg: Any, split: str) -> list[QAExample]:
     """The run's validation queries (training split, held-out documents) or the test questions."""
     if split == "validation":
-        ids = set(json.loads((run / "report.json").read_text())["validation_queries"])
+        ids = set(read_json(run / "report.json", keys=("validation_queries",))["validation_queries"])
         if not ids:
             raise ValueError(f"{run} held out no validation queries (generator_training.validation was not set)")
         return [ex for ex in load_qa(cfg.data.qa_source, cfg.data.train.qa_config, "train") if ex.query_id in ids]
@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--split", choices=("validation", "test"), default="validation")
     parser.add_argument("--pages", nargs="+", choices=PAGE_SETS, default=["gold"])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--max-queries", type=int, default=None)
+    parser.add_argument("--max-queries", type=POSITIVE.arg, default=None, help="the first N queries only")
     parser.add_argument("--threshold-from", type=Path, default=None,
                         help="a validation steps.json whose Pruner P(yes) threshold is applied")
     args = parser.parse_args(argv)

@@ -39,7 +39,7 @@ from hydra import compose, initialize_config_dir
 
 from hkrag.data.opendocvqa import load_corpus, pools
 from hkrag.data.synthetic import question_kind
-from hkrag.io import png_bytes, write_bytes, write_json, write_text
+from hkrag.io import png_bytes, read_json, write_bytes, write_json, write_text
 from hkrag.rag.records import QueryOutcome
 from hkrag.rag.report import REPORT_FILE as RAG_REPORT
 from hkrag.rag.trace import MERGED_FILE, load_trace
@@ -188,7 +188,7 @@ def retrieval_scores(run: Path) -> dict[str, dict[str, dict[str, float]]]:
     """``{dataset: {pool: {query_id: ndcg@5}}}`` of a ``train.py`` run's evaluation after training, or of an
     ``eval.py task=retrieval`` output folder (its own ``per_query.json``)."""
     trained = run / AFTER_TRAINING_DIR / PER_QUERY_FILE
-    scores = json.loads((trained if trained.is_file() else run / PER_QUERY_FILE).read_text())
+    scores = read_json(trained if trained.is_file() else run / PER_QUERY_FILE)
     return {dataset: {pool: {query: row["ndcg@5"] for query, row in queries.items()}
                       for pool, queries in by_pool.items()}
             for dataset, by_pool in scores.items()}

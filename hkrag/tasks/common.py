@@ -9,7 +9,6 @@ RAG task build on these; entry points only call a task's ``run_*`` function. The
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import multiprocessing
 import os
@@ -31,12 +30,13 @@ from tqdm.auto import tqdm
 
 from hkrag.data.opendocvqa import ALL_POOL, check_pool_pages, load_corpus, pools
 from hkrag.data.synthetic import CONFIG_FILE, SyntheticConfig, generate
-from hkrag.io import atomic_directory, write_json, write_text
+from hkrag.io import atomic_directory, read_json, write_json, write_text
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
-from hkrag.models.phi3v.loading import save_processor, tiny_phi3v
+from hkrag.models.phi3v.loading import save_processor, shipped_manifest, tiny_phi3v
 from hkrag.retrieval.evaluation import RetrievalEvalConfig
 from hkrag.retriever import HeadSettings, LoraSettings, Phi3VRetriever
 from hkrag.tasks import run_eval_task
+from hkrag.tasks.validation import ConfigError
 from hkrag.training.checkpoint import (
     ADAPTER_DIR,
     CHECKPOINTS_DIR,
@@ -85,7 +85,7 @@ def prepare_data(data_cfg: DictConfig) -> None:
         return
     root, config = Path(data_cfg.root), SyntheticConfig(**data_cfg.synthetic)
     marker = root / CONFIG_FILE
-    if marker.is_file() and json.loads(marker.read_text()) == dataclasses.asdict(config):
+    if marker.is_file() and read_json(marker) == dataclasses.asdict(config):
         return
     if root.exists() and any(root.iterdir()):
         if not marker.is_file():
@@ -108,6 +108,10 @@ def build_retriever(
     adapter = model_cfg.get("adapter")
     lora = LoraSettings(**model_cfg.lora) if trainable and model_cfg.get("lora") and not adapter else None
     head = HeadSettings.of(model_cfg)
+    if not trainable:
+        check_trained_head(model_cfg)
+    elif adapter:
+        check_adapter_lora(model_cfg)
     if model_cfg.kind == "tiny":
         model, processor = tiny_phi3v(texts=texts or (), num_crops=model_cfg.num_crops, seed=model_cfg.seed,
                                       **model_cfg.get("config", {}))
@@ -198,18 +202,83 @@ def trained_model_config(model_cfg: DictConfig, run_dir: str | Path) -> DictConf
 
 
 def trained_head(run_dir: Path) -> dict[str, Any]:
-    """The late-interaction head a run trained with (``model.head``, ``model.late_interaction``), from its final
-    checkpoint's ``state.json``, so ``run_dir=`` evaluates it with its own head; ``{}`` for a dense run (its state
-    names no head) or a checkpoint that cannot be read (then ``model.head`` is the caller's)."""
-    try:
-        trained = trained_model(run_dir)
-    except FileNotFoundError:
+    """The late-interaction head a run trained with (``model.head``, ``model.late_interaction``) as model overrides,
+    so ``run_dir=`` evaluates it with its own head (:func:`recorded_head`: its final checkpoint's ``state.json``, or a
+    shipped folder's manifest); ``{}`` for a dense run or one that records no head (then ``model.head`` is the
+    caller's)."""
+    head = recorded_head(run_dir / FINAL_ADAPTER)
+    if head is None or not head.late_interaction:
         return {}
-    if trained.get("model.head") != "late_interaction":
-        return {}
-    prefix = "model.late_interaction."
-    return {"head": "late_interaction",
-            "late_interaction": {k.removeprefix(prefix): v for k, v in trained.items() if k.startswith(prefix)}}
+    return {"head": head.head, "late_interaction": {"dim": head.dim, "query_augmentation": head.query_augmentation}}
+
+
+def recorded_head(adapter: str | Path) -> HeadSettings | None:
+    """The head an adapter folder was trained with: from its checkpoint's ``state.json`` (``train.py`` writes it
+    beside ``adapter/``) or, shipped, from the config its manifest records; ``None`` where neither is there."""
+    adapter = Path(adapter)
+    if (adapter.parent / STATE_FILE).is_file():
+        try:
+            config = checkpoint_state(adapter.parent).config
+        except CheckpointError:
+            return None
+        flat = {key: value for key, value in config.items() if key.startswith("model.")}
+    else:
+        root = next((f for f in adapter.resolve().parents if shipped_manifest(f) is not None), None)
+        if root is None:
+            return None
+        model = (shipped_manifest(root).get("config") or {}).get("model") or {}
+        flat = {"model.head": model.get("head"), **{f"model.late_interaction.{k}": v
+                                                    for k, v in (model.get("late_interaction") or {}).items()}}
+    late = {k.removeprefix("model.late_interaction."): v for k, v in flat.items()
+            if k.startswith("model.late_interaction.") and k.rsplit(".", 1)[1] in ("dim", "query_augmentation")}
+    return HeadSettings(head=flat.get("model.head") or "dense", **late)
+
+
+LORA_KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "target_modules"}
+"""``model.lora`` keys and their names in peft's ``adapter_config.json``."""
+
+
+def check_adapter_lora(model_cfg: DictConfig) -> None:
+    """Refuse ``model.lora`` settings other than those of the adapter a run continues (``model.adapter``, a local
+    folder): the adapter keeps its own rank, so ``model.lora.r=8`` over a rank-16 adapter would be ignored, silently,
+    in a new run and in a resumed one alike. Hub adapters (not readable here) pass."""
+    path = Path(str(model_cfg.adapter)) / "adapter_config.json"
+    lora = model_cfg.get("lora")
+    if lora is None or not path.is_file():
+        return
+    saved = read_json(path)
+
+    def norm(value: Any) -> Any:
+        return sorted(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else value
+
+    differ = [key for key, name in LORA_KEYS.items() if key in lora and name in saved
+              and norm(lora[key]) != norm(saved[name])]
+    if differ:
+        given = ", ".join(f"model.lora.{k}={norm(lora[k])}" for k in differ)
+        held = " ".join(f"model.lora.{k}={norm(saved[LORA_KEYS[k]])}" for k in differ)
+        raise ConfigError(f"{given}, but model.adapter={model_cfg.adapter} holds {held}: a continued adapter keeps "
+                          f"its own LoRA settings, so these would be ignored; pass {held}, or model.adapter=null to "
+                          "train a new adapter with yours")
+
+
+def check_trained_head(model_cfg: DictConfig) -> None:
+    """Refuse to evaluate ``model.adapter`` with head settings other than those it was trained with
+    (:func:`recorded_head`): a late-interaction adapter queried with another number of augmentation tokens (or
+    another head) scores pages with queries it never learned from. The error names every setting to pass."""
+    adapter = model_cfg.get("adapter")
+    trained = recorded_head(adapter) if adapter else None
+    if trained is None:
+        return
+    asked = HeadSettings.of(model_cfg)
+    names = ("head", "dim", "query_augmentation") if trained.late_interaction or asked.late_interaction else ("head",)
+    differ = [name for name in names if getattr(asked, name) != getattr(trained, name)]
+    if differ:
+        key = {"head": "model.head", "dim": "model.late_interaction.dim",
+               "query_augmentation": "model.late_interaction.query_augmentation"}
+        given = ", ".join(f"{key[n]}={getattr(asked, n)}" for n in differ)
+        needed = " ".join(f"{key[n]}={getattr(trained, n)}" for n in names)
+        raise ConfigError(f"the adapter {adapter} was trained with other head settings than asked ({given}): evaluate "
+                          f"it with {needed} (or run_dir=<its run folder>, which reads them)")
 
 
 def trained_model(run_dir: Path) -> dict[str, Any]:
@@ -325,7 +394,7 @@ TIMINGS_FILE = "timings.json"
 def read_timings(out: Path) -> dict[str, float]:
     """The compute recorded in ``out`` so far (``{}`` before the first run)."""
     path = out / TIMINGS_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json(path) if path.is_file() else {}
 
 
 def record_time(timings: dict[str, float], out: Path, name: str, seconds: float) -> None:

@@ -248,17 +248,6 @@ def late_interaction_head(cfg: DictConfig, query_tokens: int) -> LateInteraction
                                scores=float(cfg.loss.get("infonce_weight", 1.0)) > 0)
 
 
-def parse_size(text: str) -> int:
-    """``80GB`` / ``80`` (GB, as GPUs are sold) or ``79.6GiB`` -> bytes."""
-    value = text.strip().upper()
-    scale = GIB if value.endswith("GIB") else 10**9
-    number = value.removesuffix("GIB").removesuffix("GB")
-    try:
-        return int(float(number) * scale)
-    except ValueError as error:
-        raise SystemExit(f"--gpu-memory: {text!r} is not a size (e.g. 80GB, 24, 79.6GiB)") from error
-
-
 def fits(result: Estimate, memory: int) -> bool:
     return result.required() <= memory
 

@@ -35,7 +35,8 @@ from hkrag.retrieval.generator_pairs import build_generator_pairs
 from hkrag.retriever import LoraSettings, Phi3VRetriever, enable_checkpointing, load_adapter
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import BASE_DIR, build_retriever, prepare_data, save_tiny_base, trained_model_config
-from hkrag.tasks.rag import question_text
+from hkrag.tasks.rag import generator_problems, question_text
+from hkrag.tasks.validation import validate_config
 from hkrag.training.checkpoint import ADAPTER_DIR, FINAL_CHECKPOINT, resolve_resume
 from hkrag.training.generator import (
     GeneratorDataset,
@@ -141,6 +142,7 @@ def curriculum_examples(cfg: DictConfig, curriculum: Any, sets: dict[str, list[G
 
 def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     """Build the training top-k, fine-tune the generator's LoRA and save it; returns the report."""
+    validate_config(cfg, extra=generator_problems(cfg))
     output_dir, gen = Path(output_dir), cfg.generator_training
     torch.manual_seed(gen.optim.seed)
     prepare_data(cfg.data)

@@ -28,6 +28,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from hkrag.ranges import POSITIVE, PROCESSES, memory_size
+
 API_MODULES = ("hkrag.tasks.fit", "hkrag.tasks.rehearsal")
 """Where the preflight's functions live: the memory plan, verdicts and advice (:mod:`hkrag.tasks.fit`) and the
 measured rehearsal (:mod:`hkrag.tasks.rehearsal`). This module is the command line only, and imports them after
@@ -53,13 +55,15 @@ def overrides_first(argv: Sequence[str]) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. experiment=hkrag_retriever")
-    parser.add_argument("--gpu-memory", help="refuse (exit 1) unless the step fits this much, e.g. 80GB")
+    parser.add_argument("--gpu-memory", type=memory_size,
+                        help="refuse (exit 1) unless the step fits this much, e.g. 80GB")
     parser.add_argument("--model-config", help="folder with the model's config.json and tokenizer (default: "
                                                "model.base)")
-    parser.add_argument("--processes", type=int, default=1, help="data-parallel processes sharing the global batch")
+    parser.add_argument("--processes", type=PROCESSES.arg, default=1,
+                        help="data-parallel processes sharing the global batch")
     parser.add_argument("--measure", action="store_true", help="measure --path (default: training) at --layers")
-    parser.add_argument("--layers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--vision-layers", type=int, nargs="+", default=[24],
+    parser.add_argument("--layers", type=POSITIVE.arg, nargs="+", default=[1, 2])
+    parser.add_argument("--vision-layers", type=POSITIVE.arg, nargs="+", default=[24],
                         help="CLIP depths measured (each with every --layers)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="--measure on CPU (fp32, resident "
                         "set) or CUDA (bf16, max_memory_allocated)")
@@ -72,12 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--measure: the experiment's training step (train), one encoding batch of its retriever "
                              "(encode), or one query of eval.py's generator through the Phi3V local backend (query: "
                              "the overrides are eval.py's, e.g. generator=hkrag lvlm=phi3v)")
-    parser.add_argument("--pages", type=int, default=2, help="--path encode: pages in the batch")
-    parser.add_argument("--queries", type=int, default=2, help="--path encode: queries in the batch")
-    parser.add_argument("--full-depth", type=int, default=32, help="LM layers extrapolated to")
-    parser.add_argument("--full-vision-depth", type=int, default=24,
+    parser.add_argument("--pages", type=POSITIVE.arg, default=2, help="--path encode: pages in the batch")
+    parser.add_argument("--queries", type=POSITIVE.arg, default=2, help="--path encode: queries in the batch")
+    parser.add_argument("--full-depth", type=POSITIVE.arg, default=32, help="LM layers extrapolated to")
+    parser.add_argument("--full-vision-depth", type=POSITIVE.arg, default=24,
                         help="--path train: CLIP layers extrapolated to (with two CLIP depths measured)")
-    parser.add_argument("--measure-one", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--measure-one", type=POSITIVE.arg, help=argparse.SUPPRESS)
     return parser
 
 
@@ -90,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         rehearsal.run(args, cfg)
         return
     p = fit.plan(cfg, args.model_config, args.processes)
-    memory = fit.parse_size(args.gpu_memory) if args.gpu_memory else None
+    memory = args.gpu_memory
     print(fit.table_row(p, cfg.model.get("num_crops")) if args.row else fit.report(p, memory))
     if memory:
         fit.check(p, memory, cfg)

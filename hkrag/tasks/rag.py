@@ -19,7 +19,6 @@ run at once, with every finished query already in the trace (docs/errors.md, "Ge
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import re
 import shutil
@@ -45,7 +44,7 @@ from hkrag.data.ocr import OcrSettings
 from hkrag.data.opendocvqa import QUERY_PREFIX, Corpus, QAExample, load_corpus, load_qa, pools
 from hkrag.environment import environment
 from hkrag.index.shards import config_hash
-from hkrag.io import WriteError, write_json, write_text
+from hkrag.io import WriteError, read_json, write_json, write_text
 from hkrag.lvlm import LVLMBackend, PageImage, build_backend
 from hkrag.rag.evidence import Grounder, GroundingConfig, PageView, unit_view
 from hkrag.rag.gold_evidence import load_gold
@@ -254,10 +253,15 @@ def prepare_run_dir(cfg: DictConfig, output_dir: Path) -> None:
     """Start fresh (``rag.resume=false``) or check that the trace there was made with these settings."""
     identity = run_identity(cfg)
     marker = output_dir / RUN_CONFIG_FILE
+    parts = output_dir / PARTS_DIR
     if not cfg.rag.resume:
-        shutil.rmtree(output_dir / PARTS_DIR, ignore_errors=True)
-    elif marker.is_file() and (output_dir / PARTS_DIR).is_dir():
-        saved = json.loads(marker.read_text())
+        shutil.rmtree(parts, ignore_errors=True)
+    elif not marker.is_file() and parts.is_dir() and any(parts.iterdir()):
+        raise ValueError(f"{parts} holds answers but {marker} is missing: nothing vouches for the settings they were "
+                         "made with, so they cannot be resumed; restore the file, use another run directory, or "
+                         "rag.resume=false to start over")
+    elif marker.is_file() and parts.is_dir():
+        saved = read_json(marker, keys=("identity",), what="run config")
         changed = sorted(k for k in identity if saved.get("identity", {}).get(k) != identity[k])
         if changed:
             raise ValueError(
@@ -265,6 +269,14 @@ def prepare_run_dir(cfg: DictConfig, output_dir: Path) -> None:
                 "use another run directory or rag.resume=false to start over"
             )
     write_json(marker, {"hash": config_hash(identity), "identity": identity})
+
+
+def generator_problems(cfg: DictConfig) -> list[str]:
+    """Every problem of ``cfg``'s ``generator`` group (:meth:`agents.pipeline.GeneratorConfig.problems`), for
+    :func:`~hkrag.tasks.validation.validate_config`'s ``extra``: the one place ``hkrag`` reaches the agents' checks,
+    shared by ``eval.py task=rag|generation`` and the generator's training (``generator.top_k`` 0 would train on
+    examples without pages)."""
+    return GeneratorConfig.problems(OmegaConf.to_container(cfg.generator, resolve=True))
 
 
 def run_dir_problems(cfg: DictConfig) -> list[str]:
@@ -460,8 +472,7 @@ def run_rag_evaluation(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any
     resolve_retrieval_mode(cfg)
     generator_cfg = OmegaConf.to_container(cfg.generator, resolve=True)
     grounding = OmegaConf.to_container(cfg.rag.get("grounding") or {}, resolve=True)
-    validate_config(cfg, extra=run_dir_problems(cfg) + GeneratorConfig.problems(generator_cfg)
-                    + GroundingConfig.problems(grounding))
+    validate_config(cfg, extra=run_dir_problems(cfg) + generator_problems(cfg) + GroundingConfig.problems(grounding))
     if cfg.retrieval == "none":
         generator_cfg["allow_no_pages"] = True
     accelerator = make_accelerator(cfg.get("cpu", False))

@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hkrag.io import write_json
+from hkrag.io import read_json, write_json
 from hkrag.lvlm import PageImage
 from hkrag.models.phi3v import Phi3VConfig
 from hkrag.retriever import HeadSettings
@@ -282,7 +282,7 @@ def run(args: argparse.Namespace, cfg: DictConfig) -> None:
             row = measure_one(cfg, args.measure_one, args.vision_layers[0], args.model_config, args.device, args.dtype)
         print(json.dumps(row))
         return
-    rows = measure(args.overrides, args) if args.measure else json.loads(Path(args.compare).read_text())
+    rows = measure(args.overrides, args) if args.measure else read_json(args.compare)
     if args.out:
         write_json(Path(args.out), rows)
     if rows and rows[0].get("path", "train") != "train":

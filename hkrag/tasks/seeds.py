@@ -12,11 +12,38 @@ as ``<out>.md`` / ``<out>.json``).
 from __future__ import annotations
 
 import argparse
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
 from hkrag.io import write_json, write_text
-from hkrag.tasks.chain import retrieval_rows, retrieval_table
+from hkrag.tasks.chain import retrieval_rows, retrieval_scores, retrieval_table
+
+
+def check_runs(runs: Sequence[Path]) -> None:
+    """Refuse what would make the interval lie: a folder given twice, two folders holding the same evaluation (the
+    same scores for every question: one evaluation counted as two seeds), or folders not over the same data sets,
+    pools and questions (the crossed interval pairs each question across seeds). ``ValueError`` naming the folders."""
+    seen: dict[Path, Path] = {}
+    for run in runs:
+        if run.resolve() in seen:
+            raise ValueError(f"{run} is given twice (as {seen[run.resolve()]}): each folder is one seed")
+        seen[run.resolve()] = run
+    scores = [retrieval_scores(run) for run in runs]
+    for (run, score), (other, other_score) in itertools.combinations(zip(runs, scores), 2):
+        if score == other_score:
+            raise ValueError(f"{run} and {other} hold the same evaluation (every question scores the same): one "
+                             "evaluation given twice is one seed, not two; give one folder per training seed")
+    first = {(d, p): set(queries) for d, by_pool in scores[0].items() for p, queries in by_pool.items()}
+    for run, score in zip(runs[1:], scores[1:]):
+        other = {(d, p): set(queries) for d, by_pool in score.items() for p, queries in by_pool.items()}
+        for key in sorted(first.keys() | other.keys()):
+            mine, theirs = first.get(key, set()), other.get(key, set())
+            if mine != theirs:
+                lacking, extra = sorted(mine - theirs), sorted(theirs - mine)
+                raise ValueError(f"{run} and {runs[0]} do not share the questions of {key[0]}/{key[1]}: {run} lacks "
+                                 f"{len(lacking)} (e.g. {lacking[:3]}) and adds {len(extra)} (e.g. {extra[:3]}); "
+                                 "evaluate every seed on the same split and data sets")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -29,6 +56,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     missing = [str(run) for run in args.runs if not run.is_dir()]
     if missing:
         parser.exit(2, f"error: no such evaluation folder: {', '.join(missing)}\n")
+    try:
+        check_runs(args.runs)
+    except ValueError as error:
+        parser.exit(2, f"error: {error}\n")
     rows = retrieval_rows(args.runs, args.corpus, args.split)
     table = retrieval_table(rows)
     print(table)

@@ -33,7 +33,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hkrag.io import atomic_directory, write_json
+from hkrag.io import atomic_directory, read_json, write_json
 from hkrag.models.phi3v.loading import SHIPPED_MANIFEST, file_sha256, shipped_manifest
 from hkrag.rag.trace import MERGED_FILE, load_trace
 from hkrag.tasks.chain import answer_rows
@@ -110,7 +110,7 @@ def shipped_base_name(out: Path) -> str:
 
 def shipped_adapter_config(run: Path, out: Path) -> bytes:
     """``run``'s final adapter config as shipped into ``out``: naming the shipped base (:func:`shipped_base_name`)."""
-    config = json.loads((run / ADAPTER_CONFIG).read_text())
+    config = read_json(run / ADAPTER_CONFIG)
     config["base_model_name_or_path"] = shipped_base_name(out)
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
 
@@ -129,7 +129,7 @@ def ship(run: Path, out: Path, answers: dict[str, Any] | None = None, replace: b
         raise FileNotFoundError(f"{run} is not a finished tiny train.py run: it lacks {', '.join(missing)} (it needs "
                                 f"{BASE_DIR}/, {FINAL_ADAPTER}/, report.json and .hydra/)")
     overrides = yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) or []
-    report = json.loads((run / "report.json").read_text())
+    report = read_json(run / "report.json")
     sources = shipped_files(run)
     adapter_config = shipped_adapter_config(run, out)
     files = {name: file_sha256(path) for name, path in sources.items()}

@@ -12,54 +12,17 @@ pools, flags, and ``rag.top_k`` against the Pruner's buffer ``generator.top_k``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
 from hkrag.lvlm import backend_class
+from hkrag.ranges import FRACTION, OPTIONAL_POSITIVE, POSITIVE, Rule
 
 
 class ConfigError(ValueError):
     """One or more config values of the wrong type or out of range; the message lists each key and value."""
 
-
-@dataclass(frozen=True)
-class Rule:
-    """An allowed value: ``kind`` ``int`` or ``float`` in ``[low, high]`` (``low_open``: ``> low``), or null."""
-
-    kind: type
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    nullable: bool = False
-
-    def problem(self, value: object) -> str | None:
-        """Why ``value`` breaks the rule, or ``None``."""
-        if value is None:
-            return None if self.nullable else f"expected {self.describe()}"
-        numeric = (int,) if self.kind is int else (int, float)
-        if isinstance(value, bool) or not isinstance(value, numeric) or not math.isfinite(value):
-            return f"expected {self.describe()}"
-        below = value <= self.low if self.low_open else value < self.low if self.low is not None else False
-        above = self.high is not None and value > self.high
-        return f"expected {self.describe()}" if below or above else None
-
-    def describe(self) -> str:
-        noun = "an integer" if self.kind is int else "a number"
-        bounds = []
-        if self.low is not None:
-            bounds.append(f"{'>' if self.low_open else '>='} {self.low:g}")
-        if self.high is not None:
-            bounds.append(f"<= {self.high:g}")
-        text = f"{noun} {' and '.join(bounds)}".strip()
-        return f"{text} or null" if self.nullable else text
-
-
-POSITIVE = Rule(int, low=1)
-OPTIONAL_POSITIVE = Rule(int, low=1, nullable=True)
-FRACTION = Rule(float, low=0, high=1)
 
 RULES: dict[str, Rule] = {
     "trainer.global_batch_size": POSITIVE,
@@ -106,6 +69,19 @@ RULES: dict[str, Rule] = {
     "rag.top_k": POSITIVE,
     "rag.max_queries": OPTIONAL_POSITIVE,
     "rag.concurrency": POSITIVE,
+    "generator_training.max_queries": OPTIONAL_POSITIVE,
+    "generator_training.optim.batch_size": POSITIVE,
+    "generator_training.optim.grad_accum": POSITIVE,
+    "generator_training.optim.lr": Rule(float, low=0, low_open=True),
+    "generator_training.optim.weight_decay": Rule(float, low=0),
+    "generator_training.optim.warmup_ratio": FRACTION,
+    "generator_training.optim.max_grad_norm": Rule(float, low=0, low_open=True, nullable=True),
+    "generator_training.optim.epochs": POSITIVE,
+    "generator_training.optim.max_steps": OPTIONAL_POSITIVE,
+    "generator_training.optim.seed": Rule(int, low=0),
+    "generator_training.optim.log_every": POSITIVE,
+    "generator_training.optim.save_every": Rule(int, low=0),
+    "generator_training.optim.num_workers": Rule(int, low=0),
 }
 """Config key -> allowed values. Add a row here when a group gains a numeric setting. The ``generator``
 group has no rows: its config class checks it (``agents.pipeline.GeneratorConfig.problems``), and the task

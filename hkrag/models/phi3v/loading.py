@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -20,6 +19,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import cached_file
 
+from hkrag.io import read_json
 from hkrag.models.attention import default_attn_implementation
 
 from .configuration_phi3v import Phi3VConfig, tiny_phi3v_config
@@ -57,31 +57,74 @@ def file_sha256(path: Path) -> str:
 def shipped_manifest(folder: Path) -> dict[str, Any] | None:
     """``folder``'s shipped manifest, or None when it has none (or one of another kind: no sha256 by file)."""
     try:
-        manifest = json.loads((folder / SHIPPED_MANIFEST).read_text())
+        manifest = read_json(folder / SHIPPED_MANIFEST)
     except (OSError, ValueError):
         return None
+    return manifest if _manifest_problem(manifest) is None else None
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    """Why ``manifest`` lists no sha256 by file (``files``: path -> 64 hex digits), or None."""
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or not all(isinstance(v, str) and _SHA256.fullmatch(v) for v in files.values()):
-        return None
+    if not isinstance(files, dict):
+        return "it has no 'files' table"
+    bad = [name for name, digest in files.items() if not (isinstance(digest, str) and _SHA256.fullmatch(digest))]
+    return f"its 'files' entries {bad[:3]} hold no sha256" if bad else None
+
+
+def _vouching_manifest(root: Path) -> dict[str, Any]:
+    """The shipped manifest of ``root``; :class:`ShippedFileMismatch` when it cannot vouch for the files (damaged,
+    truncated, no sha256 table): a shipped folder whose manifest cannot be read is refused, never trusted."""
+    path = root / SHIPPED_MANIFEST
+    try:
+        manifest = read_json(path, keys=("files",))
+        problem = _manifest_problem(manifest)
+    except (OSError, ValueError) as error:
+        problem = str(error)
+    if problem:
+        raise ShippedFileMismatch(f"{path} cannot vouch for the shipped files ({problem}); restore it (git checkout "
+                                  f"-- {path}) or ship the run again (python -m hkrag.tasks.ship)")
     return manifest
 
 
+def _is_shipped_root(folder: Path) -> bool:
+    """Whether ``folder`` holds a shipped manifest, readable or not (another kind of ``manifest.json``, e.g. an
+    embedding folder's, is valid JSON without ``files`` and does not count)."""
+    path = folder / SHIPPED_MANIFEST
+    if not path.is_file():
+        return False
+    try:
+        manifest = read_json(path)
+    except (OSError, ValueError):
+        return True
+    return not isinstance(manifest, dict) or "files" in manifest or "command" in manifest
+
+
 def verify_shipped(path: str | Path) -> None:
-    """Refuse to load a shipped folder whose files no longer match its manifest.
+    """Refuse to load a shipped folder whose manifest cannot vouch for every file about to be read.
 
     When ``path`` (a base or adapter folder about to be loaded) lies in a shipped folder (itself or the nearest
-    folder above it with a :data:`SHIPPED_MANIFEST` listing sha256), each file the manifest lists under ``path``
-    must exist with that hash, else :class:`ShippedFileMismatch` naming the file and both hashes. Hub ids and
-    folders outside a shipped one pass unchecked; hashes are remembered, so loading again costs a ``stat``."""
+    folder above it with a :data:`SHIPPED_MANIFEST`), the manifest must be readable with a sha256 by file, every
+    file under ``path`` must be listed in it, and every file it lists under ``path`` must exist with that hash;
+    else :class:`ShippedFileMismatch` naming the file (and both hashes). Hub ids and folders outside a shipped
+    one pass unchecked; hashes are remembered, so loading again costs a ``stat``."""
     path = Path(path)
     if not path.exists():
         return
     path = path.resolve()
-    root = next((folder for folder in (path, *path.parents) if (folder / SHIPPED_MANIFEST).is_file()), None)
-    manifest = shipped_manifest(root) if root else None
-    if manifest is None:
+    root = next((folder for folder in (path, *path.parents) if _is_shipped_root(folder)), None)
+    if root is None:
         return
+    manifest = _vouching_manifest(root)
     within = path.relative_to(root).parts
+    present = [file for file in ([path] if path.is_file() else sorted(path.rglob("*"))) if file.is_file()]
+    unlisted = [str(file.relative_to(root)) for file in present
+                if file != root / SHIPPED_MANIFEST and str(file.relative_to(root)) not in manifest["files"]]
+    if unlisted:
+        raise ShippedFileMismatch(
+            f"{root / unlisted[0]} is not listed in {root / SHIPPED_MANIFEST} ({len(unlisted)} unlisted file(s) "
+            f"under {path}): the loader would read a file the manifest does not vouch for; remove it, restore the "
+            f"folder (git checkout -- {root}) or ship the run again (python -m hkrag.tasks.ship)")
     for name, expected in manifest["files"].items():
         file = root / name
         if Path(name).parts[: len(within)] != within:
@@ -148,7 +191,7 @@ def require_flash_attention() -> None:
 def read_preprocessor_config(name_or_path: str | Path) -> dict[str, Any]:
     """The checkpoint's ``preprocessor_config.json`` (``num_crops``, mean, std), or ``{}`` if absent."""
     path = cached_file(name_or_path, PREPROCESSOR_FILE, _raise_exceptions_for_missing_entries=False)
-    return json.loads(Path(path).read_text()) if path else {}
+    return read_json(path) if path else {}
 
 
 def image_processor_for(config: Phi3VConfig, num_crops: int = 16, **kwargs: Any) -> Phi3VImageProcessor:
