@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from transformers import BatchFeature
 
 from hkrag.data.collators import RetrieverCollator
+from hkrag.io import read_json
 from hkrag.late_interaction import (
     DEFAULT_DIM,
     HEADS,
@@ -150,7 +151,7 @@ def saved_head(adapter: str | Path) -> bool | None:
     """Whether the adapter folder's ``adapter_config.json`` saves the projection; ``None`` when it cannot be read
     here (a hub id, a broken file: :func:`load_adapter` reports those)."""
     try:
-        config = json.loads((Path(adapter) / "adapter_config.json").read_text())
+        config = read_json(Path(adapter) / "adapter_config.json")
     except (OSError, ValueError):
         return None
     return PROJECTION in (config.get("modules_to_save") or []) if isinstance(config, dict) else None

@@ -520,7 +520,7 @@ class Detectors:
         if self.folds is not None:
             path = self.folds / FOLDS_FILE
             try:
-                self.fold = {str(page): int(k) for page, k in json.loads(path.read_text())["pages"].items()}
+                self.fold = {str(page): int(k) for page, k in read_json(path)["pages"].items()}
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
                 raise LayoutError(f"{path} is not a cross-fitting folder's {FOLDS_FILE} (python -m "
                                   f"hkrag.data.layout train ... --folds K): {type(error).__name__}: {error}") from None
@@ -536,7 +536,7 @@ class Detectors:
         """``(model, processor, fingerprint, pages it trained on or None)`` of a detector folder, loaded once."""
         if path not in self._loaded:
             trained = path / TRAINED_ON
-            seen = frozenset(json.loads(trained.read_text())) if trained.is_file() else None
+            seen = frozenset(read_json(trained)) if trained.is_file() else None
             self._loaded[path] = (*load_detector(path), _fingerprint(path), seen)
         return self._loaded[path]
 
@@ -587,7 +587,7 @@ def write_regions(
                 key = hashlib.sha256(detectors.load(path)[2].encode() + b"\0" + data).hexdigest()
                 cached = cache / key[:2] / f"{key}.json"
                 if cached.is_file():
-                    row.update(json.loads(cached.read_text()))
+                    row.update(read_json(cached))
                     report["cached"] += 1
                     continue
                 try:
@@ -677,7 +677,7 @@ def reselect(regions: str | Path, out: str | Path, settings: SelectionSettings =
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        value = json.loads(path.read_text())
+        value = read_json(path)
     except (OSError, ValueError) as error:
         raise LayoutError(f"{path} cannot be read as JSON: {error}") from None
     if not isinstance(value, dict):

@@ -25,7 +25,6 @@ from ``truths`` is an error naming it. ``python -m hkrag.rag steps RUN_DIR`` rep
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
@@ -35,7 +34,7 @@ import numpy as np
 
 from hkrag.data.opendocvqa import QUERY_PREFIX, QAExample, load_qa
 from hkrag.data.synthetic import PAGES_FILE, load_page_items, question_field
-from hkrag.io import write_json, write_jsonl_gz, write_text
+from hkrag.io import read_json, write_json, write_jsonl_gz, write_text
 from hkrag.rag.metrics import relaxed_accuracy
 from hkrag.rag.records import CallRecord, PageTruth, QueryOutcome, QueryTruth, words
 from hkrag.rag.report import RUN_CONFIG_FILE
@@ -320,7 +319,7 @@ def step_markdown(report: Mapping[str, Any], title: str = "Per-step report") -> 
 def validation_threshold(steps_json: str | Path) -> float:
     """The P(yes) threshold a validation report (``steps.json`` of :func:`report_run` or of
     ``hkrag.tasks.agent_steps``, whose reports are keyed by name: its first with a threshold) chose."""
-    data = json.loads(Path(steps_json).read_text())
+    data = read_json(Path(steps_json))
     reports = data["reports"].values() if "reports" in data else [data]
     found = [r["pruner"]["p_yes"]["threshold"]["value"] for r in reports if r["pruner"].get("p_yes")]
     if not found or found[0] is None:
@@ -335,7 +334,7 @@ def report_run(run_dir: str | Path, threshold_from: str | Path | None = None) ->
     Pruner's P(yes) threshold is the one of ``threshold_from`` (a validation report's ``steps.json``) when given.
     Every Pruner call's row goes to ``<run_dir>/pruner_calls.jsonl.gz``."""
     run_dir = Path(run_dir)
-    settings = json.loads((run_dir / RUN_CONFIG_FILE).read_text())["identity"]
+    settings = read_json(run_dir / RUN_CONFIG_FILE)["identity"]
     data, split = settings["data"], settings["rag"]["split"]
     outcomes = load_trace(run_dir / MERGED_FILE)
     examples = [ex for dataset in sorted({o.dataset for o in outcomes})

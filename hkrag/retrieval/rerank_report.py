@@ -17,13 +17,12 @@ questions and the paired difference (reranked − first stage) with its paired b
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from hkrag.data.opendocvqa import ALL_POOL, QAExample, load_qa, qrels
-from hkrag.io import write_json, write_jsonl_gz, write_text
+from hkrag.io import read_json, write_json, write_jsonl_gz, write_text
 from hkrag.retrieval.metrics import evaluate_run, expected_name
 from hkrag.stats import bootstrap_interval, paired_bootstrap
 
@@ -114,7 +113,7 @@ def report(trace_file: Path, qa_source: str, split: str, datasets: Sequence[str]
     """Per-query rows and the summary of ``trace_file`` against the questions of ``datasets`` (``queries``: only
     these ids, e.g. a validation split), written into ``out``."""
     examples = {ex.query_id: ex for dataset in datasets for ex in load_qa(qa_source, dataset, split)}
-    trace = json.loads(trace_file.read_text())["queries"]
+    trace = read_json(trace_file)["queries"]
     trace = [entry for entry in trace if queries is None or entry["query_id"] in queries]
     rows = per_query_rows(trace, examples)
     summary = summarise(rows)
@@ -133,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--queries", type=Path, default=None, help="a JSON list of query ids to keep")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    queries = set(json.loads(args.queries.read_text())) if args.queries else None
+    queries = set(read_json(args.queries)) if args.queries else None
     report(args.trace, args.qa_source, args.split, args.datasets, args.out, queries)
     print((args.out / "summary.md").read_text())
 

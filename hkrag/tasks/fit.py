@@ -9,7 +9,6 @@ and checked against the model before it is printed.
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
 from hkrag.data.collators import RetrieverCollator
+from hkrag.io import read_json
 from hkrag.models.phi3v import Phi3VConfig, load_processor, tiny_phi3v
 from hkrag.models.phi3v.loading import CheckpointNotFoundError
 from hkrag.retriever import VDOCRAG_LORA_TARGETS, HeadSettings, LoraSettings, describe_lora_modules
@@ -120,7 +120,7 @@ def lora_settings(cfg: DictConfig) -> tuple[LoraSettings, str]:
     if adapter:
         path = Path(str(adapter)) / "adapter_config.json"
         if path.is_file():
-            saved = json.loads(path.read_text())
+            saved = read_json(path)
             targets = saved.get("target_modules") or VDOCRAG_LORA_TARGETS
             return LoraSettings(r=saved.get("r", 8), alpha=saved.get("lora_alpha", 64),
                                 dropout=saved.get("lora_dropout", 0.1), target_modules=tuple(targets)), str(path)

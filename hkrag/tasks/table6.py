@@ -54,7 +54,7 @@ from omegaconf import OmegaConf
 
 from agents.steps import longest_route
 from hkrag.data.opendocvqa import QAExample, load_qa
-from hkrag.io import write_bytes, write_json, write_text
+from hkrag.io import read_json, write_bytes, write_json, write_text
 from hkrag.rag.records import CallRecord, QueryOutcome
 from hkrag.rag.report import REPORT_FILE as RAG_REPORT
 from hkrag.rag.report import RUN_CONFIG_FILE, metric_value
@@ -239,7 +239,7 @@ def query_row(outcome: QueryOutcome, pages: str, generator: str, seed: int, rele
 
 def run_questions(run: Path) -> tuple[dict[str, Any], dict[str, list[QAExample]]]:
     """An ``eval.py`` run's settings (its ``rag_config.json`` identity) and its data sets' questions."""
-    identity = json.loads((run / RUN_CONFIG_FILE).read_text())["identity"]
+    identity = read_json(run / RUN_CONFIG_FILE)["identity"]
     return identity, {dataset: load_qa(identity["data"]["qa_source"], dataset, identity["rag"]["split"])
                       for dataset in identity["rag"]["datasets"]}
 
@@ -290,7 +290,7 @@ def write_step_reports(config: Table6Config) -> dict[str, dict[str, Any]]:
 
 def generator_reports(config: Table6Config) -> dict[int, dict[str, Any]]:
     """Each seed's generator ``report.json``."""
-    return {seed: json.loads((generator_folder(config, seed) / REPORT_FILE).read_text()) for seed in config.seeds}
+    return {seed: read_json(generator_folder(config, seed) / REPORT_FILE) for seed in config.seeds}
 
 
 def trained_steps(reports: dict[int, dict[str, Any]]) -> dict[int, list[str]]:
@@ -330,7 +330,7 @@ def set_rows(rows: Sequence[Mapping[str, Any]], name: str
 def generator_config(config: Table6Config, generator: str) -> dict[str, Any]:
     """The ``generator`` config every run of ``generator`` was made with (its ``rag_config.json`` identity); runs of
     one configuration with different generator configs are refused."""
-    found = {json.dumps(json.loads((run_folder(config, pages, generator, seed) / RUN_CONFIG_FILE).read_text())
+    found = {json.dumps(read_json(run_folder(config, pages, generator, seed) / RUN_CONFIG_FILE)
                         ["identity"]["generator"], sort_keys=True) for pages in PAGES for seed in config.seeds}
     if len(found) != 1:
         raise ValueError(f"the runs of {generator!r} in {config.folders['runs']} were made with {len(found)} different "
@@ -443,7 +443,7 @@ def register_rules(config: Table6Config) -> dict[str, Any]:
     registration."""
     record = config.out / RULES_RECORD
     if record.is_file():
-        return check_rules(json.loads(record.read_text()), config.margin, config.alpha, str(config.out))
+        return check_rules(read_json(record), config.margin, config.alpha, str(config.out))
     if config.folders["runs"].is_dir() and any(config.folders["runs"].iterdir()):
         raise RulesChangedError(f"{config.out} holds runs but no {RULES_RECORD}: they were made before the verdict "
                                 f"rules were registered (now sha256 {rules_digest()}); run Table 6 into a new --out")
@@ -676,7 +676,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.render:
-        report = json.loads(args.render.read_text())
+        report = read_json(args.render)
         try:
             print(render(report))
         except RulesChangedError as error:
