@@ -37,6 +37,7 @@ from hkrag.data.region_corpus import build_region_corpus, crop, jittered, page_u
 from hkrag.data.region_corpus import main as region_corpus_main
 from hkrag.data.regions import CLASSES, Region, corpus_matching_iou, select
 from hkrag.data.synthetic import PageSpec, SyntheticConfig, generate, page_regions, render_page
+from hkrag.io import FileFormatError
 
 TINY = SyntheticConfig(seed=1, n_train=4, n_test=4, train_groups_per_style=1, test_groups_per_style=1, group_size=1)
 CHART = PageSpec(doc_id="synchart-test-d000-p1", style="synchart", title="SALES", label="RED", value=42,
@@ -553,8 +554,11 @@ def test_region_boxes_that_are_no_regions_of_the_page_stop_the_build_naming_page
     with pytest.raises(DataError, match=rf"page '{rows[2]['doc_id']}', region 0: a box is four finite numbers"):
         build_region_corpus(corpus / "corpus", tmp_path / "out", "all-box", regions=tmp_path / "regions",
                             configs=["all"])
-    for broken in ({**rows[0], "selected": [[1, 2, 3]]}, {"doc_id": "x"}, "[1, 2]"):
+    broken_rows = (({**rows[0], "selected": [[1, 2, 3]]}, DataError, "line 2 is not a detect row with selected boxes"),
+                   ({"doc_id": "x"}, FileFormatError, "line 2: record lacks"),
+                   ("[1, 2]", FileFormatError, r"line 2: record lacks key\(s\) \['doc_id', 'selected'\]"))
+    for broken, error, message in broken_rows:
         (regions / "test.jsonl").write_text(json.dumps(rows[1]) + "\n" + json.dumps(broken) + "\n")
-        with pytest.raises(DataError, match=r"test.jsonl, line 2 is not a detect row with selected boxes"):
+        with pytest.raises(error, match=rf"test.jsonl(, |: ){message}"):
             build_region_corpus(corpus / "corpus", tmp_path / "out", "all-box", regions=tmp_path / "regions",
                                 configs=["all"])

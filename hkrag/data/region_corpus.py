@@ -71,6 +71,7 @@ from hkrag.data.opendocvqa import (
 from hkrag.data.regions import GLOBAL_CLASSES, Region, check_region
 from hkrag.data.synthetic import TextItem
 from hkrag.data.writer import declare_text_columns, save_split
+from hkrag.io import read_jsonl
 
 MODES = ("all-box", "semantic_box-only", "concatenation")
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -176,12 +177,13 @@ def detected_regions(folder: str | Path, config: str, split: str) -> dict[str, l
     path = Path(folder) / config / f"{split}.jsonl"
     if not path.is_file():
         raise DataError(f"{path} is missing: run python -m hkrag.data.layout detect first")
+    rows = read_jsonl(path, keys=("doc_id", "selected"))  # a damaged line or a missing key: FileFormatError
+    numbers = [n for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
     boxes = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, row in zip(numbers, rows):
         try:
-            row = json.loads(line)
             boxes[row["doc_id"]] = [_region(entry) for entry in row["selected"]]
-        except (ValueError, KeyError, TypeError, IndexError) as error:
+        except (ValueError, TypeError) as error:
             raise DataError(f"{path}, line {number} is not a detect row with selected boxes [x0, y0, x1, y1, class, "
                             f"score] ({type(error).__name__}: {error})") from None
     return boxes
