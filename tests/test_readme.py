@@ -33,8 +33,9 @@ ROOT = rc.ROOT
 COMMANDS = rc.commands()
 DEMO = "python train.py"
 """The quick start's main job; it runs exactly as written."""
-LINKED = ("train.py", "eval.py", "conf", "scripts", "constraints.txt", "pyproject.toml")
-"""What a working directory needs from the repository (weights come through HKRAG_WEIGHTS_DIR)."""
+LINKED = ("train.py", "eval.py", "conf", "scripts", "bench", "constraints.txt", "pyproject.toml")
+"""What a working directory needs from the repository (weights come through HKRAG_WEIGHTS_DIR, and a
+``run_dir=weights/...`` from the repository: hkrag.tasks.common.resolve_run_dir)."""
 TIMEOUT_S = 900
 DEMO_TABLE_HEADER = "| queries | before (the shipped reader), single"
 
@@ -47,7 +48,7 @@ EXTERNAL: tuple[tuple[str, str], ...] = (
 
 OFFLINE: tuple[tuple[str, str], ...] = (
     (r"(^|/)pip install", "installs packages over the network (checked: requirements, extras, constraints file)"),
-    (r"-m pytest", "the test suite itself, which CI runs (.ci/run; checked: markers and paths)"),
+    (r"-m pytest|^python tests/", "the test suite itself, which CI runs (.ci/run; checked: markers and paths)"),
     (r"data=opendocvqa|opendocvqa_corpus", "OpenDocVQA from the Hugging Face hub (network)"),
     (r"experiment=(hkrag_retriever|ablation_|pretrain_vdocrag|generator_vdocrag)",
      "paper scale: the 4.2B Phi-3-vision from the hub, a GPU"),
@@ -59,7 +60,8 @@ OFFLINE: tuple[tuple[str, str], ...] = (
      "the one-off comparison with the original remote code: a second venv (transformers 4.45.2) and a mirror"),
     (r" \.\.\. resume=latest", "`...` stands for the interrupted run's own overrides (tests/test_training.py "
      "resumes exactly)"),
-    (r"data/synthetic_regions|units_det_", "crops of a trained detector's boxes: the test's 2-step detector selects "
+    (r"data/synthetic_regions|units_det_|<stitched corpus>|<region corpus",
+     "crops of a trained detector's boxes (and their stitched OCR): the test's 2-step detector selects "
      "none, which build refuses by design (tests/test_regions.py builds from detected and gold boxes)"),
     (r"region_pairs|reader_regions|region_train|runs/(rr|test_gold)_s",
      "the region reader's training set holds out whole documents for validation: the small corpus's one document a "
@@ -67,8 +69,24 @@ OFFLINE: tuple[tuple[str, str], ...] = (
      "the reader's runs and evaluations follow from it)"),
     (r"runs/(index|corpus)", "a user's own index and embeddings under runs/ (tests/test_index_tuning.py, "
      "tests/test_retrieval_budget.py run the same code)"),
+    (r"--size full", "a full-size Phi-3-vision training step (4.2B parameters, tens of GB of memory)"),
+    (r"--out weights/", "ships over the repository's own weights (tests/test_shipped.py checks them and ships a "
+     "run elsewhere)"),
+    (r"shared/reference|bench/memory_recorded",
+     "Phi-3-vision's config.json from ../shared/reference/phi3v, outside the repository"),
+    (r"bench/(demo_range|reader|late_interaction|li_validation|reading|search)\.py",
+     "a measurement made of full-size runs with no flag to shrink them (demo_range: 15 demo runs; reader, "
+     "late_interaction, li_validation: three seeds of 300-3,000 steps; reading: 8,000 steps; search: 10^6 vectors); "
+     "its figures are bench/RESULTS.md's"),
+    (rc.ELISION.pattern, "part of the command is left out (…): its flags or keys are checked, it cannot run"),
 )
 """Commands that cannot run offline here: their parse is checked, their run skipped with the reason."""
+
+REFUSED: tuple[tuple[str, str], ...] = (
+    (r"--seeds 0 0 1", "seeds [0, 0, 1] repeat [0]"),
+)
+"""Commands a document shows being refused (docs/errors.md): the parse check or the run must fail with the
+message (regex on the command, the message)."""
 
 SLOW: tuple[tuple[str, str], ...] = (
     (r"^python train\.py -m ", "a sweep of 12 demo runs (about 10 min; tiny: 12 short runs)"),
@@ -89,6 +107,8 @@ TINY_FLAGS: tuple[tuple[str, str], ...] = (
     (r"hkrag\.tasks\.chain.*--pretrain-steps", "--pretrain-steps 2"),
     (r"hkrag\.tasks\.table6", "--seeds 0 --generator-steps 2 --eval rag.max_queries=2 --eval rag.pools=[single]"),
     (r"hkrag\.data\.layout train", "--max-steps 2"),
+    (r"bench/lvlm\.py", "--questions 1 --repeats 1 --new-tokens 2"),
+    (r"bench/agents\.py", "--queries 1 --repeats 1"),
 )
 """Modules' own flags that shrink them (every matching row; they follow the command's own flags, so they win; for
 the runs-of-runs modules (:data:`RUNS_OF_RUNS`) the train.py shrink overrides follow the command's overrides)."""
@@ -129,7 +149,8 @@ def parse_param(command: rc.Command):
 
 
 def run_param(command: rc.Command):
-    reason = first_match(EXTERNAL, command.text) or first_match(OFFLINE, command.text)
+    reason = first_match(EXTERNAL, command.text) or (
+        None if first_match(REFUSED, command.text) else first_match(OFFLINE, command.text))
     slow = first_match(SLOW, command.text) or command.source.startswith("docs/")
     marks = [pytest.mark.skip(reason=f"cannot run offline: {reason}")] if reason else []
     marks += [pytest.mark.slow] if slow and not reason else []
@@ -290,11 +311,24 @@ def tiny(text: str, slug: str, small: bool = False) -> str:
 
 @pytest.mark.parametrize("command", [parse_param(c) for c in COMMANDS])
 def test_command_parses(command: rc.Command):
-    """Every command's flags and overrides are accepted by the program it calls (nothing runs)."""
+    """Every command's flags and overrides are accepted by the program it calls (nothing runs); one a document
+    shows refused (:data:`REFUSED`) is refused with its message, or accepted here and refused when it runs."""
+    refused = first_match(REFUSED, command.text)
     try:
         rc.check_parses(command.text)
     except (AssertionError, ValueError) as error:
+        if refused and refused in str(error):
+            return
         pytest.fail(f"{command.source}: `{command.text}` does not parse: {error}")
+
+
+@pytest.mark.parametrize("name", [pytest.param(c, id=c.text) for c in rc.program_names()])
+def test_named_program_exists(name: rc.Command):
+    """A prose span that names a program without arguments (`python -m hkrag.data.ocr`) names one that exists."""
+    try:
+        rc.check_name(name.text)
+    except AssertionError as error:
+        pytest.fail(f"{name.source}: `{name.text}`: {error}")
 
 
 @pytest.mark.parametrize("command", [run_param(c) for c in COMMANDS])
@@ -315,6 +349,14 @@ def test_command_runs(command: rc.Command, request):
         run_shell(OCR_CORPUS, cwd)
     slug = f"c{COMMANDS.index(command):03d}"
     text = rc.concrete(command.text, placeholder_values(command.text, request, cwd))
+    refused = first_match(REFUSED, command.text)
+    if refused:  # verbatim: shrinking flags could replace what is refused
+        result = subprocess.run(["bash", "-c", text], cwd=cwd, env=environment(), capture_output=True, text=True,
+                                timeout=TIMEOUT_S)
+        assert result.returncode != 0 and refused in result.stderr, (
+            f"{text} (in {cwd}) was to be refused with {refused!r}: exit {result.returncode}, stderr tail:\n"
+            f"{result.stderr[-3000:]}")
+        return
     run_shell(tiny(text, slug, bool(small)), cwd)
 
 
@@ -416,6 +458,33 @@ def test_extraction_rules(tmp_path):
     assert found[2].source.endswith("doc.md:4") and found[3].source.endswith("doc.md:10")
 
 
+def test_prose_extraction_rules(tmp_path):
+    """Prose spans: a program first (or a script with arguments, run by python), whitespace collapsed across lines,
+    `a|b` (and a table's `\\|`) expanded, bare programs kept apart as names, paths and fenced spans ignored."""
+    document = tmp_path / "doc.md"
+    document.write_text("\n".join([
+        "Run `python eval.py task=rag|generation` or `bench/x.py --flag 1`, see `tests/test_x.py` and `eval.py`.",
+        "Then `python -m hkrag.data.ocr`, `python -m hkrag.rag compare",
+        "  RUN_DIR RUN_DIR` and | `generator=a\\|b` | `accelerate launch`.",
+        "```bash", "echo `python train.py x=1`", "```", "`python -m pytest -m slow`", ""]))
+    found, names = rc.extract_inline(document)
+    assert [c.text for c in found] == ["python eval.py task=rag", "python eval.py task=generation",
+                                       "python bench/x.py --flag 1", "python -m hkrag.rag compare RUN_DIR RUN_DIR",
+                                       "python -m pytest -m slow"]
+    assert all(c.inline for c in found) and found[3].source.endswith("doc.md:2") and found[4].source.endswith(":7")
+    assert [c.text for c in names] == ["python -m hkrag.data.ocr", "accelerate launch"]
+
+
+def test_prose_commands_are_found():
+    """README's prose commands are among those tested, a fenced copy winning over a prose one."""
+    by_text = {c.text: c for c in COMMANDS}
+    rag = ("python eval.py task=rag run_dir=weights/reader_tiny generator=single_pass generator.top_k=1 "
+           "lvlm=phi3v_reader_tiny")
+    assert by_text[rag].inline and by_text[rag].source.startswith("README.md:")
+    assert not by_text[DEMO].inline
+    assert "python -m hkrag.data.ocr" in [c.text for c in rc.program_names()]
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("python train.py trainer.bogus_key=1", "bogus_key"),
     ("python train.py loss.tau=0", "loss.tau=0"),
@@ -430,7 +499,14 @@ def test_extraction_rules(tmp_path):
     ('pip install -e ".[nosuch]" -c constraints.txt', "nosuch"),
     ("pip install torch==1.0 -c constraints.txt", "disagrees"),
     ("python -m pytest -m fast", "fast"),
-    ("python eval.py task=rag run_dir=outputs/eval/<run>", "placeholder '<run>'"),
+    ("python eval.py task=rag run_dir=outputs/eval/<nosuch>", "placeholder '<nosuch>'"),
+    ("python eval.py task=<name> nosuch=1", "nosuch"),
+    ("python eval.py task=rag nokey=…", "no config key or group ['nokey']"),
+    ("python train.py experiment=nosuch_*", "no conf/experiment/nosuch_*.yaml"),
+    ("python -m hkrag.data.ocr … --nosuch-flag 1", "--nosuch-flag"),
+    ("accelerate launch --nosuch-option 2", "--nosuch-option"),
+    ("pip install 'hkrag[nosuch]'", "nosuch"),
+    ("python tests/test_interval_coverage.py 5", "takes no command-line arguments"),
 ])
 def test_a_changed_flag_fails_the_parse_check(text: str, message: str):
     """What a README command that changed its flags (or names a missing file, extra or marker) meets."""

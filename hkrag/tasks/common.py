@@ -155,10 +155,29 @@ BASE_DIR = "base"
 TRAIN_RUNS = Path("outputs", "train")
 
 
+REPOSITORY = CONF_DIR.parent
+"""The repository's root: a relative ``run_dir`` missing under the working directory is looked up here, so
+``run_dir=weights/reader_tiny`` (the shipped weights) works from any folder, as the README writes it."""
+
+
+def run_dir_locations(run_dir: str | Path) -> list[Path]:
+    """Where a ``run_dir`` other than ``latest`` is looked for, in order: as given (relative to the working
+    directory), then, when relative, under :data:`REPOSITORY`."""
+    path = Path(run_dir)
+    return [path] if path.is_absolute() else [path, REPOSITORY / path]
+
+
+def missing_run_dir(run_dir: str | Path) -> str:
+    """The message for a ``run_dir`` found nowhere, naming every place looked (absolute paths)."""
+    return "no such directory (looked in " + " and ".join(str(p.absolute()) for p in run_dir_locations(run_dir)) + ")"
+
+
 def resolve_run_dir(run_dir: str | Path, runs: Path = TRAIN_RUNS) -> Path:
-    """``run_dir`` itself, or for ``latest`` the newest finished ``train.py`` run under ``runs`` (by its stamp)."""
+    """The first of :func:`run_dir_locations` that exists (the first when none does), or for ``latest`` the newest
+    finished ``train.py`` run under ``runs`` (by its stamp)."""
     if str(run_dir) != "latest":
-        return Path(run_dir)
+        locations = run_dir_locations(run_dir)
+        return next((path for path in locations if path.is_dir()), locations[0])
     finished = sorted(path.parent.parent.parent for path in runs.glob(f"*/{FINAL_ADAPTER}") if path.is_dir())
     if not finished:
         raise FileNotFoundError(f"run_dir=latest: no finished train.py run under {runs}; run `python train.py` "
@@ -174,7 +193,9 @@ def trained_model_config(model_cfg: DictConfig, run_dir: str | Path) -> DictConf
     lacking ``base/`` whose ``state.json`` does not say ``model.kind=phi3v`` is incomplete and refused
     (``FileNotFoundError`` naming the folder and what is missing) rather than evaluated on another base.
     """
-    run_dir = resolve_run_dir(run_dir)
+    given, run_dir = run_dir, resolve_run_dir(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run_dir={str(given)!r}: {missing_run_dir(given)}")
     model_cfg = OmegaConf.create(OmegaConf.to_container(model_cfg, resolve=True))  # a tiny model's has no `base`
     adapter = run_dir / FINAL_ADAPTER
     if not adapter.is_dir():
