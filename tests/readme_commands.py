@@ -55,6 +55,7 @@ PLACEHOLDERS: tuple[tuple[str, str], ...] = (
     (r"--out DIR", "out_dir"),
     (r"<image run> <text run>", "rag_runs"),
     (r"<its eval\.py task=generation run>", "rag_run"),
+    (r"(?<=rag steps )<run>", "rag_run"),
     (r"<that run>|<the demo run>|<train\.py run>|<run>|(?<![\w.-])RUN(?![\w.-])", "train_run"),
     (r"<stitched corpus>", "stitched_corpus"),
     (r"<region corpus of detected boxes>", "detected_units"),
@@ -78,9 +79,9 @@ INLINE = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)
 INLINE_COMMAND = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S+ )*(?:(?:python3?|pip3?|accelerate|pytest)(?: |$)|[\w./-]+\.py )")
 """A span that is a command (or names a program): a program first, or a Python script with arguments
 (``eval.py task=rag``, ``bench/search.py --mmap``: run by ``python``)."""
-ELISION = re.compile(r"(?<!\S)([\w.+~-]+=)?(…|\.\.\.|<name>)(?!\S)")
+ELISION = re.compile(r"(?<!\S)(?:([\w.+~-]+=)(…|\.\.\.|<name>|)|(…|\.\.\.))(?!\S)")
 """``…`` / ``...`` as a word: the rest of a command (or more of the same) left out; as a Hydra value
-(``run_dir=…``, ``task=<name>``): any value of that key."""
+(``run_dir=…``, ``task=<name>``, a bare ``run_dir=`` in prose): any value of that key."""
 ALTERNATIVES = re.compile(r"(?<![\w'\"|])([\w.+~/-]+=)?(\w+(?:\|\w+)+)(?![\w'\"|])")
 """``task=rag|generation`` or ``sweep|compare``: one command per alternative."""
 
@@ -218,6 +219,14 @@ def concrete(text: str, values: dict[str, str]) -> str:
         raise ValueError(f"unknown placeholder {leftover.group(0)!r} in {text!r}: add it to "
                          "tests/readme_commands.py PLACEHOLDERS")
     return text
+
+
+def elided(text: str) -> bool:
+    """Whether part of ``text`` is left out (:data:`ELISION`; a placeholder's own ``...``, as in
+    ``RUN_DIR RUN_DIR ...``, is a placeholder's)."""
+    for pattern, name in PLACEHOLDERS:
+        text = re.sub(pattern, name, text)
+    return bool(ELISION.search(text))
 
 
 def needed_values(text: str) -> list[str]:
@@ -545,7 +554,7 @@ def check_parses(text: str) -> str:
     name = program(argv)
     elided_keys = [match.group(1)[:-1].lstrip("+~") for match in ELISION.finditer(text) if match.group(1)]
     if name in PYTHON:
-        return check_python(argv[1:], bool(ELISION.search(text)), elided_keys)
+        return check_python(argv[1:], elided(text), elided_keys)
     if name in ("pip", "pip3"):
         return check_pip(argv[1:])
     if name == "pytest":

@@ -78,7 +78,7 @@ OFFLINE: tuple[tuple[str, str], ...] = (
      "a measurement made of full-size runs with no flag to shrink them (demo_range: 15 demo runs; reader, "
      "late_interaction, li_validation: three seeds of 300-3,000 steps; reading: 8,000 steps; search: 10^6 vectors); "
      "its figures are bench/RESULTS.md's"),
-    (rc.ELISION.pattern, "part of the command is left out (…): its flags or keys are checked, it cannot run"),
+    (r"=\w*\*", "a pattern naming several configs (each checked to exist), not one command"),
 )
 """Commands that cannot run offline here: their parse is checked, their run skipped with the reason."""
 
@@ -148,9 +148,13 @@ def parse_param(command: rc.Command):
     return pytest.param(command, marks=marks, id=command.text)
 
 
+ELIDED = "part of the command is left out (…): its flags or keys are checked, it cannot run"
+
+
 def run_param(command: rc.Command):
     reason = first_match(EXTERNAL, command.text) or (
-        None if first_match(REFUSED, command.text) else first_match(OFFLINE, command.text))
+        None if first_match(REFUSED, command.text) else first_match(OFFLINE, command.text)) or (
+        ELIDED if rc.elided(command.text) else None)
     slow = first_match(SLOW, command.text) or command.source.startswith("docs/")
     marks = [pytest.mark.skip(reason=f"cannot run offline: {reason}")] if reason else []
     marks += [pytest.mark.slow] if slow and not reason else []
@@ -239,8 +243,9 @@ def placeholder_values(text: str, request, cwd: Path) -> dict[str, str]:
         values["train_sweep"] = str(newest(cwd / "multirun" / "train"))
     if "eval_sweep" in needed:
         values["eval_sweep"] = str(newest(cwd / "multirun" / "eval"))
-    if "rag_runs" in needed:
-        values["rag_runs"] = " ".join(map(str, request.getfixturevalue("rag_runs")))
+    if {"rag_runs", "rag_run"} & set(needed):
+        runs = request.getfixturevalue("rag_runs")
+        values.update(rag_runs=" ".join(map(str, runs)), rag_run=str(runs[0]))
     if "out_dir" in needed:
         values["out_dir"] = "--out outputs/readme/out-dir"
     return values
