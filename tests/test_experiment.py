@@ -148,17 +148,21 @@ def test_run_dir_latest_is_the_newest_finished_training_run(tmp_path):
 
 
 def test_a_relative_run_dir_missing_here_is_looked_up_in_the_repository(tmp_path, monkeypatch):
-    """The README's `run_dir=weights/reader_tiny` works from any folder (the shipped weights); a folder of that name
-    under the working directory wins; one found nowhere is refused naming both places looked."""
+    """The README's `run_dir=weights/reader_tiny` (and a `model.adapter` under weights/) works from any folder (the
+    shipped weights); a folder of that name under the working directory wins; one found nowhere is refused naming
+    both places looked; a hub id stays one."""
     from omegaconf import OmegaConf
 
-    from hkrag.tasks.common import REPOSITORY, resolve_run_dir, trained_model_config
+    from hkrag.tasks.common import REPOSITORY, local_adapter, resolve_run_dir, trained_model_config
 
     monkeypatch.chdir(tmp_path)
     assert REPOSITORY == ROOT
     assert resolve_run_dir("weights/reader_tiny") == ROOT / "weights" / "reader_tiny"
     assert trained_model_config(OmegaConf.create({"kind": "tiny"}), "weights/reader_tiny").adapter == str(
         ROOT / "weights" / "reader_tiny" / "checkpoints" / "final" / "adapter")
+    adapter = "weights/reader_tiny/checkpoints/final/adapter"
+    assert local_adapter(adapter) == str(ROOT / adapter)
+    assert local_adapter("NTT-hil-insight/VDocRetriever-Phi3-vision") == "NTT-hil-insight/VDocRetriever-Phi3-vision"
     (tmp_path / "weights" / "reader_tiny").mkdir(parents=True)
     assert resolve_run_dir("weights/reader_tiny") == Path("weights/reader_tiny")
     with pytest.raises(FileNotFoundError, match=re.escape(

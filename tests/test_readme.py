@@ -69,6 +69,8 @@ OFFLINE: tuple[tuple[str, str], ...] = (
      "the reader's runs and evaluations follow from it)"),
     (r"runs/(index|corpus)", "a user's own index and embeddings under runs/ (tests/test_index_tuning.py, "
      "tests/test_retrieval_budget.py run the same code)"),
+    (r"^python eval\.py( task=(rag|retrieval))?$", "no run_dir: the default retriever is the paper's Phi-3-vision "
+     "from the hub (network)"),
     (r"--size full", "a full-size Phi-3-vision training step (4.2B parameters, tens of GB of memory)"),
     (r"--out weights/", "ships over the repository's own weights (tests/test_shipped.py checks them and ships a "
      "run elsewhere)"),

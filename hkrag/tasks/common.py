@@ -105,7 +105,7 @@ def build_retriever(
     ``trainable``. ``save_base_to`` writes the random tiny base (before any adapter) so that runs can
     be reloaded like real checkpoints.
     """
-    adapter = model_cfg.get("adapter")
+    adapter = local_adapter(model_cfg.get("adapter"))
     lora = LoraSettings(**model_cfg.lora) if trainable and model_cfg.get("lora") and not adapter else None
     head = HeadSettings.of(model_cfg)
     if model_cfg.kind == "tiny":
@@ -156,13 +156,13 @@ TRAIN_RUNS = Path("outputs", "train")
 
 
 REPOSITORY = CONF_DIR.parent
-"""The repository's root: a relative ``run_dir`` missing under the working directory is looked up here, so
-``run_dir=weights/reader_tiny`` (the shipped weights) works from any folder, as the README writes it."""
+"""The repository's root: a relative ``run_dir`` or ``model.adapter`` missing under the working directory is looked
+up here, so ``run_dir=weights/reader_tiny`` (the shipped weights) works from any folder, as the README writes it."""
 
 
 def run_dir_locations(run_dir: str | Path) -> list[Path]:
-    """Where a ``run_dir`` other than ``latest`` is looked for, in order: as given (relative to the working
-    directory), then, when relative, under :data:`REPOSITORY`."""
+    """Where a ``run_dir`` other than ``latest`` (or a local ``model.adapter``) is looked for, in order: as given
+    (relative to the working directory), then, when relative, under :data:`REPOSITORY`."""
     path = Path(run_dir)
     return [path] if path.is_absolute() else [path, REPOSITORY / path]
 
@@ -170,6 +170,14 @@ def run_dir_locations(run_dir: str | Path) -> list[Path]:
 def missing_run_dir(run_dir: str | Path) -> str:
     """The message for a ``run_dir`` found nowhere, naming every place looked (absolute paths)."""
     return "no such directory (looked in " + " and ".join(str(p.absolute()) for p in run_dir_locations(run_dir)) + ")"
+
+
+def local_adapter(adapter: str | None) -> str | None:
+    """``model.adapter`` as loaded: the repository's folder for a relative path found only there
+    (``weights/reader_tiny/checkpoints/final/adapter`` from any folder), else as given (a hub id stays one)."""
+    if not adapter:
+        return adapter
+    return str(next((path for path in run_dir_locations(adapter) if path.is_dir()), adapter))
 
 
 def resolve_run_dir(run_dir: str | Path, runs: Path = TRAIN_RUNS) -> Path:
