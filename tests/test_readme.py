@@ -124,6 +124,8 @@ TRAIN_SHRINK = ("trainer.max_steps=2", "trainer.global_batch_size=8", "trainer.s
                 "data.eval_datasets=[synchart,synfine]", *SMALL_DATA, "generator_training.optim.max_steps=2",
                 "generator_training.optim.batch_size=2", "generator_training.max_queries=8")
 """train.py overrides that shrink a run to seconds (only keys the composed config has and the command leaves)."""
+FORCED = ("trainer.max_steps=2", "generator_training.optim.max_steps=2")
+"""train.py overrides that replace the command's own value (`trainer.max_steps=3000` runs 2 steps here)."""
 RUNS_SHRINK = ("trainer.max_steps=2", "trainer.global_batch_size=8", "eval.doc_batch_size=16",
                "data.eval_datasets=[synchart,synfine]", *SMALL_DATA)
 """The train.py overrides a runs-of-runs module passes to every run it starts."""
@@ -164,8 +166,12 @@ def run_param(command: rc.Command):
 
 
 def environment() -> dict[str, str]:
+    """The commands' environment: offline, no W&B, the shipped weights, and this checkout's code first on the path
+    (a `python bench/...` script would otherwise import whichever hkrag is installed)."""
     env = {k: v for k, v in os.environ.items() if k not in ("HKRAG_RUN_DIR", "HKRAG_DATA_DIR")}
-    return {**env, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "HKRAG_WEIGHTS_DIR": str(ROOT / "weights")}
+    path = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return {**env, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "HKRAG_WEIGHTS_DIR": str(ROOT / "weights"),
+            "PYTHONPATH": path}
 
 
 def run_shell(text: str, cwd: Path, timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -312,6 +318,10 @@ def tiny(text: str, slug: str, small: bool = False) -> str:
         return shlex.join([*prefix, *command[:3], *options, *flags, *overrides, *shrink_runs])
     appended: list[str] = []
     if rc.program(command) in rc.PYTHON and command[1:2] and command[1] in rc.HYDRA_SCRIPTS:
+        forced = {override.split("=")[0]: override for override in FORCED}
+        if command[1] == "train.py" and any(arg.split("=")[0] in forced for arg in command):
+            command = [forced.get(arg.split("=")[0], arg) for arg in command]
+            text = shlex.join([*(f"{name}={value}" for name, value in env.items()), *command])
         appended += shrink(command, slug) + list(SMALL_CORPUS_OVERRIDES if small else ())
     return " ".join([text, *map(shlex.quote, appended)])
 
@@ -463,6 +473,14 @@ def test_extraction_rules(tmp_path):
     assert [c.text for c in found] == ["pip install -e .", "python train.py a=1",
                                        "python -m x --out DIR --flag 'a # b'", "python eval.py task=rag"]
     assert found[2].source.endswith("doc.md:4") and found[3].source.endswith("doc.md:10")
+
+
+def test_tiny_replaces_a_commands_own_step_count():
+    """A train.py command that sets its own length runs 2 steps here, its other overrides kept."""
+    text = tiny("python train.py experiment=reader_tiny trainer.max_steps=3000 'data.field_queries=[\"{title}\"]'", "x")
+    argv = shlex.split(text)
+    assert "trainer.max_steps=2" in argv and "trainer.max_steps=3000" not in argv
+    assert 'data.field_queries=["{title}"]' in argv and argv.count("trainer.max_steps=2") == 1
 
 
 def test_prose_extraction_rules(tmp_path):
