@@ -357,6 +357,8 @@ def test_command_runs(command: rc.Command, request):
         return
     small = SMALL_WORKSPACE.search(command.text)
     cwd = request.getfixturevalue("small_workspace" if small else "demo_workspace")
+    if "bench/" in command.text and not small:  # bench scripts read the demo's corpus, data/synthetic
+        request.getfixturevalue("demo_run")
     if "latest" in command.text:
         runs = request.getfixturevalue("demo_run").parent
         if small and not (cwd / "outputs" / "train").exists():  # the small corpus's pages, the demo's model
