@@ -71,6 +71,8 @@ OFFLINE: tuple[tuple[str, str], ...] = (
      "tests/test_retrieval_budget.py run the same code)"),
     (r"^python eval\.py( task=(rag|retrieval))?$", "no run_dir: the default retriever is the paper's Phi-3-vision "
      "from the hub (network)"),
+    (r"agent_steps <run>", "`<run>` is a generator training run (experiment=generator_agents_tiny), which the demo's "
+     "run is not (tests/test_curriculum.py runs agent_steps on one)"),
     (r"--size full", "a full-size Phi-3-vision training step (4.2B parameters, tens of GB of memory)"),
     (r"--out weights/", "ships over the repository's own weights (tests/test_shipped.py checks them and ships a "
      "run elsewhere)"),
