@@ -23,7 +23,7 @@ from common import machine
 
 from hkrag.data.opendocvqa import ALL_POOL, load_corpus
 from hkrag.retriever import Phi3VRetriever
-from hkrag.tasks.common import FINAL_ADAPTER
+from hkrag.tasks.common import FINAL_ADAPTER, resolve_run_dir
 
 FIELDS = ("label", "title", "value", "source", "code", "year", "page_no")
 
@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--siblings", nargs="*", default=[], metavar="TEMPLATE",
                         help="query templates over the page fields, e.g. '{title} {value}%%' '{title} {code}'")
     args = parser.parse_args()
+    args.run = resolve_run_dir(args.run)  # weights/reader_tiny from any folder, as eval.py's run_dir=
     torch.manual_seed(0)
     retriever = Phi3VRetriever.from_pretrained(str(args.run / "base"), adapter=str(args.run / FINAL_ADAPTER),
                                                num_crops=None, dtype=torch.float32).eval()

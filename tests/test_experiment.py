@@ -1,5 +1,6 @@
 """Composed runs: train.py's report and eval.py agree; config and data errors say what to fix."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -144,6 +145,29 @@ def test_run_dir_latest_is_the_newest_finished_training_run(tmp_path):
     (tmp_path / "2026-01-04_08-00-00" / "checkpoints" / "step-1").mkdir(parents=True)  # still training
     assert resolve_run_dir("latest", tmp_path) == tmp_path / "2026-01-03_09-00-00"
     assert resolve_run_dir(tmp_path / "x", tmp_path) == tmp_path / "x"
+
+
+def test_a_relative_run_dir_missing_here_is_looked_up_in_the_repository(tmp_path, monkeypatch):
+    """The README's `run_dir=weights/reader_tiny` (and a `model.adapter` under weights/) works from any folder (the
+    shipped weights); a folder of that name under the working directory wins; one found nowhere is refused naming
+    both places looked; a hub id stays one."""
+    from omegaconf import OmegaConf
+
+    from hkrag.tasks.common import REPOSITORY, local_adapter, resolve_run_dir, trained_model_config
+
+    monkeypatch.chdir(tmp_path)
+    assert REPOSITORY == ROOT
+    assert resolve_run_dir("weights/reader_tiny") == ROOT / "weights" / "reader_tiny"
+    assert trained_model_config(OmegaConf.create({"kind": "tiny"}), "weights/reader_tiny").adapter == str(
+        ROOT / "weights" / "reader_tiny" / "checkpoints" / "final" / "adapter")
+    adapter = "weights/reader_tiny/checkpoints/final/adapter"
+    assert local_adapter(adapter) == str(ROOT / adapter)
+    assert local_adapter("NTT-hil-insight/VDocRetriever-Phi3-vision") == "NTT-hil-insight/VDocRetriever-Phi3-vision"
+    (tmp_path / "weights" / "reader_tiny").mkdir(parents=True)
+    assert resolve_run_dir("weights/reader_tiny") == Path("weights/reader_tiny")
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"run_dir='no/run': no such directory (looked in {tmp_path / 'no/run'} and {ROOT / 'no/run'})")):
+        trained_model_config(OmegaConf.create({"kind": "tiny"}), "no/run")
 
 
 def test_evaluation_saves_queries_and_qrels_for_the_storage_budget(tmp_path):

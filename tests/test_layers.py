@@ -25,7 +25,8 @@ PACKAGES = ("hkrag", *GENERATORS)
 # Lowest first. An entry covers its module and everything under it; the bare "hkrag" entry covers only
 # hkrag/__init__.py (it registers the Phi3V Auto classes), so a new module must be placed here.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("hkrag.io", "hkrag.stats", "hkrag.run_log", "hkrag.distributed", "hkrag.environment", "hkrag.import_hook"),
+    ("hkrag.io", "hkrag.stats", "hkrag.run_log", "hkrag.distributed", "hkrag.environment", "hkrag.import_hook",
+     "hkrag.ranges"),
     ("hkrag", "hkrag.models"),
     ("hkrag.data",),
     ("hkrag.lvlm", "hkrag.losses", "hkrag.late_interaction", "hkrag.retriever", "hkrag.index"),

@@ -33,8 +33,9 @@ ROOT = rc.ROOT
 COMMANDS = rc.commands()
 DEMO = "python train.py"
 """The quick start's main job; it runs exactly as written."""
-LINKED = ("train.py", "eval.py", "conf", "scripts", "constraints.txt", "pyproject.toml")
-"""What a working directory needs from the repository (weights come through HKRAG_WEIGHTS_DIR)."""
+LINKED = ("train.py", "eval.py", "conf", "scripts", "bench", "constraints.txt", "pyproject.toml")
+"""What a working directory needs from the repository (weights come through HKRAG_WEIGHTS_DIR, and a
+``run_dir=weights/...`` from the repository: hkrag.tasks.common.resolve_run_dir)."""
 TIMEOUT_S = 900
 DEMO_TABLE_HEADER = "| queries | before (the shipped reader), single"
 
@@ -47,7 +48,7 @@ EXTERNAL: tuple[tuple[str, str], ...] = (
 
 OFFLINE: tuple[tuple[str, str], ...] = (
     (r"(^|/)pip install", "installs packages over the network (checked: requirements, extras, constraints file)"),
-    (r"-m pytest", "the test suite itself, which CI runs (.ci/run; checked: markers and paths)"),
+    (r"-m pytest|^python tests/", "the test suite itself, which CI runs (.ci/run; checked: markers and paths)"),
     (r"data=opendocvqa|opendocvqa_corpus", "OpenDocVQA from the Hugging Face hub (network)"),
     (r"experiment=(hkrag_retriever|ablation_|pretrain_vdocrag|generator_vdocrag)",
      "paper scale: the 4.2B Phi-3-vision from the hub, a GPU"),
@@ -59,7 +60,8 @@ OFFLINE: tuple[tuple[str, str], ...] = (
      "the one-off comparison with the original remote code: a second venv (transformers 4.45.2) and a mirror"),
     (r" \.\.\. resume=latest", "`...` stands for the interrupted run's own overrides (tests/test_training.py "
      "resumes exactly)"),
-    (r"data/synthetic_regions|units_det_", "crops of a trained detector's boxes: the test's 2-step detector selects "
+    (r"data/synthetic_regions|units_det_|<stitched corpus>|<region corpus",
+     "crops of a trained detector's boxes (and their stitched OCR): the test's 2-step detector selects "
      "none, which build refuses by design (tests/test_regions.py builds from detected and gold boxes)"),
     (r"region_pairs|reader_regions|region_train|runs/(rr|test_gold)_s",
      "the region reader's training set holds out whole documents for validation: the small corpus's one document a "
@@ -67,8 +69,28 @@ OFFLINE: tuple[tuple[str, str], ...] = (
      "the reader's runs and evaluations follow from it)"),
     (r"runs/(index|corpus)", "a user's own index and embeddings under runs/ (tests/test_index_tuning.py, "
      "tests/test_retrieval_budget.py run the same code)"),
+    (r"^python eval\.py( task=(rag|retrieval))?$", "no run_dir: the default retriever is the paper's Phi-3-vision "
+     "from the hub (network)"),
+    (r"agent_steps <run>", "`<run>` is a generator training run (experiment=generator_agents_tiny), which the demo's "
+     "run is not (tests/test_curriculum.py runs agent_steps on one)"),
+    (r"--size full", "a full-size Phi-3-vision training step (4.2B parameters, tens of GB of memory)"),
+    (r"--out weights/", "ships over the repository's own weights (tests/test_shipped.py checks them and ships a "
+     "run elsewhere)"),
+    (r"shared/reference|bench/memory_recorded",
+     "Phi-3-vision's config.json from ../shared/reference/phi3v, outside the repository"),
+    (r"bench/(demo_range|reader|late_interaction|li_validation|reading|search)\.py",
+     "a measurement made of full-size runs with no flag to shrink them (demo_range: 15 demo runs; reader, "
+     "late_interaction, li_validation: three seeds of 300-3,000 steps; reading: 8,000 steps; search: 10^6 vectors); "
+     "its figures are bench/RESULTS.md's"),
+    (r"=\w*\*", "a pattern naming several configs (each checked to exist), not one command"),
 )
 """Commands that cannot run offline here: their parse is checked, their run skipped with the reason."""
+
+REFUSED: tuple[tuple[str, str], ...] = (
+    (r"--seeds 0 0 1", "seeds [0, 0, 1] repeat [0]"),
+)
+"""Commands a document shows being refused (docs/errors.md): the parse check or the run must fail with the
+message (regex on the command, the message)."""
 
 SLOW: tuple[tuple[str, str], ...] = (
     (r"^python train\.py -m ", "a sweep of 12 demo runs (about 10 min; tiny: 12 short runs)"),
@@ -89,6 +111,8 @@ TINY_FLAGS: tuple[tuple[str, str], ...] = (
     (r"hkrag\.tasks\.chain.*--pretrain-steps", "--pretrain-steps 2"),
     (r"hkrag\.tasks\.table6", "--seeds 0 --generator-steps 2 --eval rag.max_queries=2 --eval rag.pools=[single]"),
     (r"hkrag\.data\.layout train", "--steps 2"),
+    (r"bench/lvlm\.py", "--questions 1 --repeats 1 --new-tokens 2"),
+    (r"bench/agents\.py", "--queries 1 --repeats 1"),
 )
 """Modules' own flags that shrink them (every matching row; they follow the command's own flags, so they win; for
 the runs-of-runs modules (:data:`RUNS_OF_RUNS`) the train.py shrink overrides follow the command's overrides)."""
@@ -102,6 +126,8 @@ TRAIN_SHRINK = ("trainer.max_steps=2", "trainer.global_batch_size=8", "trainer.s
                 "data.eval_datasets=[synchart,synfine]", *SMALL_DATA, "generator_training.optim.max_steps=2",
                 "generator_training.optim.batch_size=2", "generator_training.max_queries=8")
 """train.py overrides that shrink a run to seconds (only keys the composed config has and the command leaves)."""
+FORCED = ("trainer.max_steps=2", "generator_training.optim.max_steps=2")
+"""train.py overrides that replace the command's own value (`trainer.max_steps=3000` runs 2 steps here)."""
 RUNS_SHRINK = ("trainer.max_steps=2", "trainer.global_batch_size=8", "eval.doc_batch_size=16",
                "data.eval_datasets=[synchart,synfine]", *SMALL_DATA)
 """The train.py overrides a runs-of-runs module passes to every run it starts."""
@@ -128,8 +154,13 @@ def parse_param(command: rc.Command):
     return pytest.param(command, marks=marks, id=command.text)
 
 
+ELIDED = "part of the command is left out (…): its flags or keys are checked, it cannot run"
+
+
 def run_param(command: rc.Command):
-    reason = first_match(EXTERNAL, command.text) or first_match(OFFLINE, command.text)
+    reason = first_match(EXTERNAL, command.text) or (
+        None if first_match(REFUSED, command.text) else first_match(OFFLINE, command.text)) or (
+        ELIDED if rc.elided(command.text) else None)
     slow = first_match(SLOW, command.text) or command.source.startswith("docs/")
     marks = [pytest.mark.skip(reason=f"cannot run offline: {reason}")] if reason else []
     marks += [pytest.mark.slow] if slow and not reason else []
@@ -137,8 +168,12 @@ def run_param(command: rc.Command):
 
 
 def environment() -> dict[str, str]:
+    """The commands' environment: offline, no W&B, the shipped weights, and this checkout's code first on the path
+    (a `python bench/...` script would otherwise import whichever hkrag is installed)."""
     env = {k: v for k, v in os.environ.items() if k not in ("HKRAG_RUN_DIR", "HKRAG_DATA_DIR")}
-    return {**env, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "HKRAG_WEIGHTS_DIR": str(ROOT / "weights")}
+    path = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return {**env, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "HKRAG_WEIGHTS_DIR": str(ROOT / "weights"),
+            "PYTHONPATH": path}
 
 
 def run_shell(text: str, cwd: Path, timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -218,8 +253,9 @@ def placeholder_values(text: str, request, cwd: Path) -> dict[str, str]:
         values["train_sweep"] = str(newest(cwd / "multirun" / "train"))
     if "eval_sweep" in needed:
         values["eval_sweep"] = str(newest(cwd / "multirun" / "eval"))
-    if "rag_runs" in needed:
-        values["rag_runs"] = " ".join(map(str, request.getfixturevalue("rag_runs")))
+    if {"rag_runs", "rag_run"} & set(needed):
+        runs = request.getfixturevalue("rag_runs")
+        values.update(rag_runs=" ".join(map(str, runs)), rag_run=str(runs[0]))
     if "out_dir" in needed:
         values["out_dir"] = "--out outputs/readme/out-dir"
     return values
@@ -284,17 +320,34 @@ def tiny(text: str, slug: str, small: bool = False) -> str:
         return shlex.join([*prefix, *command[:3], *options, *flags, *overrides, *shrink_runs])
     appended: list[str] = []
     if rc.program(command) in rc.PYTHON and command[1:2] and command[1] in rc.HYDRA_SCRIPTS:
+        forced = {override.split("=")[0]: override for override in FORCED}
+        if command[1] == "train.py" and any(arg.split("=")[0] in forced for arg in command):
+            command = [forced.get(arg.split("=")[0], arg) for arg in command]
+            text = shlex.join([*(f"{name}={value}" for name, value in env.items()), *command])
         appended += shrink(command, slug) + list(SMALL_CORPUS_OVERRIDES if small else ())
     return " ".join([text, *map(shlex.quote, appended)])
 
 
 @pytest.mark.parametrize("command", [parse_param(c) for c in COMMANDS])
 def test_command_parses(command: rc.Command):
-    """Every command's flags and overrides are accepted by the program it calls (nothing runs)."""
+    """Every command's flags and overrides are accepted by the program it calls (nothing runs); one a document
+    shows refused (:data:`REFUSED`) is refused with its message, or accepted here and refused when it runs."""
+    refused = first_match(REFUSED, command.text)
     try:
         rc.check_parses(command.text)
     except (AssertionError, ValueError) as error:
+        if refused and refused in str(error):
+            return
         pytest.fail(f"{command.source}: `{command.text}` does not parse: {error}")
+
+
+@pytest.mark.parametrize("name", [pytest.param(c, id=c.text) for c in rc.program_names()])
+def test_named_program_exists(name: rc.Command):
+    """A prose span that names a program without arguments (`python -m hkrag.data.ocr`) names one that exists."""
+    try:
+        rc.check_name(name.text)
+    except AssertionError as error:
+        pytest.fail(f"{name.source}: `{name.text}`: {error}")
 
 
 @pytest.mark.parametrize("command", [run_param(c) for c in COMMANDS])
@@ -306,6 +359,8 @@ def test_command_runs(command: rc.Command, request):
         return
     small = SMALL_WORKSPACE.search(command.text)
     cwd = request.getfixturevalue("small_workspace" if small else "demo_workspace")
+    if "bench/" in command.text and not small:  # bench scripts read the demo's corpus, data/synthetic
+        request.getfixturevalue("demo_run")
     if "latest" in command.text:
         runs = request.getfixturevalue("demo_run").parent
         if small and not (cwd / "outputs" / "train").exists():  # the small corpus's pages, the demo's model
@@ -315,6 +370,14 @@ def test_command_runs(command: rc.Command, request):
         run_shell(OCR_CORPUS, cwd)
     slug = f"c{COMMANDS.index(command):03d}"
     text = rc.concrete(command.text, placeholder_values(command.text, request, cwd))
+    refused = first_match(REFUSED, command.text)
+    if refused:  # verbatim: shrinking flags could replace what is refused
+        result = subprocess.run(["bash", "-c", text], cwd=cwd, env=environment(), capture_output=True, text=True,
+                                timeout=TIMEOUT_S)
+        assert result.returncode != 0 and refused in result.stderr, (
+            f"{text} (in {cwd}) was to be refused with {refused!r}: exit {result.returncode}, stderr tail:\n"
+            f"{result.stderr[-3000:]}")
+        return
     run_shell(tiny(text, slug, bool(small)), cwd)
 
 
@@ -416,6 +479,41 @@ def test_extraction_rules(tmp_path):
     assert found[2].source.endswith("doc.md:4") and found[3].source.endswith("doc.md:10")
 
 
+def test_tiny_replaces_a_commands_own_step_count():
+    """A train.py command that sets its own length runs 2 steps here, its other overrides kept."""
+    text = tiny("python train.py experiment=reader_tiny trainer.max_steps=3000 'data.field_queries=[\"{title}\"]'", "x")
+    argv = shlex.split(text)
+    assert "trainer.max_steps=2" in argv and "trainer.max_steps=3000" not in argv
+    assert 'data.field_queries=["{title}"]' in argv and argv.count("trainer.max_steps=2") == 1
+
+
+def test_prose_extraction_rules(tmp_path):
+    """Prose spans: a program first (or a script with arguments, run by python), whitespace collapsed across lines,
+    `a|b` (and a table's `\\|`) expanded, bare programs kept apart as names, paths and fenced spans ignored."""
+    document = tmp_path / "doc.md"
+    document.write_text("\n".join([
+        "Run `python eval.py task=rag|generation` or `bench/x.py --flag 1`, see `tests/test_x.py` and `eval.py`.",
+        "Then `python -m hkrag.data.ocr`, `python -m hkrag.rag compare",
+        "  RUN_DIR RUN_DIR` and | `generator=a\\|b` | `accelerate launch`.",
+        "```bash", "echo `python train.py x=1`", "```", "`python -m pytest -m slow`", ""]))
+    found, names = rc.extract_inline(document)
+    assert [c.text for c in found] == ["python eval.py task=rag", "python eval.py task=generation",
+                                       "python bench/x.py --flag 1", "python -m hkrag.rag compare RUN_DIR RUN_DIR",
+                                       "python -m pytest -m slow"]
+    assert all(c.inline for c in found) and found[3].source.endswith("doc.md:2") and found[4].source.endswith(":7")
+    assert [c.text for c in names] == ["python -m hkrag.data.ocr", "accelerate launch"]
+
+
+def test_prose_commands_are_found():
+    """README's prose commands are among those tested, a fenced copy winning over a prose one."""
+    by_text = {c.text: c for c in COMMANDS}
+    rag = ("python eval.py task=rag run_dir=weights/reader_tiny generator=single_pass generator.top_k=1 "
+           "lvlm=phi3v_reader_tiny")
+    assert by_text[rag].inline and by_text[rag].source.startswith("README.md:")
+    assert not by_text[DEMO].inline
+    assert "python -m hkrag.data.ocr" in [c.text for c in rc.program_names()]
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("python train.py trainer.bogus_key=1", "bogus_key"),
     ("python train.py loss.tau=0", "loss.tau=0"),
@@ -430,7 +528,14 @@ def test_extraction_rules(tmp_path):
     ('pip install -e ".[nosuch]" -c constraints.txt', "nosuch"),
     ("pip install torch==1.0 -c constraints.txt", "disagrees"),
     ("python -m pytest -m fast", "fast"),
-    ("python eval.py task=rag run_dir=outputs/eval/<run>", "placeholder '<run>'"),
+    ("python eval.py task=rag run_dir=outputs/eval/<nosuch>", "placeholder '<nosuch>'"),
+    ("python eval.py task=<name> nosuch=1", "nosuch"),
+    ("python eval.py task=rag nokey=…", "no config key or group ['nokey']"),
+    ("python train.py experiment=nosuch_*", "no conf/experiment/nosuch_*.yaml"),
+    ("python -m hkrag.data.ocr … --nosuch-flag 1", "--nosuch-flag"),
+    ("accelerate launch --nosuch-option 2", "--nosuch-option"),
+    ("pip install 'hkrag[nosuch]'", "nosuch"),
+    ("python tests/test_interval_coverage.py 5", "takes no command-line arguments"),
 ])
 def test_a_changed_flag_fails_the_parse_check(text: str, message: str):
     """What a README command that changed its flags (or names a missing file, extra or marker) meets."""

@@ -105,7 +105,7 @@ def build_retriever(
     ``trainable``. ``save_base_to`` writes the random tiny base (before any adapter) so that runs can
     be reloaded like real checkpoints.
     """
-    adapter = model_cfg.get("adapter")
+    adapter = local_adapter(model_cfg.get("adapter"))
     lora = LoraSettings(**model_cfg.lora) if trainable and model_cfg.get("lora") and not adapter else None
     head = HeadSettings.of(model_cfg)
     if not trainable:
@@ -159,10 +159,37 @@ BASE_DIR = "base"
 TRAIN_RUNS = Path("outputs", "train")
 
 
+REPOSITORY = CONF_DIR.parent
+"""The repository's root: a relative ``run_dir`` or ``model.adapter`` missing under the working directory is looked
+up here, so ``run_dir=weights/reader_tiny`` (the shipped weights) works from any folder, as the README writes it."""
+
+
+def run_dir_locations(run_dir: str | Path) -> list[Path]:
+    """Where a ``run_dir`` other than ``latest`` (or a local ``model.adapter``) is looked for, in order: as given
+    (relative to the working directory), then, when relative, under :data:`REPOSITORY`."""
+    path = Path(run_dir)
+    return [path] if path.is_absolute() else [path, REPOSITORY / path]
+
+
+def missing_run_dir(run_dir: str | Path) -> str:
+    """The message for a ``run_dir`` found nowhere, naming every place looked (absolute paths)."""
+    return "no such directory (looked in " + " and ".join(str(p.absolute()) for p in run_dir_locations(run_dir)) + ")"
+
+
+def local_adapter(adapter: str | None) -> str | None:
+    """``model.adapter`` as loaded: the repository's folder for a relative path found only there
+    (``weights/reader_tiny/checkpoints/final/adapter`` from any folder), else as given (a hub id stays one)."""
+    if not adapter:
+        return adapter
+    return str(next((path for path in run_dir_locations(adapter) if path.is_dir()), adapter))
+
+
 def resolve_run_dir(run_dir: str | Path, runs: Path = TRAIN_RUNS) -> Path:
-    """``run_dir`` itself, or for ``latest`` the newest finished ``train.py`` run under ``runs`` (by its stamp)."""
+    """The first of :func:`run_dir_locations` that exists (the first when none does), or for ``latest`` the newest
+    finished ``train.py`` run under ``runs`` (by its stamp)."""
     if str(run_dir) != "latest":
-        return Path(run_dir)
+        locations = run_dir_locations(run_dir)
+        return next((path for path in locations if path.is_dir()), locations[0])
     finished = sorted(path.parent.parent.parent for path in runs.glob(f"*/{FINAL_ADAPTER}") if path.is_dir())
     if not finished:
         raise FileNotFoundError(f"run_dir=latest: no finished train.py run under {runs}; run `python train.py` "
@@ -178,7 +205,9 @@ def trained_model_config(model_cfg: DictConfig, run_dir: str | Path) -> DictConf
     lacking ``base/`` whose ``state.json`` does not say ``model.kind=phi3v`` is incomplete and refused
     (``FileNotFoundError`` naming the folder and what is missing) rather than evaluated on another base.
     """
-    run_dir = resolve_run_dir(run_dir)
+    given, run_dir = run_dir, resolve_run_dir(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run_dir={str(given)!r}: {missing_run_dir(given)}")
     model_cfg = OmegaConf.create(OmegaConf.to_container(model_cfg, resolve=True))  # a tiny model's has no `base`
     adapter = run_dir / FINAL_ADAPTER
     if not adapter.is_dir():

@@ -70,6 +70,7 @@ from hkrag.tasks.common import (
     check_pools,
     eval_config,
     make_accelerator,
+    missing_run_dir,
     prepare_data,
     resolve_run_dir,
     shared_output_dir,
@@ -286,7 +287,7 @@ def run_dir_problems(cfg: DictConfig) -> list[str]:
         return []
     try:
         if not resolve_run_dir(cfg.run_dir).is_dir():
-            return [f"run_dir={cfg.run_dir!r}: no such directory"]
+            return [f"run_dir={cfg.run_dir!r}: {missing_run_dir(cfg.run_dir)}"]
         trained_model_config(cfg.model, cfg.run_dir)
     except FileNotFoundError as error:
         return [f"run_dir={cfg.run_dir!r}: {error}"]
