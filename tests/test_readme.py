@@ -88,6 +88,7 @@ OFFLINE: tuple[tuple[str, str], ...] = (
 
 REFUSED: tuple[tuple[str, str], ...] = (
     (r"--seeds 0 0 1", "seeds [0, 0, 1] repeat [0]"),
+    (r"preflight --processes 0", "expected an integer >= 1"),
 )
 """Commands a document shows being refused (docs/errors.md): the parse check or the run must fail with the
 message (regex on the command, the message)."""
