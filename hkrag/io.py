@@ -165,6 +165,20 @@ def read_json(path: str | Path, keys: Sequence[str] = (), what: str = "") -> Any
     return value
 
 
+def read_array(path: str | Path, mmap: bool = False) -> Any:
+    """The NumPy array saved at ``path`` (``.npy``; memory-mapped read-only with ``mmap``). A truncated or damaged
+    file raises :class:`FileFormatError` naming it, never NumPy's bare error; a missing one ``FileNotFoundError``."""
+    import numpy as np
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as error:
+        raise FileFormatError(path, f"not a readable .npy array (truncated or damaged: {error})") from None
+
+
 def read_jsonl(path: str | Path, keys: Sequence[str] = ()) -> list[Any]:
     """The records of the JSON Lines file at ``path`` (blank lines skipped); with ``keys``, each an object holding
     them. Raises :class:`FileFormatError` naming the file and the line."""

@@ -225,7 +225,8 @@ def test_an_index_saved_before_sizes_were_recorded_still_names_a_truncated_file(
 
 
 @pytest.mark.parametrize("name, keep", [("codec.faiss", 0.5), ("codec.faiss", 0), ("stage.faiss", 0.9),
-                                        ("multivector.json", 0.5)])
+                                        ("multivector.json", 0.5), ("codes.npy", 0.5), ("offsets.npy", 0.3),
+                                        ("codes.npy", 0)])
 def test_a_damaged_multivector_index_file_is_named(tmp_path, name, keep):
     from hkrag.index.multivector import MultiVectorIndex
     from hkrag.io import FileFormatError

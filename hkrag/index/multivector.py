@@ -32,7 +32,7 @@ from hkrag.index.mmap import drop_from_page_cache, read_rows
 from hkrag.index.plaid import CentroidInteraction, default_centroids, gather_pages
 from hkrag.index.shards import check_multivectors
 from hkrag.index.spec import SEARCH_COUNT, check_factory, check_search_parameters
-from hkrag.io import atomic_write, read_json, write_json
+from hkrag.io import atomic_write, read_array, read_json, write_json
 from hkrag.ranges import Rule
 
 MANIFEST = "multivector.json"
@@ -421,7 +421,7 @@ class MultiVectorIndex:
         offsets, path = self.full[1], self.directory / "vectors.npy"
         self.full = None  # the only reference to the mapping: released before the drop (a mapped page stays cached)
         drop_from_page_cache(path)
-        self.full = (np.load(path, mmap_mode="r"), offsets)
+        self.full = (read_array(path, mmap=True), offsets)
 
     def _apply_stage_params(self) -> None:
         if self.stage is not None and self.spec.stage_params:
@@ -554,17 +554,18 @@ class MultiVectorIndex:
         if index.stage is not None:
             index.stage = deserialize_file(directory / "stage.faiss")
         if index.muvera is not None:
-            index.muvera.center = np.load(directory / "center.npy")
-        index.codes = np.load(directory / "codes.npy", mmap_mode="r" if mmap else None)
-        index.offsets = np.load(directory / "offsets.npy")
+            index.muvera.center = read_array(directory / "center.npy")
+        index.codes = read_array(directory / "codes.npy", mmap=mmap)
+        index.offsets = read_array(directory / "offsets.npy")
         if index.spec.stage == "plaid":
-            assignment = np.load(directory / "assignment.npy")
+            assignment = read_array(directory / "assignment.npy")
             if len(assignment) != len(index.codes):
                 raise ValueError(f"{directory}: assignment.npy holds {len(assignment)} centroid ids for "
                                  f"{len(index.codes)} codes")
-            index.plaid = CentroidInteraction(np.load(directory / "centroids.npy"), assignment, index.offsets)
+            index.plaid = CentroidInteraction(read_array(directory / "centroids.npy"), assignment, index.offsets)
         if index.spec.rerank:
-            index.full = (np.load(directory / "vectors.npy", mmap_mode="r"), np.load(directory / "vector_offsets.npy"))
+            index.full = (read_array(directory / "vectors.npy", mmap=True),
+                          read_array(directory / "vector_offsets.npy"))
             index.directory = directory
         index.ids = read_json(directory / "ids.json")
         index.build_seconds = manifest.get("build", {})
