@@ -47,6 +47,14 @@ def test_preflight_numbers_are_refused_with_their_range(option, value, allowed, 
     assert f"argument {option}" in error and allowed in error and repr(value) in error
 
 
+@pytest.mark.parametrize("processes", [33, 64])
+def test_preflight_refuses_more_processes_than_the_global_batch(processes):
+    from hkrag.tasks.preflight import main
+
+    with pytest.raises(SystemExit, match=rf"--processes {processes} is more than trainer.global_batch_size=32"):
+        main(["experiment=demo", "--processes", str(processes)])
+
+
 @pytest.mark.parametrize("argv, named", [
     (["--k", "0"], "argument --k: '0': expected an integer >= 1"),
     (["--k", "nan"], "argument --k: 'nan'"),

@@ -195,6 +195,9 @@ def plan(cfg: DictConfig, model_config: str | None = None, processes: int = 1,
         kv = kv_cache_bytes(arch, tokens, dtype)  # the prompt and the answer it generates
         return Plan(name, arch, params, lora_source, work, None, estimate(arch, params, work),
                     "generator_training.optim.batch_size", kv, (config, processor), processes)
+    if processes > int(cfg.trainer.global_batch_size):
+        raise SystemExit(f"preflight: --processes {processes} is more than trainer.global_batch_size="
+                         f"{cfg.trainer.global_batch_size}: each process needs at least one example of the batch")
     batch = int(cfg.trainer.global_batch_size) // processes
     chunk = int(cfg.trainer.chunk_size or batch)
     query_tokens = int(cfg.loss.max_query_length) if is_pretraining(cfg) else len(
