@@ -146,7 +146,11 @@ def test_gold_answers_are_grounded_on_their_pages_and_reported(tmp_path, data, b
     overall = report["overall"]["grounding"]
     assert overall["scored"] == len(trace) and overall["not_drawn"] == 0
     assert overall["hit"]["value"] == pytest.approx(sum(o.grounding["score"]["hit"] for o in trace) / len(trace))
-    assert "## Grounding (text source" in (tmp_path / "run" / "rag.md").read_text()
+    by_evidence = report["grounding_by_evidence"]
+    assert set(by_evidence) <= {"salient", "fine_print"}
+    assert sum(group["scored"] for group in by_evidence.values()) == len(trace)
+    markdown = (tmp_path / "run" / "rag.md").read_text()
+    assert "## Grounding (text source" in markdown and "| evidence: " in markdown
     assert 'class="box gold"' in (tmp_path / "run" / "rag.html").read_text()
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from hkrag.data.synthetic import question_kind
 from hkrag.environment import describe
 from hkrag.io import png_bytes, read_json, write_bytes, write_json, write_text
 from hkrag.rag.metrics import METRICS
@@ -203,7 +204,19 @@ def summarize(outcomes: Sequence[QueryOutcome]) -> dict[str, Any]:
     for (dataset, pool), members in groups.items():
         results.setdefault(dataset, {})[pool] = summarize_group(members)
     return {"results": results, "overall": summarize_group(outcomes),
-            "judged": any(o.judge is not None for o in outcomes)}
+            "judged": any(o.judge is not None for o in outcomes),
+            "grounding_by_evidence": grounding_by_evidence(outcomes)}
+
+
+def grounding_by_evidence(outcomes: Sequence[QueryOutcome]) -> dict[str, Any]:
+    """:func:`grounding_group` per evidence type of the built-in questions (``salient``, ``fine_print``; ``other``
+    for any other question), every pool together; empty when the run did not ground."""
+    groups: dict[str, list[QueryOutcome]] = {}
+    for outcome in outcomes:
+        kind = question_kind(outcome.question)
+        groups.setdefault(kind[0] if kind else "other", []).append(outcome)
+    found = {kind: grounding_group(members) for kind, members in sorted(groups.items())}
+    return {kind: group for kind, group in found.items() if group}
 
 
 def headline(group: Mapping[str, Any], metric: str) -> float | None:
@@ -382,7 +395,10 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                    f"- {judge_line(report['judge'])}",
                    f"- queries: {report['overall']['n']}, failed: {report['overall']['failed']} "
                    "(failed queries count as wrong in every metric)"]),
-        *_metric_sections(report, rows), *_grounding_section(rows), *_calibration_sections(rows),
+        *_metric_sections(report, rows),
+        *_grounding_section([*rows, *((f"evidence: {kind}", "all pools", {"grounding": group})
+                                      for kind, group in (report.get("grounding_by_evidence") or {}).items())]),
+        *_calibration_sections(rows),
         *_cost_sections(report, rows),
     ]
     failures = [f"- {ds}/{pool}: `{f['query_id']}` — {f['reason']}" for ds, pool, g in rows[:-1]
