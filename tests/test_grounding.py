@@ -179,3 +179,40 @@ def test_gold_evidence_of_the_built_in_corpus(tmp_path):
     for line in (root / "pages.jsonl").read_text().splitlines():
         for item in json.loads(line)["items"]:  # a span of the whole text is the drawn item's box
             assert span_box(item, (0, len(item["text"]))) == pytest.approx(item["box"], abs=1)
+
+
+def test_a_pdf_page_is_grounded_on_its_text_layer_without_ocr(tmp_path, monkeypatch):
+    from matplotlib.backends.backend_pdf import PdfPages
+    from matplotlib.figure import Figure
+
+    import hkrag.rag.evidence as evidence
+    from hkrag.data.opendocvqa import load_corpus
+    from hkrag.data.pdf import WORDS_COLUMN, ingest
+    from hkrag.lvlm import PageImage
+    from hkrag.rag.records import QueryOutcome
+
+    with PdfPages(tmp_path / "born_digital.pdf") as pdf:
+        figure = Figure(figsize=(3, 1))
+        figure.text(0.1, 0.5, "LAYER WORDS 2024")
+        pdf.savefig(figure)
+    ingest([tmp_path / "born_digital.pdf"], tmp_path / "corpus", dpi=144)
+    corpus = load_corpus(tmp_path / "corpus")
+    row = corpus.dataset[0]
+    words = json.loads(row[WORDS_COLUMN])
+    assert [w[0] for w in words] == ["LAYER", "WORDS", "2024"]
+    image = PageImage(row["image"], row["doc_id"]).load()
+    assert image.size == (432, 144)
+    for _, x0, y0, x1, y1 in words:  # at 144 dpi the 3x1 inch page is 432x144 pixels; the baseline at half height
+        assert 0 <= x0 < x1 <= image.width and 0 <= y0 < y1 and y1 == pytest.approx(72, abs=1.5)
+    assert words[0][1] == pytest.approx(0.1 * 432, abs=3)  # figure.text's x = 0.1 of the width
+
+    def no_ocr(*_):
+        raise AssertionError("OCR ran on a page with a text layer")
+
+    monkeypatch.setattr(evidence, "ocr_words", no_ocr)
+    grounder = evidence.Grounder(TextSource(), lambda doc_id: evidence.unit_view(row, doc_id, image))
+    outcome = QueryOutcome("q", "When?", ["2024"], kept=[row["doc_id"]], answer="2024")
+    grounder.annotate(outcome)
+    assert outcome.evidence == [Evidence(row["doc_id"], tuple(words[2][1:]), "text", 1.0).to_dict()]
+    with pytest.raises(GroundingError, match="its words column is not"):
+        evidence.unit_view({**row, WORDS_COLUMN: '[["x", 1, 2]]'}, row["doc_id"], image)

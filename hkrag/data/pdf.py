@@ -5,6 +5,8 @@
 Page ``n`` (1-based) of ``report.pdf`` becomes ``doc_id = "report.pdf#p{n}"``; ``text`` is the page's text
 layer (pdfium's text page, empty for a scan), which VDocRAG pre-training reads (docs/training.md); the corpus
 card declares it (``text_columns: {text: text_layer}``), so ``hkrag.data.ocr`` keeps it and OCRs only the scans.
+``words`` holds the text layer's words with their boxes in the rendered page's pixels (:data:`WORDS_COLUMN`), which
+answer grounding reads instead of OCR.
 A PDF that is encrypted, corrupt, empty, page-less, not a file, or whose name collides with an earlier one is
 reported (logged, and summarised at the end) and skipped; the others are still ingested. Each PDF
 is rendered whole before it is written, so a file that fails half-way leaves no partial pages
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import logging
 import math
 import re
@@ -26,6 +29,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import datasets
 import pypdfium2 as pdfium
 from tqdm.auto import tqdm
 
@@ -34,6 +38,11 @@ from hkrag.data.opendocvqa import PAGE_TEXT_FEATURES, TEXT_COLUMN
 from hkrag.data.writer import declare_text_columns, save_split
 
 logger = logging.getLogger(__name__)
+
+WORDS_COLUMN = "words"
+"""The corpus column of a page's text-layer words with their pixel boxes (JSON ``[[word, x0, y0, x1, y1], ...]``):
+what answer grounding reads for a PDF page instead of OCR (:mod:`hkrag.rag.evidence`)."""
+PAGE_WORDS_FEATURES = datasets.Features({**PAGE_TEXT_FEATURES, WORDS_COLUMN: datasets.Value("string")})
 
 
 class PdfError(ValueError):
@@ -69,6 +78,14 @@ def read_pdf(
     path: str | Path, dpi: int = 144, max_pixels: int = DEFAULT_MAX_PIXELS, progress: tqdm | None = None
 ) -> list[tuple[str, bytes, str]]:
     """:func:`render_pdf`'s pages with each page's text layer: ``(doc_id, png, text)`` in page order."""
+    return [page[:3] for page in read_pdf_words(path, dpi, max_pixels, progress)]
+
+
+def read_pdf_words(
+    path: str | Path, dpi: int = 144, max_pixels: int = DEFAULT_MAX_PIXELS, progress: tqdm | None = None
+) -> list[tuple[str, bytes, str, list[list]]]:
+    """:func:`read_pdf`'s pages with the text layer's words and their boxes in the rendered page's pixels:
+    ``(doc_id, png, text, [[word, x0, y0, x1, y1], ...])`` (no words for a scan)."""
     path = Path(path)
     document = _open(path)
     try:
@@ -79,8 +96,9 @@ def read_pdf(
             progress.refresh()
         pages = []
         for i in range(len(document)):
-            png = _render_page(document, i, dpi, path, max_pixels)
-            pages.append((f"{path.name}#p{i + 1}", png, _page_text(document, i, path)))
+            png, scale = _render_page(document, i, dpi, path, max_pixels)
+            pages.append((f"{path.name}#p{i + 1}", png, _page_text(document, i, path),
+                          _page_words(document, i, scale, path)))
             if progress is not None:
                 progress.update(1)
         return pages
@@ -98,6 +116,39 @@ def _page_text(document: pdfium.PdfDocument, index: int, path: Path) -> str:
             textpage.close()
     except pdfium.PdfiumError as error:
         raise PdfError(path, f"the text of page {index + 1} cannot be read ({error})") from error
+
+
+def _page_words(document: pdfium.PdfDocument, index: int, scale: float, path: Path) -> list[list]:
+    """The page's text-layer words (runs of non-space characters in pdfium's order) with the union of their
+    characters' boxes, in the pixels of the page rendered at ``scale`` (top-left origin)."""
+    try:
+        page = document[index]
+        height = page.get_height()
+        textpage = page.get_textpage()
+        try:
+            words, current = [], []
+            for i in range(textpage.count_chars()):
+                char = textpage.get_text_range(i, 1)
+                if char.strip():
+                    current.append((char, textpage.get_charbox(i)))
+                elif current:
+                    words.append(_word(current, height, scale))
+                    current = []
+            return words + ([_word(current, height, scale)] if current else [])
+        finally:
+            textpage.close()
+    except pdfium.PdfiumError as error:
+        raise PdfError(path, f"the words of page {index + 1} cannot be read ({error})") from error
+
+
+def _word(chars: list[tuple[str, tuple[float, ...]]], height: float, scale: float) -> list:
+    """``[text, x0, y0, x1, y1]``: PDF points (bottom-left origin) to rendered pixels (top-left origin)."""
+    left = min(box[0] for _, box in chars)
+    bottom = min(box[1] for _, box in chars)
+    right = max(box[2] for _, box in chars)
+    top = max(box[3] for _, box in chars)
+    return ["".join(char for char, _ in chars), round(left * scale, 2), round((height - top) * scale, 2),
+            round(right * scale, 2), round((height - bottom) * scale, 2)]
 
 
 def _open(path: Path) -> pdfium.PdfDocument:
@@ -132,7 +183,9 @@ def render_scale(width_pt: float, height_pt: float, dpi: int, max_pixels: int) -
     return scale
 
 
-def _render_page(document: pdfium.PdfDocument, index: int, dpi: int, path: Path, max_pixels: int) -> bytes:
+def _render_page(document: pdfium.PdfDocument, index: int, dpi: int, path: Path,
+                 max_pixels: int) -> tuple[bytes, float]:
+    """The page as PNG bytes and the points-to-pixels scale it was rendered at."""
     try:
         page = document[index]
         width, height = page.get_size()
@@ -143,7 +196,7 @@ def _render_page(document: pdfium.PdfDocument, index: int, dpi: int, path: Path,
         image = page.render(scale=scale).to_pil()
     except pdfium.PdfiumError as error:
         raise PdfError(path, f"page {index + 1} cannot be rendered ({error})") from error
-    return page_png(image)
+    return page_png(image), scale
 
 
 def ingest(
@@ -162,7 +215,7 @@ def ingest(
     rows = _rows([Path(p) for p in pdfs], dpi, report)
     first = next(rows, None)
     if first is not None:
-        report.output = save_split(itertools.chain([first], rows), out_dir, config, split, PAGE_TEXT_FEATURES)
+        report.output = save_split(itertools.chain([first], rows), out_dir, config, split, PAGE_WORDS_FEATURES)
         declare_text_columns(out_dir, {TEXT_COLUMN: "text_layer"})  # what hkrag.data.ocr may keep instead of OCR
     logger.info("ingested %d pages from %d PDFs into %s", report.pages, report.files, report.output)
     if report.failed:
@@ -178,7 +231,7 @@ def _rows(paths: list[Path], dpi: int, report: IngestReport) -> Iterator[dict]:
             try:
                 if path.name in names:
                     raise PdfError(path, f"same file name as {names[path.name]}; doc_ids would collide")
-                pages = read_pdf(path, dpi, progress=progress)
+                pages = read_pdf_words(path, dpi, progress=progress)
             except PdfError as error:
                 logger.warning("%s", error)
                 report.failed[str(path)] = error.problem
@@ -187,8 +240,8 @@ def _rows(paths: list[Path], dpi: int, report: IngestReport) -> Iterator[dict]:
             report.files += 1
             report.pages += len(pages)
             progress.set_postfix(files=report.files)
-            yield from ({"doc_id": doc_id, "image": {"bytes": png, "path": None}, "text": text}
-                        for doc_id, png, text in pages)
+            yield from ({"doc_id": doc_id, "image": {"bytes": png, "path": None}, "text": text,
+                         WORDS_COLUMN: json.dumps(words)} for doc_id, png, text, words in pages)
 
 
 def main(argv: list[str] | None = None) -> int:

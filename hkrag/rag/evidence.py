@@ -12,6 +12,7 @@ crop are moved to page pixels by the box's corner (a ``concatenation`` unit's ap
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -20,6 +21,7 @@ from typing import Any
 from PIL import Image
 
 from hkrag.data.ocr import OcrSettings, OcrUnavailable, ocr_words
+from hkrag.data.pdf import WORDS_COLUMN
 from hkrag.rag.grounding import (
     SOURCES,
     TEXT_THRESHOLD,
@@ -28,6 +30,7 @@ from hkrag.rag.grounding import (
     GroundingError,
     GroundingPage,
     Word,
+    check_evidence_box,
     grounding_score,
     make_source,
 )
@@ -89,6 +92,8 @@ class PageView:
     page_id: str
     box: tuple[float, float, float, float] | None = None
     concatenated: bool = False
+    words: list[Word] | None = None
+    """The page's text-layer words (a PDF page's ``words`` column), read instead of OCR when present."""
 
 
 @dataclass
@@ -109,6 +114,8 @@ class Grounder:
         return self._words[doc_id]
 
     def _read(self, view: PageView) -> list[Word] | None:
+        if view.words is not None:
+            return view.words
         if view.image is None:
             return None
         try:
@@ -152,8 +159,23 @@ class Grounder:
 
 
 def unit_view(row: Mapping[str, Any], doc_id: str, image: Image.Image | None) -> PageView:
-    """A corpus row as a :class:`PageView`: a region unit (``page_id``, ``box``) on its page, else the page."""
+    """A corpus row as a :class:`PageView`: a region unit (``page_id``, ``box``) on its page, else the page, with
+    its text-layer words when the corpus has them (a PDF's ``words`` column, :data:`hkrag.data.pdf.WORDS_COLUMN`)."""
     if row.get("page_id") and row.get("box"):
         return PageView(image, str(row["page_id"]), tuple(float(v) for v in row["box"]),
                         "+" in str(row.get("label", "")))
-    return PageView(image, doc_id)
+    return PageView(image, doc_id, words=layer_words(row.get(WORDS_COLUMN), doc_id))
+
+
+def layer_words(value: str | None, doc_id: str) -> list[Word] | None:
+    """A ``words`` cell as :class:`Word` s; ``None`` without one or for a page whose layer holds no word (a scan:
+    OCR reads it); a cell that does not parse is a :class:`GroundingError` naming the page."""
+    if not value:
+        return None
+    try:
+        words = [Word(str(text), check_evidence_box(box, (float("inf"), float("inf")), f"page {doc_id!r}"))
+                 for text, *box in json.loads(value)]
+    except (ValueError, TypeError) as error:
+        raise GroundingError(f"page {doc_id!r}: its words column is not [[word, x0, y0, x1, y1], ...] ({error})") \
+            from None
+    return words or None
