@@ -131,8 +131,10 @@ class Grounder:
 
     def page(self, doc_id: str) -> GroundingPage:
         view = self.view(doc_id)
-        size = view.image.size if view.image is not None and view.box is None else \
-            (int(view.box[2]) + 1, int(view.box[3]) + 1) if view.box is not None else (0, 0)
+        if view.box is not None:  # a region unit: its page's size is not known here, only that it holds the box
+            size = (int(view.box[2]) + 1, int(view.box[3]) + 1)
+        else:
+            size = view.image.size if view.image is not None else (0, 0)
         words = self.words(doc_id, view) if self.source.name == "text" else None
         regions = [(doc_id, view.box)] if view.box is not None else []
         return GroundingPage(view.page_id, size, words, regions)

@@ -22,22 +22,11 @@ from hkrag.data.synthetic import FINE_PRINT_SPLIT, PAGES_FILE, STYLES, _font
 from hkrag.io import write_text
 from hkrag.rag.grounding import Evidence
 from hkrag.rag.metrics import relaxed_normalize
+from hkrag.rag.records import WORD
 
 EVIDENCE_FILE = "evidence.jsonl"
 GOLD = "gold"
 """The ``source`` of a gold evidence box."""
-
-
-def _word_spans(text: str) -> list[tuple[int, int]]:
-    """(start, end) character offsets of the whitespace-separated words of ``text``."""
-    spans, start = [], None
-    for i, char in enumerate(text + " "):
-        if char.isspace() and start is not None:
-            spans.append((start, i))
-            start = None
-        elif not char.isspace() and start is None:
-            start = i
-    return spans
 
 
 def answer_span(answer: str, text: str) -> tuple[int, int] | None:
@@ -45,7 +34,7 @@ def answer_span(answer: str, text: str) -> tuple[int, int] | None:
     target = relaxed_normalize(answer)
     if not target:
         return None
-    spans = _word_spans(text)
+    spans = [match.span() for match in WORD.finditer(text)]
     length = len(target.split())
     for start in range(len(spans) - length + 1):
         run = spans[start:start + length]
@@ -95,11 +84,6 @@ def question_evidence(question: Any, pages: Mapping[str, Sequence[Mapping[str, A
     """Gold evidence of a QA example (``answers``, ``relevant_doc_ids``) over its relevant pages."""
     return [box for page_id in question.relevant_doc_ids if page_id in pages
             for box in gold_evidence(question.answers, page_id, pages[page_id])]
-
-
-def load_page_items(root: str | Path) -> dict[str, list[dict]]:
-    """doc id -> drawn items of every page of a built-in corpus folder."""
-    return _pages(Path(root))
 
 
 def evidence_rows(root: str | Path) -> Iterator[dict[str, Any]]:
