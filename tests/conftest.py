@@ -68,3 +68,11 @@ def multivector_pool():
     queries, query_offsets, relevant = data.queries(vectors, offsets, topics, 60, QUERY_STREAM)
     _, exact = exact_search(queries, query_offsets, vectors, offsets, 5)
     return vectors, offsets, [f"p{i}" for i in range(len(offsets) - 1)], queries, query_offsets, relevant, exact
+
+
+def tiny_training_overrides(data_dir: Path, run: Path) -> list[str]:
+    """``train.py`` overrides for a two-step run on a 16-question corpus that saves a checkpoint every step."""
+    return [f"paths.data_dir={data_dir}", f"paths.output_dir={run}", "data.synthetic.n_train=16",
+            "data.synthetic.n_test=4", "data.synthetic.train_groups_per_style=1",
+            "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "model.num_crops=4",
+            "trainer.global_batch_size=4", "trainer.max_steps=2", "trainer.save_every=1", "eval_before_after=false"]

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from conftest import tiny_training_overrides
 from PIL import Image
 from starlette.testclient import TestClient
 
@@ -347,10 +348,7 @@ def test_a_refused_resume_of_train_py_leaves_the_runs_base_as_it_was(tmp_path):
     from hkrag.tasks.training import run_training
 
     run = tmp_path / "run"
-    settings = [f"paths.data_dir={tmp_path / 'data'}", f"paths.output_dir={run}", "data.synthetic.n_train=16",
-                "data.synthetic.n_test=4", "data.synthetic.train_groups_per_style=1",
-                "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "model.num_crops=4",
-                "trainer.global_batch_size=4", "trainer.max_steps=2", "trainer.save_every=1", "eval_before_after=false"]
+    settings = tiny_training_overrides(tmp_path / "data", run)
 
     def train(*overrides):
         with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf"), version_base="1.3"):

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_training_overrides
 
 from hkrag.index.multivector import MultiVectorSpec
 from hkrag.index.spec import IndexSpec
@@ -600,10 +601,7 @@ def test_resuming_train_py_with_another_lora_rank_is_refused_and_leaves_the_run_
     from hkrag.tasks.validation import ConfigError
 
     run = tmp_path / "run"
-    settings = [f"paths.data_dir={tmp_path / 'data'}", f"paths.output_dir={run}", "data.synthetic.n_train=16",
-                "data.synthetic.n_test=4", "data.synthetic.train_groups_per_style=1",
-                "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "model.num_crops=4",
-                "trainer.global_batch_size=4", "trainer.max_steps=2", "trainer.save_every=1", "eval_before_after=false"]
+    settings = tiny_training_overrides(tmp_path / "data", run)
     run_training(_train_config(*settings), run)
     before = {path: path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file()}
     for resume in ("resume=latest", f"resume={run / 'checkpoints' / 'step-1'}"):
