@@ -19,7 +19,7 @@ from hkrag.tasks.chain import (
     chance_ndcg,
     run_chain,
 )
-from hkrag.tasks.common import FINAL_ADAPTER
+from hkrag.tasks.common import FINAL_ADAPTER, UNGROUNDED
 
 DATA = ["data.synthetic.n_train=16", "data.synthetic.n_test=8", "data.synthetic.train_groups_per_style=1",
         "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "data.synthetic.train_fine_groups=1",
@@ -50,6 +50,7 @@ def test_each_stage_starts_from_the_one_before(done):
         assert {f"run_dir={config.folder('reader', seed)}", "generator.top_k=1"} <= set(overrides("rag", seed))
         served = config.folder("generator", seed) / FINAL_ADAPTER
         assert all(f"lvlm.adapter={served}" in overrides(stage, seed) for stage in ("answers", "rag"))
+        assert all(UNGROUNDED in overrides(stage, seed) for stage in ("answers", "rag"))  # no OCR of every page
         state = json.loads((config.folder("generator", seed) / "checkpoints" / "final" / "state.json").read_text())
         assert state["config"]["init_from"] == str(config.folder("reader", seed))
 

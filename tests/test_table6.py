@@ -201,6 +201,9 @@ def test_a_second_invocation_re_runs_nothing(tmp_path, monkeypatch):
     generators = tmp_path / "t6" / "generators"
     trained = yaml.safe_load((generators / "generator-s1" / ".hydra" / "overrides.yaml").read_text())
     assert f"generator_training.init_from={generators / 'stage1-s1'}" in trained
+    served = yaml.safe_load((tmp_path / "t6" / "runs" / "retrieved-no_decoupler-s1" / ".hydra" / "overrides.yaml")
+                            .read_text())
+    assert common.UNGROUNDED in served  # Table 6 measures answers and cost: no OCR of every kept page
     ran = []
     monkeypatch.setattr(common, "run_job", lambda *job: ran.append(job[0]) or 0.0)
     again = table6.main(argv)

@@ -51,6 +51,7 @@ from hkrag.tasks.common import (
     CONF_DIR,
     FINAL_ADAPTER,
     REPORT_FILE,
+    UNGROUNDED,
     Job,
     check_seeds,
     read_timings,
@@ -149,7 +150,7 @@ class ChainConfig:
         """``eval.py`` overrides serving seed ``seed``'s generator (its final adapter unless ``adapter``)."""
         generator = self.folder("generator", seed)
         return ["generator=single_pass", "lvlm=phi3v", f"lvlm.base={generator / BASE_DIR}",
-                f"lvlm.adapter={adapter or generator / FINAL_ADAPTER}", *self.eval_overrides]
+                f"lvlm.adapter={adapter or generator / FINAL_ADAPTER}", UNGROUNDED, *self.eval_overrides]
 
     def job(self, stage: str, seed: int) -> Job:
         """``(folder, overrides, config, done file)`` of one stage (not ``curve``) of one seed."""

@@ -157,6 +157,10 @@ FINAL_ADAPTER = Path(CHECKPOINTS_DIR, FINAL_CHECKPOINT, ADAPTER_DIR)
 BASE_DIR = "base"
 """A tiny-model training run's saved base model (the adapter's base)."""
 TRAIN_RUNS = Path("outputs", "train")
+UNGROUNDED = "rag.grounding.source=none"
+"""The ``eval.py`` override of the batch commands that measure answers and their cost (chain, Table 6): the evidence
+step OCRs every kept page (about 1 s a page on the CPU), which would dominate their time; ``bench/grounding.py``
+measures grounding."""
 
 
 REPOSITORY = CONF_DIR.parent

@@ -74,6 +74,7 @@ from hkrag.tasks.common import (
     CONF_DIR,
     FINAL_ADAPTER,
     REPORT_FILE,
+    UNGROUNDED,
     Job,
     check_seeds,
     read_timings,
@@ -87,7 +88,7 @@ logger = logging.getLogger(__name__)
 GENERATORS = ("single_pass", "no_pruner", "no_decoupler", "hkrag")
 """Table 6's rows (conf/generator), the baseline first. The paper's table has no Judger-free row: its rows are the
 baseline, "Gen w/o pruner", "Gen w/o decoupler" and HKRAG-Gen (``no_decoupler`` calls no Judger, docs/agents.md)."""
-PAGES = {"gold": ("task=generation",), "retrieved": ("task=rag",)}
+PAGES = {"gold": ("task=generation", UNGROUNDED), "retrieved": ("task=rag", UNGROUNDED)}
 """The page settings: the gold pages, or the reader's top ``rag.top_k`` (3) in the pools ``single`` and ``all``."""
 CLAIMS = (
     (Claim("HKRAG-Gen beats the baseline", "hkrag", "single_pass"), None),
