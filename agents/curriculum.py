@@ -34,6 +34,7 @@ from hkrag.rag.records import CallRecord, Page, PageTruth, QueryTruth
 from .context import step_request
 from .decoupler import read_answered
 from .judger import Judger
+from .mixture import Mixture
 from .pipeline import GeneratorConfig
 from .pruner import read_yes_no, record_reading
 from .steps import STEPS
@@ -77,10 +78,12 @@ def holds_answer(pages: Sequence[Page], query: QueryTruth, truth: Mapping[str, P
 
 class AgentCurriculum:
     """The examples of ``steps`` (names of :data:`~agents.steps.STEPS`) under ``generator`` (a ``conf/generator``
-    mapping: its prompts, caps, ``top_k`` and the Pruner's and Judger's ``top_logprobs``)."""
+    mapping: its prompts, caps, ``top_k`` and the Pruner's and Judger's ``top_logprobs``); ``balance_pruner``,
+    ``focus`` and ``others_share`` resample them for a stage (:class:`agents.mixture.Mixture`, :meth:`select`)."""
 
     def __init__(self, generator: Mapping[str, Any], steps: Sequence[str], kept: Sequence[str] = KEPT,
-                 orders: Sequence[str] = ("ranked",), answer_unanswerable: bool = True) -> None:
+                 orders: Sequence[str] = ("ranked",), answer_unanswerable: bool = True, balance_pruner: bool = False,
+                 focus: Sequence[str] = (), others_share: float = 0.0) -> None:
         if unknown := [step for step in steps if step not in STEPS]:
             raise ValueError(f"generator_training.curriculum.steps has unknown steps {unknown}; "
                              f"expected some of {list(STEPS)}")
@@ -95,12 +98,20 @@ class AgentCurriculum:
         self.steps, self.kept = tuple(dict.fromkeys(steps)), tuple(dict.fromkeys(kept))
         self.orders = tuple(dict.fromkeys(orders))
         self.answer_unanswerable = answer_unanswerable
+        self.mixture = Mixture(bool(balance_pruner), tuple(focus), float(others_share))
+        self.mixture.check(self.steps)
         self.judger = Judger(self.config.threshold, self.config.estimator, self.config.top_logprobs)
 
     @property
     def needs_items(self) -> bool:
         """Whether some step's request or target holds notes (the pages' drawn items are then required)."""
         return bool(NOTES_STEPS & set(self.steps))
+
+    def select(self, examples: Sequence[Example], seed: int) -> list[Example]:
+        """The examples a stage trains on (:meth:`agents.mixture.Mixture.apply`; all of them, in order, when no
+        resampling is set), the same for the same ``seed``."""
+        steps, targets = [example.step for example in examples], [example.target for example in examples]
+        return [examples[i] for i in self.mixture.apply(steps, targets, seed)]
 
     def decision(self, step: str, result: LVLMResult) -> str | None:
         """How the agents read a reply to ``step``: the Pruner's yes/no (:func:`agents.pruner.read_yes_no`), the

@@ -229,7 +229,8 @@ def test_calibration_reads_lower_uncertainty_as_likelier_right():
     assert calibration([(0.2, True)])["auroc_lower_is_right"] is None
 
 
-def test_a_curriculum_run_records_its_trained_steps(tmp_path):
+def curriculum_run(tmp_path: Path, *extra: str) -> dict:
+    """A two-step training run of the agents' curriculum on a small corpus; its report."""
     from hkrag.tasks.generator_training import run_generator_training
 
     run = tmp_path / "run"
@@ -238,9 +239,14 @@ def test_a_curriculum_run_records_its_trained_steps(tmp_path):
                  "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "model.num_crops=4",
                  "generator_training.init_from=null", "generator_training.retriever.run_dir=null",
                  "generator_training.validation.fraction=0.3", "generator_training.optim.max_steps=2",
-                 "generator_training.optim.batch_size=2", "model.lora.r=4", "model.lora.alpha=4"]
+                 "generator_training.optim.batch_size=2", "model.lora.r=4", "model.lora.alpha=4", *extra]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        report = run_generator_training(compose(config_name="train", overrides=overrides), run)
+        return run_generator_training(compose(config_name="train", overrides=overrides), run)
+
+
+def test_a_curriculum_run_records_its_trained_steps(tmp_path):
+    run = tmp_path / "run"
+    report = curriculum_run(tmp_path)
     assert report["trained_steps"] == ALL_STEPS and set(report["examples_per_step"]) == set(STEPS)
     held = set(report["validation_queries"])
     assert held and report["queries"] + len(held) <= 24 + 16  # 16 synfine questions; straddlers in neither
@@ -253,6 +259,15 @@ def test_a_curriculum_run_records_its_trained_steps(tmp_path):
     assert saved["trained_steps"] == ALL_STEPS
     checkpoint = json.loads((run / "checkpoints" / "final" / "state.json").read_text())
     assert checkpoint["config"]["trained_steps"] == ALL_STEPS
+
+
+def test_a_dedicated_balanced_pruner_stage_trains_what_it_says(tmp_path):
+    curriculum = "generator_training.curriculum"
+    report = curriculum_run(tmp_path, f"{curriculum}.balance_pruner=true", f"{curriculum}.focus=[pruner]",
+                            f"{curriculum}.others_share=0.5", "generator_training.validation=null",
+                            f"+{curriculum}.orders=[ranked,relevant_first]")
+    targets, per_step = report["pruner_targets"], report["examples_per_step"]
+    assert targets["yes"] == targets["no"] and per_step["pruner"] == 2 * targets["yes"] == report["examples"] / 2
 
 
 def test_the_example_mean_weighs_each_example_once():

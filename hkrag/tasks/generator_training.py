@@ -117,10 +117,12 @@ def training_page_sets(cfg: DictConfig, qa: Sequence[QAExample], corpus: Corpus,
 
 
 def curriculum_examples(cfg: DictConfig, curriculum: Any, sets: dict[str, list[GeneratorPair]],
-                        truths: dict[str, QueryTruth], corpus: Corpus,
-                        split: ValidationSplit | None) -> list[tuple[str, tuple[str, LVLMRequest, str]]]:
+                        truths: dict[str, QueryTruth], corpus: Corpus, split: ValidationSplit | None,
+                        seed: int = 0) -> list[tuple[str, tuple[str, LVLMRequest, str]]]:
     """The curriculum's examples of the queries of ``truths`` on each of their page sets (held-out pages dropped:
-    no page of a validation group is in any training example), as ``(step, (query_id, request, target))``."""
+    no page of a validation group is in any training example), resampled as the curriculum's mixture says
+    (``curriculum.select`` with ``seed``: balanced Pruner labels, a dedicated stage's share), as
+    ``(step, (query_id, request, target))``."""
     items = page_truth(cfg.data.root, cfg.data.train.split) if curriculum.needs_items else None
     pages: dict[str, PageImage] = {}
 
@@ -135,9 +137,10 @@ def curriculum_examples(cfg: DictConfig, curriculum: Any, sets: dict[str, list[G
             if pair.query_id in truths:
                 kept = [doc_id for doc_id in pair.doc_ids if split is None or not split.held_out(doc_id)]
                 page_sets[pair.query_id].append([page(doc_id) for doc_id in kept])
+    examples = [example for query_id, truth in tqdm(truths.items(), desc="curriculum", leave=False)
+                for example in curriculum.examples(truth, truth.question, page_sets[query_id], items)]
     return [(example.step, (example.query_id, example.request, example.target))
-            for query_id, truth in tqdm(truths.items(), desc="curriculum", leave=False)
-            for example in curriculum.examples(truth, truth.question, page_sets[query_id], items)]
+            for example in curriculum.select(examples, seed)]
 
 
 def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
@@ -157,13 +160,14 @@ def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str,
         curriculum = instantiate(gen.curriculum, generator=OmegaConf.to_container(cfg.generator, resolve=True),
                                  _convert_="all")
         truths = {example.query_id: query_truth(example) for example in train_qa}
-        tagged = curriculum_examples(cfg, curriculum, sets, truths, corpus, split)
+        tagged = curriculum_examples(cfg, curriculum, sets, truths, corpus, split, gen.optim.seed)
         dataset, steps = RequestDataset([example for _, example in tagged]), list(curriculum.steps)
         per_step = dict(Counter(step for step, _ in tagged))
+        pruner_targets = dict(Counter(target for step, (_, _, target) in tagged if step == "pruner"))
         texts = [target for _, (_, _, target) in tagged]
     else:
         dataset, steps = GeneratorDataset(pairs, corpus, single_pass_prompt(cfg.generator)), ["single_pass"]
-        per_step, texts = {"single_pass": len(pairs)}, []
+        per_step, texts, pruner_targets = {"single_pass": len(pairs)}, [], {}
     resume = resolve_resume(cfg.get("resume"), output_dir)
     save = resume is None or not (output_dir / BASE_DIR).is_dir()  # a resume refused for another base keeps base/
     if gen.get("init_from"):
@@ -190,6 +194,7 @@ def run_generator_training(cfg: DictConfig, output_dir: str | Path) -> dict[str,
     trainer.fit()
     final = trainer.save(FINAL_CHECKPOINT)
     report = {"steps": trainer.state.step, "examples": len(dataset), "examples_per_step": per_step,
+              **({"pruner_targets": pruner_targets} if pruner_targets else {}),
               "trained_steps": steps, "queries": len(trained),
               "validation_queries": [example.query_id for example in validation_qa],
               "pages": gen.pages if isinstance(gen.pages, str) else page_sources(gen), "base": base,
