@@ -27,7 +27,7 @@ from hkrag.data.opendocvqa import QAExample
 from hkrag.lvlm import GenerationSettings, LVLMBackend, LVLMResult, PageImage, TokenLogprob
 from hkrag.lvlm.local import token_statistics
 from hkrag.lvlm.scripted import Reply, ScriptedBackend
-from hkrag.lvlm.words import word_token_ids
+from hkrag.lvlm.words import vocabulary_word_ids, word_start_ids, word_token_ids
 from hkrag.rag.records import CallRecord, Query, QueryOutcome, QueryTruth
 from hkrag.rag.step_report import auroc, auroc_interval, best_threshold, step_markdown, step_report
 from hkrag.retrieval.baselines import baselines_report
@@ -347,3 +347,25 @@ def test_the_validation_threshold_is_read_from_either_report_layout(tmp_path):
     (tmp_path / "none.json").write_text(json.dumps({"pruner": {"p_yes": {"threshold": {"value": None}}}}))
     with pytest.raises(ValueError, match="none.json holds no Pruner P\\(yes\\) threshold"):
         validation_threshold(tmp_path / "none.json")
+
+
+def test_a_word_spelt_in_several_tokens_counts_the_token_it_starts_with():
+    texts = ["y", "e", "s", "n", "o", " ", "No", "Ye"]
+    spelled = {"yes": [0, 1, 2], " yes": [5, 0, 1, 2], "Yes": [7, 2], "no": [3, 4], "No": [6], " no": [5, 3, 4]}
+    encode = lambda text: spelled.get(text, [5, 5])  # noqa: E731
+    # "y" and "Ye" start spellings of yes, "n" one of no; the bare space starts both and reads as neither.
+    assert word_start_ids(texts, ("yes", "no"), encode) == [[0, 7], [3]]
+    assert vocabulary_word_ids(texts, ("yes", "no"), encode) == [[0, 7], [3, 6]]  # "No" reads as no
+    shared = {"no": [3, 4], "not": [3, 4, 1]}
+    assert word_start_ids(texts, ("no", "not"), lambda text: shared.get(text, [5, 5])) == [[], []]  # "n" starts both
+
+
+def test_the_shipped_tiny_tokenizer_spells_yes_and_no_from_y_and_n():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "weights" / "reader_tiny" / "base")
+    texts = [tokenizer.decode([token_id]) for token_id in range(len(tokenizer))]
+    yes, no = vocabulary_word_ids(texts, ("yes", "no"), lambda t: tokenizer(t, add_special_tokens=False)["input_ids"])
+    assert tokenizer("yes", add_special_tokens=False)["input_ids"][0] in yes
+    assert tokenizer("no", add_special_tokens=False)["input_ids"][0] in no
+    assert {texts[i].strip().lower() for i in yes} <= {"y", "ye", "yes"} and not set(yes) & set(no)

@@ -62,7 +62,7 @@ from .base import (
 )
 from .feature_cache import FeatureCache
 from .prefix_cache import PrefixCache, PromptLayout
-from .words import word_token_ids
+from .words import vocabulary_word_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -251,13 +251,15 @@ class LocalBackend(LVLMBackend):
         self._vocabulary: list[str] | None = None
 
     def word_ids(self, words: Sequence[str]) -> list[list[int]]:
-        """For each of ``words``, the vocabulary ids (below the LM head's size) whose decoded text reads as it."""
+        """For each of ``words``, the vocabulary ids (below the LM head's size) whose decoded text reads as it or that
+        the tokenizer starts its spelling with (:func:`~hkrag.lvlm.words.vocabulary_word_ids`)."""
         if not words:
             return []
         if self._vocabulary is None:
             size = len(self.tokenizer) if self.vocab_size is None else min(len(self.tokenizer), self.vocab_size)
             self._vocabulary = [self.tokenizer.decode([token_id]) for token_id in range(size)]
-        return word_token_ids(self._vocabulary, words)
+        return vocabulary_word_ids(self._vocabulary, words,
+                                   lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def count_prompt_tokens(self, request: LVLMRequest) -> int:
         """The prompt's tokens, page tokens included (:meth:`prepare`: page features, no decoding)."""
