@@ -1,6 +1,7 @@
 """The validation split's runs of the Pruner's P(yes) and of the Pruner as a reranker, for a shipped generator.
 
     PYTHONPATH=. python scripts/pruner_validation.py --out outputs/pruner_val   # CPU: about 50 min on 2 shared cores
+    PYTHONPATH=. python scripts/pruner_validation.py --out outputs/pruner_val --no-rerank   # the run folder only
 
 The validation questions are the agents generator's held-out ones (``generator_training.validation``: fraction
 0.1, seed 0 of ``experiment=generator_agents_tiny``; 108 questions on 11 training documents that no training
@@ -93,9 +94,12 @@ def main() -> None:
     parser.add_argument("--weights", type=Path, default=Path("weights") / EXPERIMENT)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--depth", type=int, default=10)
+    parser.add_argument("--no-rerank", action="store_true", help="only the run folder (the Pruner's AUROC), not the "
+                        "reranker's run (most of the time)")
     args = parser.parse_args()
     queries = make_run(args.weights, args.out / "run")
-    rerank(queries, args.out / "rerank", args.depth)
+    if not args.no_rerank:
+        rerank(queries, args.out / "rerank", args.depth)
 
 
 if __name__ == "__main__":

@@ -263,8 +263,8 @@ def test_a_curriculum_run_records_its_trained_steps(tmp_path):
 
 def test_a_dedicated_balanced_pruner_stage_trains_what_it_says(tmp_path):
     curriculum = "generator_training.curriculum"
-    report = curriculum_run(tmp_path, f"{curriculum}.balance_pruner=true", f"{curriculum}.focus=[pruner]",
-                            f"{curriculum}.others_share=0.5", "generator_training.validation=null",
+    report = curriculum_run(tmp_path, f"+{curriculum}.balance_pruner=true", f"+{curriculum}.focus=[pruner]",
+                            f"+{curriculum}.others_share=0.5", "generator_training.validation=null",
                             f"+{curriculum}.orders=[ranked,relevant_first]")
     targets, per_step = report["pruner_targets"], report["examples_per_step"]
     assert targets["yes"] == targets["no"] and per_step["pruner"] == 2 * targets["yes"] == report["examples"] / 2
