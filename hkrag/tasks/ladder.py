@@ -436,9 +436,11 @@ def failing_steps(row: Mapping[str, Any]) -> list[str]:
     answering step below the single pass on gold pages."""
     steps = row.get("steps") or {}
     found = []
-    auroc = (steps.get("pruner_auroc_all_pool") or steps.get("pruner_auroc") or {}).get("auroc")
+    scores = steps.get("pruner_auroc_all_pool") or steps.get("pruner_auroc") or {}
+    auroc = scores.get("auroc")
     if auroc is None:
-        found.append("Pruner: no scored call on the top 3 (no AUROC)")
+        found.append(f"Pruner: no AUROC on the top 3 ({scores.get('n', 0)} calls with a P(yes), "
+                     f"{scores.get('positives', 0)} of them \"yes\" labels: both labels are needed)")
     elif auroc < PRUNER_AUROC:
         found.append(f"Pruner: AUROC {auroc:.3f} < {PRUNER_AUROC:.2f} on the top 3 (all pool)")
     notes = (steps.get("notes_code") or {}).get("rate")
