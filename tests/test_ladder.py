@@ -241,3 +241,16 @@ def test_a_tiny_rung_end_to_end_and_again(tmp_path, monkeypatch):
     ran = []
     monkeypatch.setattr(common, "run_job", lambda *job: ran.append(job[0]) or 0.0)
     assert ladder.main(argv) == first and ran == []
+
+
+def test_the_reranker_figures_are_means_over_seeds_of_the_per_query_ndcg(tmp_path):
+    config = LadderConfig(tmp_path, sizes=["w64-l2"], seeds=[0, 1], rerank=True)
+    for seed, (fine, chart) in enumerate(((0.5, 1.0), (0.3, 0.0))):
+        scores = {"synfine": {"all": {"a": {"ndcg@5": fine}, "b": {"ndcg@5": fine}}},
+                  "synchart": {"all": {"c": {"ndcg@5": chart}}, "single": {"c": {"ndcg@5": 1.0}}}}
+        (config.folder("w64-l2", "rerank", seed)).mkdir(parents=True)
+        (config.folder("w64-l2", "rerank", seed) / "per_query.json").write_text(json.dumps(scores))
+    found = ladder.rerank_figures(config, "w64-l2")
+    assert found["reranked"] == {"synfine_all": pytest.approx(0.4), "all_pool": pytest.approx((0.75 + 0.15) / 2)}
+    assert found["reader"] is None  # the reader made no evaluation after training (eval_before_after=false)
+    assert ladder.rerank_figures(LadderConfig(tmp_path, sizes=["w64-l2"]), "w64-l2") is None

@@ -234,6 +234,7 @@ class LadderConfig:
                              f"{list(self.seeds)}, workers={self.workers}, steps_scale={self.steps_scale}, "
                              f"reader_steps={self.reader_steps}, generator_steps={self.generator_steps}")
         check_seeds(self.seeds, self.overrides)
+        sizes_named(self.sizes)
         self.out = Path(self.out)
 
     def folder(self, size: str, job: str, seed: int) -> Path:
@@ -513,8 +514,8 @@ def markdown(report: Mapping[str, Any]) -> str:
              f"{settings['seeds']}. Relaxed accuracy ×100 [95 %] on the test split (gold pages; the reader's top 3 "
              f"in pools single and all, a question's pools one column); per-query rows in `{PER_QUERY}`.\n",
              "| size | model | single pass, gold | agents, gold | single pass, top 3 | agents, top 3 | agents − single "
-             "pass, top 3 | Pruner AUROC, top 3 (all pool) | notes name the code | reranked nDCG@5 (synfine, all) | "
-             "training min | s / query, top 3 (single pass / agents) |",
+             "pass, top 3 | Pruner AUROC, top 3 (all pool) | notes name the code | nDCG@5 reranked (reader alone), "
+             "synfine, all | training min | s / query, top 3 (single pass / agents) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for size, row in report["sizes"].items():
         accuracy, steps, rerank = row["accuracy"], row.get("steps") or {}, row.get("rerank") or {}
@@ -527,7 +528,8 @@ def markdown(report: Mapping[str, Any]) -> str:
             + (f"{auroc['auroc']:.3f} [{auroc['low']:.3f}, {auroc['high']:.3f}]" if auroc.get("auroc") is not None
                else "—")
             + f" | {_number(notes.get('rate'), 100)} ({notes.get('hits', 0)}/{notes.get('n', 0)}) | "
-            + f"{_number((rerank.get('reranked') or {}).get('synfine_all'), 100)} | "
+            + f"{_number((rerank.get('reranked') or {}).get('synfine_all'), 100)} "
+            f"({_number((rerank.get('reader') or {}).get('synfine_all'), 100)}) | "
             + f"{_number(row.get('training_minutes'))} | {seconds['retrieved-single_pass']:.3f} / "
             f"{seconds['retrieved-hkrag']:.3f} |")
     reached = report["smallest_paying_size"]
@@ -598,7 +600,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
         config = LadderConfig(args.out, args.sizes, args.seeds, args.workers, args.steps_scale, args.reader_steps,
                               args.generator_steps, args.rerank, args.overrides, args.eval_overrides, command.strip())
-        sizes_named(config.sizes)
     except ValueError as error:  # bad arguments or an unknown size: a usage error, not a traceback
         parser.error(str(error))
     try:
