@@ -190,6 +190,14 @@ def test_the_report_is_a_function_of_the_per_query_rows():
     assert "| small |  | 50.0 [" in text and "- `large`: none" in text
 
 
+def test_a_size_whose_single_pass_reads_nothing_does_not_reach_it():
+    rows = [{**row, "score": 0.0} for row in hand_rows() if row["size"] == "large"]
+    report = summarize(rows, ["large"], {})
+    assert report["sizes"]["large"]["agents_minus_single_pass"]["diff"] == 0
+    assert report["smallest_paying_size"] is None and report["trains_within_default_budget"] is None
+    assert report["sizes"]["large"]["failing_steps"][0] == ladder.NOTHING_TO_REACH
+
+
 def test_a_missing_seed_row_is_refused():
     rows = [row for row in hand_rows() if not (row["size"] == "large" and row["seed"] == 1 and row["query_id"] == "q3"
                                                and row["generator"] == "hkrag" and row["pages"] == "retrieved")]
