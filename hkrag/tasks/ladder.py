@@ -156,51 +156,72 @@ def sizes_named(names: Sequence[str], ladder: Mapping[str, Mapping[str, Any]] = 
 
 def check_size(size: Size, page: tuple[int, int], num_crops: int, pages: int) -> Phi3VConfig:
     """The size's model config, or a :class:`LadderError` naming the size and the value at fault: a key the tiny
-    config does not have, heads not dividing a width (or an odd rotary head), patches not tiling a crop in an even
-    grid, a ``page`` (width, height) drawn at ``num_crops`` crops below its own resolution, or the top ``pages`` of
-    them with :data:`TEXT_TOKENS` of text over the context."""
-    def refuse(problem: str) -> LadderError:
-        return LadderError(f"ladder size {size.name!r}: {problem}")
-
+    config does not have (:func:`unknown_keys`), heads that do not divide a width (:func:`head_problem`), or crops
+    that do not hold the pages (:func:`page_problem`)."""
     if not NAME.fullmatch(size.name):
-        raise refuse("a size's name is letters, digits, '_', '.' and single '-' (it names run folders)")
-    default = tiny_phi3v_config()
-    unknown = sorted(set(size.config) - set(default.to_dict()))
-    unknown += sorted(f"vision_config.{key}" for key in set(size.config.get("vision_config", {})) - set(VISION_KEYS))
-    if unknown:
-        raise refuse(f"unknown model.config key(s) {unknown} (tiny_phi3v_config has e.g. hidden_size, "
-                     f"num_hidden_layers, num_attention_heads, num_key_value_heads, vision_config.{VISION_KEYS})")
-    merged = size.model_config()
+        raise LadderError(f"ladder size {size.name!r}: a size's name is letters, digits, '_', '.' and single '-' (it "
+                          "names run folders)")
+    lm, vision = model_settings(size)
+    problem = unknown_keys(size) or head_problem(lm, vision) or page_problem(lm, vision, page, num_crops, pages)
+    if problem:
+        raise LadderError(f"ladder size {size.name!r}: {problem}")
+    try:
+        return tiny_phi3v_config(**size.model_config())
+    except (ValueError, TypeError) as error:
+        raise LadderError(f"ladder size {size.name!r}: {error}") from error
+
+
+def model_settings(size: Size) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The language model's widths and context and the vision tower's settings a size builds (the tiny default's
+    where it sets none)."""
+    default, merged = tiny_phi3v_config(), size.model_config()
     lm = {key: merged.get(key, getattr(default, key)) for key in
           ("hidden_size", "num_attention_heads", "num_key_value_heads", "max_position_embeddings")}
-    vision = merged.get("vision_config") or {key: getattr(default.vision_config, key) for key in VISION_KEYS}
+    return lm, merged.get("vision_config") or {key: getattr(default.vision_config, key) for key in VISION_KEYS}
+
+
+def unknown_keys(size: Size) -> str | None:
+    """The keys of a size that ``tiny_phi3v_config`` does not have (a config would keep them silently, unused)."""
+    unknown = sorted(set(size.config) - set(tiny_phi3v_config().to_dict()))
+    unknown += sorted(f"vision_config.{key}" for key in set(size.config.get("vision_config", {})) - set(VISION_KEYS))
+    return (f"unknown model.config key(s) {unknown} (tiny_phi3v_config has e.g. hidden_size, num_hidden_layers, "
+            f"num_attention_heads, num_key_value_heads, vision_config.{VISION_KEYS})") if unknown else None
+
+
+def head_problem(lm: Mapping[str, Any], vision: Mapping[str, Any]) -> str | None:
+    """Heads that do not divide their width, rotary heads of odd width, KV heads that do not divide the heads."""
     for where, width, heads in (("", lm["hidden_size"], lm["num_attention_heads"]),
                                 ("vision_config.", vision["hidden_size"], vision["num_attention_heads"])):
         if heads < 1 or width % heads:
-            raise refuse(f"{where}hidden_size {width} is not divisible by {where}num_attention_heads {heads}")
+            return f"{where}hidden_size {width} is not divisible by {where}num_attention_heads {heads}"
     if (lm["hidden_size"] // lm["num_attention_heads"]) % 2:
-        raise refuse(f"hidden_size {lm['hidden_size']} / num_attention_heads {lm['num_attention_heads']} gives odd "
-                     "heads, which rotary embeddings cannot rotate")
+        return (f"hidden_size {lm['hidden_size']} / num_attention_heads {lm['num_attention_heads']} gives odd heads, "
+                "which rotary embeddings cannot rotate")
     if lm["num_key_value_heads"] < 1 or lm["num_attention_heads"] % lm["num_key_value_heads"]:
-        raise refuse(f"num_key_value_heads {lm['num_key_value_heads']} does not divide num_attention_heads "
-                     f"{lm['num_attention_heads']}")
+        return (f"num_key_value_heads {lm['num_key_value_heads']} does not divide num_attention_heads "
+                f"{lm['num_attention_heads']}")
+    return None
+
+
+def page_problem(lm: Mapping[str, Any], vision: Mapping[str, Any], page: tuple[int, int], num_crops: int,
+                 pages: int) -> str | None:
+    """Patches that do not tile a crop in an even grid (no whole image tokens a crop), a ``page`` (width, height)
+    drawn at ``num_crops`` crops below its own resolution, or the top ``pages`` of them with :data:`TEXT_TOKENS` of
+    text over the context."""
     crop, patch = vision["image_size"], vision["patch_size"]
     if patch < 1 or crop % patch or (crop // patch) % 2:
-        raise refuse(f"vision_config.patch_size {patch} does not cut a {crop}-px crop into an even number of "
-                     "patches a side (the 2x2 merge needs it): no whole number of image tokens a crop")
+        return (f"vision_config.patch_size {patch} does not cut a {crop}-px crop into an even number of patches a "
+                "side (the 2x2 merge needs it): no whole number of image tokens a crop")
     width, height = page
     padded_h, padded_w = hd_padded_size(width, height, num_crops, crop)
     if min(padded_w / width, padded_h / height) < 1:
-        raise refuse(f"vision_config.image_size {crop}: {num_crops} crops of {crop} px hold a {width}x{height} page "
-                     f"only shrunk to {padded_w}x{padded_h}, below its own resolution (the fine print would blur)")
+        return (f"vision_config.image_size {crop}: {num_crops} crops of {crop} px hold a {width}x{height} page only "
+                f"shrunk to {padded_w}x{padded_h}, below its own resolution (the fine print would blur)")
     tokens = num_image_tokens(padded_h, padded_w, crop, crop // patch // 2)
     if pages * tokens + TEXT_TOKENS > lm["max_position_embeddings"]:
-        raise refuse(f"vision_config.patch_size {patch}: a page is {tokens} image tokens, so the top {pages} with "
-                     f"{TEXT_TOKENS} of text exceed max_position_embeddings {lm['max_position_embeddings']}")
-    try:
-        return tiny_phi3v_config(**merged)
-    except (ValueError, TypeError) as error:
-        raise refuse(str(error)) from error
+        return (f"vision_config.patch_size {patch}: a page is {tokens} image tokens, so the top {pages} with "
+                f"{TEXT_TOKENS} of text exceed max_position_embeddings {lm['max_position_embeddings']}")
+    return None
 
 
 def describe(config: Phi3VConfig) -> str:
