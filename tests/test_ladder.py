@@ -234,7 +234,8 @@ DATA = ["data.synthetic.n_train=16", "data.synthetic.n_test=8", "data.synthetic.
 
 
 def test_a_tiny_rung_end_to_end_and_again(tmp_path, monkeypatch):
-    """12 s on the shared 2 cores (load 6): a 2-step reader, two 2-step generator stages, four runs of 3 questions."""
+    """12–16 s on the shared 2 cores (load 5–6): a 2-step reader, two 2-step generator stages, four runs of 3
+    questions."""
     data = f"paths.data_dir={tmp_path / 'data'}"
     argv = ["--out", str(tmp_path / "out"), "--sizes", "w64-l2", "--reader-steps", "2", "--generator-steps", "2",
             *(f"--eval={o}" for o in (data, *DATA, "rag.max_queries=3")), data, *DATA, "eval_before_after=false",
