@@ -96,7 +96,7 @@ message (regex on the command, the message)."""
 SLOW: tuple[tuple[str, str], ...] = (
     (r"^python train\.py -m ", "a sweep of 12 demo runs (about 10 min; tiny: 12 short runs)"),
     (r"multirun/train/<stamp>", "reads the sweep's output"),
-    (r"hkrag\.tasks\.(replica|chain|table6)", "runs of runs (minutes even with their tiny flags)"),
+    (r"hkrag\.tasks\.(replica|chain|table6|ladder)", "runs of runs (minutes even with their tiny flags)"),
     (r"^python eval\.py -m ", "a sweep over the Judger threshold"),
     (r"multirun/eval/<stamp>", "reads the sweep's output"),
     (r"degrade=|task=degradation", "re-OCRs every degraded page"),
@@ -111,13 +111,15 @@ TINY_FLAGS: tuple[tuple[str, str], ...] = (
     (r"hkrag\.tasks\.chain", "--seeds 0 --generator-steps 2 --curve-every 0 --eval rag.max_queries=2"),
     (r"hkrag\.tasks\.chain.*--pretrain-steps", "--pretrain-steps 2"),
     (r"hkrag\.tasks\.table6", "--seeds 0 --generator-steps 2 --eval rag.max_queries=2 --eval rag.pools=[single]"),
+    (r"hkrag\.tasks\.ladder", "--sizes w64-l2 --seeds 0 --reader-steps 2 --generator-steps 2 --eval rag.max_queries=2 "
+                                "--eval rag.pools=[single]"),
     (r"hkrag\.data\.layout train", "--steps 2"),
     (r"bench/lvlm\.py", "--questions 1 --repeats 1 --new-tokens 2"),
     (r"bench/agents\.py", "--queries 1 --repeats 1"),
 )
 """Modules' own flags that shrink them (every matching row; they follow the command's own flags, so they win; for
 the runs-of-runs modules (:data:`RUNS_OF_RUNS`) the train.py shrink overrides follow the command's overrides)."""
-RUNS_OF_RUNS = r"hkrag\.tasks\.(replica|chain|table6)"
+RUNS_OF_RUNS = r"hkrag\.tasks\.(replica|chain|table6|ladder)"
 """The modules that start train.py runs and take its overrides (:data:`RUNS_SHRINK`)."""
 
 SMALL_DATA = ("data.synthetic.n_train=40", "data.synthetic.n_test=12", "data.synthetic.train_groups_per_style=2",

@@ -1,0 +1,265 @@
+"""The model-size ladder (hkrag/tasks/ladder.py): sizes the pages cannot fit refused before any training, the job
+plan (each size's generator from its own reader), the report from hand-made per-query rows, and a rerun that
+re-runs nothing."""
+
+import json
+
+import numpy as np
+import pytest
+
+import hkrag.tasks.common as common
+from hkrag.stats import cluster_bootstrap_interval, crossed_interval
+from hkrag.tasks import ladder
+from hkrag.tasks.ladder import LADDER, LadderConfig, LadderError, Size, check_size, sizes_named, summarize
+
+PAGE = (224, 168)
+"""The built-in corpus's page (hkrag.data.synthetic.SyntheticConfig), drawn at 12 crops (conf/model/tiny.yaml)."""
+
+
+def refusal(config: dict, name: str = "bad") -> str:
+    with pytest.raises(LadderError) as error:
+        check_size(Size(name, config), PAGE, num_crops=12, pages=3)
+    return str(error.value)
+
+
+@pytest.mark.parametrize(("config", "named"), [
+    ({"hidden_size": 96, "num_attention_heads": 5}, "hidden_size 96 is not divisible by num_attention_heads 5"),
+    ({"hidden_size": 96, "num_attention_heads": 32, "num_key_value_heads": 32}, "gives odd heads"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
+    ({"vision_config": {"hidden_size": 48, "num_attention_heads": 5}},
+     "vision_config.hidden_size 48 is not divisible by vision_config.num_attention_heads 5"),
+    ({"vision_config": {"patch_size": 5}}, "patch_size 5 does not cut a 56-px crop"),
+    ({"vision_config": {"patch_size": 56}}, "patch_size 56 does not cut a 56-px crop"),  # one patch: no 2x2 merge
+    ({"vision_config": {"image_size": 28}}, "image_size 28: 12 crops of 28 px hold a 224x168 page only shrunk to "
+                                            "112x84"),
+    # 7x7 merged tokens a crop... at 2-px patches 14x14: 2,605 tokens a page, 3 pages over the 4,096 context
+    ({"vision_config": {"patch_size": 2}}, "a page is 2605 image tokens, so the top 3 with 512 of text exceed "
+                                           "max_position_embeddings 4096"),
+    ({"hiden_size": 128}, "unknown model.config key(s) ['hiden_size']"),
+    ({"vision_config": {"patch": 7}}, "unknown model.config key(s) ['vision_config.patch']"),
+])
+def test_a_size_the_pages_cannot_fit_is_refused_naming_the_size_and_value(config, named):
+    message = refusal(config, "w96-odd")
+    assert message.startswith("ladder size 'w96-odd': ") and named in message
+
+
+def test_every_rung_fits_and_a_partial_vision_config_keeps_the_tiny_tower():
+    tokens = {size.name: check_size(size, PAGE, 12, 3).tokens_per_crop for size in sizes_named(list(LADDER))}
+    assert tokens == {"w64-l2": 4, "w128-l2-t16": 16, "w128-l4-t16": 16, "w256-l4-t16": 16}
+    vision = Size("v", {"vision_config": {"patch_size": 7}}).model_config()["vision_config"]
+    assert vision["image_size"] == 56 and vision["hidden_size"] == 32  # not CLIP ViT-L's 336 px / 1024
+    assert Size("v", {"num_hidden_layers": 4}).overrides() == ["++model.config.num_hidden_layers=4"]
+    assert "ladder size 'bad name': a size's name is letters" in refusal({}, "bad name")
+
+
+def test_an_unknown_size_name_is_refused_naming_the_known_ones(tmp_path, capsys):
+    with pytest.raises(LadderError, match=r"unknown ladder size\(s\) \['huge'\]: the known sizes are \['w64-l2'"):
+        sizes_named(["w64-l2", "huge"])
+    with pytest.raises(SystemExit):
+        ladder.main(["--out", str(tmp_path), "--sizes", "huge"])
+    assert "the known sizes are" in capsys.readouterr().err
+
+
+def test_a_bad_size_is_refused_before_any_training(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(LADDER, "w96-h5", {"hidden_size": 96, "num_attention_heads": 5})
+    ran = []
+    monkeypatch.setattr(common, "run_job", lambda *job: ran.append(job[0]) or 0.0)
+    with pytest.raises(SystemExit) as exit_:
+        ladder.main(["--out", str(tmp_path / "out"), "--sizes", "w64-l2", "w96-h5"])
+    assert exit_.value.code == 2 and ran == []
+    assert "ladder size 'w96-h5': hidden_size 96 is not divisible by num_attention_heads 5" in capsys.readouterr().err
+
+
+def test_the_plan_trains_each_sizes_generator_from_its_own_reader(tmp_path):
+    config = LadderConfig(tmp_path, sizes=["w64-l2", "w128-l2-t16"], seeds=[0, 1], rerank=True,
+                          overrides=["paths.data_dir=D"], eval_overrides=["rag.max_queries=3"])
+    jobs = ladder.plan(config, {"reader": 30, "generator": 15})
+    assert {stage: len(found) for stage, found in jobs.items()} == {"reader": 4, "stage1": 4, "generator": 4,
+                                                                   "runs": 16, "rerank": 4}
+    folder = config.folder
+    reader = {job[0]: job[1] for job in jobs["reader"]}[folder("w128-l2-t16", "reader", 1)]
+    assert reader[:2] == ["experiment=reader_tiny", "trainer.seed=1"] and "trainer.max_steps=30" in reader
+    assert "++model.config.hidden_size=128" in reader and "paths.data_dir=D" in reader
+    assert not any("model.config" in item for item in {j[0]: j[1] for j in jobs["reader"]}[folder("w64-l2",
+                                                                                                   "reader", 0)])
+    for size in ("w64-l2", "w128-l2-t16"):
+        for seed in (0, 1):
+            own = folder(size, "reader", seed)
+            stage1 = {j[0]: j[1] for j in jobs["stage1"]}[folder(size, "stage1", seed)]
+            generator = {j[0]: j[1] for j in jobs["generator"]}[folder(size, "generator", seed)]
+            assert f"generator_training.init_from={own}" in stage1 and "generator_training.pages=[gold]" in stage1
+            assert f"generator_training.init_from={folder(size, 'stage1', seed)}" in generator
+            assert "+generator_training.optim.loss_mean=example" in generator
+            for trained in (stage1, generator):
+                assert f"generator_training.retriever.run_dir={own}" in trained
+                assert f"generator_training.optim.seed={seed}" in trained
+                assert "generator_training.optim.max_steps=15" in trained
+    runs = {job[0].name: job[1] for job in jobs["runs"]}
+    served = runs["w128-l2-t16-retrieved-hkrag-s1"]
+    assert served[:2] == ["task=rag", common.UNGROUNDED] and "generator=hkrag" in served
+    assert f"run_dir={folder('w128-l2-t16', 'reader', 1)}" in served and "rag.max_queries=3" in served
+    assert f"lvlm.base={folder('w128-l2-t16', 'generator', 1) / common.BASE_DIR}" in served
+    assert runs["w64-l2-gold-single_pass-s0"][:3] == ["task=generation", common.UNGROUNDED, "generator=single_pass"]
+    assert all(common.UNGROUNDED in overrides for overrides in runs.values())
+    rerank = jobs["rerank"][0]
+    assert rerank[1][:3] == ["task=retrieval", "retriever=rerank", f"run_dir={folder('w64-l2', 'reader', 0)}"]
+    assert ladder.plan(LadderConfig(tmp_path, sizes=["w64-l2"]), {"reader": 1, "generator": 1})["rerank"] == []
+
+
+def test_steps_are_the_recipes_scaled_unless_given():
+    assert ladder.training_steps(LadderConfig("o", steps_scale=0.01)) == {"reader": 30, "generator": 15}
+    assert ladder.training_steps(LadderConfig("o", steps_scale=0.01, generator_steps=2)) == {"reader": 30,
+                                                                                             "generator": 2}
+    with pytest.raises(ValueError, match="steps_scale=0"):
+        LadderConfig("o", steps_scale=0)
+
+
+def rows_of(size: str, run: str, seed: int, scores: dict[tuple[str, str], float], seconds: float = 1.0) -> list[dict]:
+    pages, generator = run.split("-", 1)
+    return [{"size": size, "pages": pages, "generator": generator, "seed": seed, "dataset": "synchart",
+             "pool": pool, "query_id": query, "score": score, "seconds": seconds}
+            for (pool, query), score in scores.items()]
+
+
+GOLD = {("gold", "q1"): 1.0, ("gold", "q2"): 1.0, ("gold", "q3"): 0.0, ("gold", "q4"): 0.0}
+
+
+def hand_rows() -> list[dict]:
+    """Two sizes. ``small`` (one seed): on the top 3 (q1..q3 in pools single and all) single pass 4/6 right, agents
+    3/6, a loss of 1/6; ``large`` (two seeds): agents 5/6 and 4/6 against single pass 3/6 and 3/6."""
+    rows = []
+    top = ["q1", "q2", "q3"]
+
+    def top3(*right: tuple[str, str]) -> dict:
+        return {(pool, q): float((pool, q) in right) for pool in ("single", "all") for q in top}
+
+    rows += rows_of("small", "gold-single_pass", 0, GOLD) + rows_of("small", "gold-hkrag", 0, GOLD)
+    rows += rows_of("small", "retrieved-single_pass", 0, top3(("single", "q1"), ("all", "q1"), ("single", "q2"),
+                                                             ("all", "q2")), seconds=0.5)
+    rows += rows_of("small", "retrieved-hkrag", 0, top3(("single", "q1"), ("all", "q1"), ("single", "q2")),
+                    seconds=2.5)
+    for seed, agents in ((0, [("single", "q1"), ("all", "q1"), ("single", "q2"), ("all", "q2"), ("single", "q3")]),
+                         (1, [("single", "q1"), ("all", "q1"), ("single", "q2"), ("all", "q3")])):
+        rows += rows_of("large", "gold-single_pass", seed, GOLD) + rows_of("large", "gold-hkrag", seed, GOLD)
+        rows += rows_of("large", "retrieved-single_pass", seed, top3(("single", "q1"), ("all", "q1"),
+                                                                     ("single", "q2")))
+        rows += rows_of("large", "retrieved-hkrag", seed, top3(*agents))
+    return rows
+
+
+EXTRAS = {"small": {"training_minutes": 20.0,
+                    "steps": {"pruner_auroc_all_pool": {"auroc": 0.65, "low": 0.5, "high": 0.8, "n": 10,
+                                                        "positives": 4},
+                              "notes_code": {"hits": 1, "n": 10, "rate": 0.1},
+                              "gold_steps": {"answer": 0.25, "verify": 0.5, "integrate": None}}},
+          "large": {"training_minutes": 120.0,
+                    "steps": {"pruner_auroc": {"auroc": 0.95, "low": 0.9, "high": 0.99, "n": 10, "positives": 4},
+                              "notes_code": {"hits": 9, "n": 10, "rate": 0.9},
+                              "gold_steps": {"answer": 0.5, "verify": 0.75, "integrate": 0.5}}}}
+
+
+def test_the_report_is_a_function_of_the_per_query_rows():
+    report = summarize(hand_rows(), ["small", "large"], EXTRAS)
+    small, large = report["sizes"]["small"], report["sizes"]["large"]
+    assert small["accuracy"]["gold-single_pass"]["mean"] == 0.5
+    assert small["accuracy"]["retrieved-single_pass"]["mean"] == pytest.approx(4 / 6)
+    assert small["accuracy"]["retrieved-hkrag"]["mean"] == pytest.approx(3 / 6)
+    assert small["agents_minus_single_pass"]["diff"] == pytest.approx(-1 / 6)
+    # one seed: the percentile bootstrap over questions, a question's two pools one cluster
+    keys = sorted((pool, q) for pool in ("single", "all") for q in ("q1", "q2", "q3"))
+    diffs = [-1.0 if key == ("all", "q2") else 0.0 for key in keys]
+    expected = cluster_bootstrap_interval(diffs, [q for _, q in keys])
+    assert (small["agents_minus_single_pass"]["low"], small["agents_minus_single_pass"]["high"]) == expected
+    assert small["seconds_per_query"]["retrieved-hkrag"] == 2.5
+    assert large["accuracy"]["retrieved-hkrag"]["mean"] == pytest.approx(9 / 12)
+    assert large["agents_minus_single_pass"]["diff"] == pytest.approx(9 / 12 - 6 / 12)
+    # two seeds: the crossed interval of the (seeds, questions) matrix, each question's pools averaged
+    agents = np.array([[1.0, 1.0, 0.5], [1.0, 0.5, 0.5]])  # q1, q2, q3 per seed
+    found = crossed_interval(agents, bounds=(0.0, 1.0))
+    assert (large["accuracy"]["retrieved-hkrag"]["low"], large["accuracy"]["retrieved-hkrag"]["high"]) == \
+        pytest.approx((found["low"], found["high"]))
+    assert report["smallest_paying_size"] == "large" and report["trains_within_default_budget"] is False
+    assert small["failing_steps"] == ["Pruner: AUROC 0.650 < 0.90 on the top 3 (all pool)",
+                                      "Decoupler: notes name the code 10.0 % < 80 %",
+                                      "answer: 25.0 % < single pass 50.0 % on gold pages"]
+    assert large["failing_steps"] == []
+    text = ladder.markdown({"settings": {"command": "", "training_steps": {"reader": 1, "generator": 1},
+                                         "reader": "r", "generator": "g", "seeds": [0, 1]}, **report})
+    assert "**The smallest size at which the agents reach the single pass on the top 3: `large`** (trains in more " \
+           "than 90 min)" in text
+    assert "| small |  | 50.0 [" in text and "- `large`: none" in text
+
+
+def test_a_size_whose_single_pass_reads_nothing_does_not_reach_it():
+    rows = [{**row, "score": 0.0} for row in hand_rows() if row["size"] == "large"]
+    report = summarize(rows, ["large"], {})
+    assert report["sizes"]["large"]["agents_minus_single_pass"]["diff"] == 0
+    assert report["smallest_paying_size"] is None and report["trains_within_default_budget"] is None
+    assert report["sizes"]["large"]["failing_steps"][0] == ladder.NOTHING_TO_REACH
+
+
+def test_a_missing_seed_row_is_refused():
+    rows = [row for row in hand_rows() if not (row["size"] == "large" and row["seed"] == 1 and row["query_id"] == "q3"
+                                               and row["generator"] == "hkrag" and row["pages"] == "retrieved")]
+    with pytest.raises(ValueError, match="the seeds answered different queries"):
+        summarize(rows, ["large"], {})
+
+
+def test_a_second_invocation_re_runs_nothing(tmp_path, monkeypatch):
+    """Every job of the plan runs once: a rerun finds each done file and runs none (the report is stubbed)."""
+    ran = []
+
+    def fake(folder, overrides, config="train", done=common.REPORT_FILE):
+        ran.append(folder.name)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / done).write_text("{}")
+        return 1.0
+
+    def report(config, models, steps, timings):
+        (config.out / "ladder.md").write_text("")
+        return dict(timings)
+
+    monkeypatch.setattr(common, "run_job", fake)
+    monkeypatch.setattr(ladder, "write_report", report)
+    argv = ["--out", str(tmp_path), "--sizes", "w64-l2", "w128-l2-t16", "--seeds", "0", "1", "--steps-scale", "0.001"]
+    first = ladder.main(argv)
+    assert len(ran) == 2 * 2 * 7 and len(first) == len(ran)
+    ran.clear()
+    assert ladder.main(argv) == first and ran == []
+    assert json.loads((tmp_path / common.TIMINGS_FILE).read_text()) == first
+
+
+DATA = ["data.synthetic.n_train=16", "data.synthetic.n_test=8", "data.synthetic.train_groups_per_style=1",
+        "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "data.eval_datasets=[synchart]"]
+
+
+def test_a_tiny_rung_end_to_end_and_again(tmp_path, monkeypatch):
+    """12–16 s on the shared 2 cores (load 5–6): a 2-step reader, two 2-step generator stages, four runs of 3
+    questions."""
+    data = f"paths.data_dir={tmp_path / 'data'}"
+    argv = ["--out", str(tmp_path / "out"), "--sizes", "w64-l2", "--reader-steps", "2", "--generator-steps", "2",
+            *(f"--eval={o}" for o in (data, *DATA, "rag.max_queries=3")), data, *DATA, "eval_before_after=false",
+            "trainer.global_batch_size=4"]
+    first = ladder.main(argv)
+    row = first["sizes"]["w64-l2"]
+    assert row["accuracy"]["retrieved-hkrag"]["rows"] == 6 and row["accuracy"]["gold-hkrag"]["rows"] == 3
+    assert row["training_minutes"] > 0 and set(row["steps"]) >= {"pruner_auroc", "notes_code", "gold_steps"}
+    lines = (tmp_path / "out" / ladder.PER_QUERY).read_text().splitlines()
+    assert len(lines) == 2 * 3 + 2 * 6  # gold runs 3 rows each, top-3 runs 3 questions x 2 pools
+    assert (tmp_path / "out" / "ladder.png").read_bytes()[:4] == b"\x89PNG"
+    ran = []
+    monkeypatch.setattr(common, "run_job", lambda *job: ran.append(job[0]) or 0.0)
+    assert ladder.main(argv) == first and ran == []
+
+
+def test_the_reranker_figures_are_means_over_seeds_of_the_per_query_ndcg(tmp_path):
+    config = LadderConfig(tmp_path, sizes=["w64-l2"], seeds=[0, 1], rerank=True)
+    for seed, (fine, chart) in enumerate(((0.5, 1.0), (0.3, 0.0))):
+        scores = {"synfine": {"all": {"a": {"ndcg@5": fine}, "b": {"ndcg@5": fine}}},
+                  "synchart": {"all": {"c": {"ndcg@5": chart}}, "single": {"c": {"ndcg@5": 1.0}}}}
+        (config.folder("w64-l2", "rerank", seed)).mkdir(parents=True)
+        (config.folder("w64-l2", "rerank", seed) / "per_query.json").write_text(json.dumps(scores))
+    found = ladder.rerank_figures(config, "w64-l2")
+    assert found["reranked"] == {"synfine_all": pytest.approx(0.4), "all_pool": pytest.approx((0.75 + 0.15) / 2)}
+    assert found["reader"] is None  # the reader made no evaluation after training (eval_before_after=false)
+    assert ladder.rerank_figures(LadderConfig(tmp_path, sizes=["w64-l2"]), "w64-l2") is None
