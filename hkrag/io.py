@@ -63,7 +63,8 @@ def atomic_write(path: str | Path, write: Callable[[IO], Any], mode: str = "w") 
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as error:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # no temporary file, or no folder to hold one (a file in the way)
+            tmp.unlink(missing_ok=True)
         if isinstance(error, OSError):
             raise WriteError(path, error) from error
         raise

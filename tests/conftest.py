@@ -24,6 +24,15 @@ def reference_phi3v() -> Path:
     return REFERENCE_PHI3V
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory):
+    """``HKRAG_CACHE`` for every test and the commands it starts: a folder of this session, never the user's
+    ``~/.cache/hkrag``; a page one test grounded is not OCRed again by the next (hkrag.data.ocr.WordBoxCache)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HKRAG_CACHE", str(tmp_path_factory.mktemp("hkrag-cache")))
+        yield
+
+
 @pytest.fixture
 def tiny():
     """A fresh tiny causal Phi3V and its offline processor."""

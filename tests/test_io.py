@@ -33,6 +33,14 @@ def test_failed_write_keeps_the_previous_file_and_names_the_path(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["corpus.parquet"]
 
 
+def test_a_file_where_the_folder_should_be_is_named_as_a_write_error(tmp_path):
+    (tmp_path / "taken").write_text("a file")
+    path = tmp_path / "taken" / "sub" / "x.json"
+    with pytest.raises(WriteError, match=f"could not write {path}: Not a directory") as info:
+        write_json(path, {"v": 1})
+    assert info.value.errno == errno.ENOTDIR and (tmp_path / "taken").read_text() == "a file"
+
+
 def test_non_os_error_propagates_as_is_and_keeps_the_previous_file(tmp_path):
     path = tmp_path / "x.json"
     write_json(path, {"v": 1})

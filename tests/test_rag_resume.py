@@ -78,8 +78,8 @@ def test_a_run_killed_with_sigkill_and_rerun_reports_what_an_uninterrupted_run_r
     written = kill_mid_run(data, killed)
     assert 2 <= written < QUERIES and not (killed / "rag.json").exists()
 
-    run_eval_task(config(data, *SCRIPTED), killed)
-    run_eval_task(config(data, *SCRIPTED), reference)
+    run_eval_task(config(data, *SCRIPTED, grounded=True), killed)  # grounded as the killed run: evidence compared
+    run_eval_task(config(data, *SCRIPTED, grounded=True), reference)
 
     part = [json.loads(line)["query_id"] for line in (killed / PARTS_DIR / "rank-0.jsonl").open()]
     assert len(part) == len(set(part)) == QUERIES  # every query answered once, across the kill

@@ -27,6 +27,7 @@ from hkrag.rag.__main__ import main
 from hkrag.rag.trace import PARTS_DIR, TraceError, TraceWriter, load_trace, merge
 from hkrag.tasks import rag as rag_task
 from hkrag.tasks import run_eval_task
+from hkrag.tasks.common import UNGROUNDED
 from hkrag.tasks.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,11 +39,14 @@ QUERIES_PER_DATASET = 3
 FAILING = "timed out on purpose"
 
 
-def config(data_dir: Path, *overrides: str):
+def config(data_dir: Path, *overrides: str, grounded: bool = False):
+    """The run's config, without the evidence step unless ``grounded`` (it OCRs every kept page: only the tests
+    that check evidence pay for it)."""
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("eval", [
             f"paths.data_dir={data_dir}", f"paths.output_dir={data_dir / 'out'}", *SMALL_DATA,
-            f"rag.max_queries={QUERIES_PER_DATASET}", "task=generation", *overrides,
+            f"rag.max_queries={QUERIES_PER_DATASET}", "task=generation", *([] if grounded else [UNGROUNDED]),
+            *overrides,
         ])
 
 
@@ -130,7 +134,7 @@ def test_gold_answers_are_grounded_on_their_pages_and_reported(tmp_path, data, b
         install_tesseract()
     except OcrUnavailable as missing:
         pytest.skip(f"grounding by text needs Tesseract: {missing}")
-    cfg = config(data)
+    cfg = config(data, grounded=True)
     answers = gold_answers(cfg)
     failing = next(iter(answers))
     report = run(cfg, tmp_path / "run", lambda: GoldBackend(answers, fail=failing), backends)
@@ -161,7 +165,7 @@ def test_bad_grounding_settings_are_refused_before_the_run(tmp_path, data):
                               ("rag.grounding.upscale=-1", "upscale must be in"),
                               ("+rag.grounding.colour=red", "unknown keys \\['colour'\\]")):
         with pytest.raises(Exception, match=problem):
-            run_eval_task(config(data, override), tmp_path / "refused")
+            run_eval_task(config(data, override, grounded=True), tmp_path / "refused")
         assert not (tmp_path / "refused").exists()
 
 
@@ -211,6 +215,17 @@ def test_resuming_with_other_settings_is_refused_and_resume_false_starts_over(tm
     assert saved["identity"]["generator"]["threshold"] == 0.5
 
 
+def test_where_word_boxes_are_cached_is_no_setting_of_the_answers(data):
+    """A trace resumes whatever ``rag.grounding.cache`` says, and one written before the setting existed too."""
+    cached, uncached = config(data, grounded=True), config(data, "rag.grounding.cache=false", grounded=True)
+    for cfg in (cached, uncached):
+        rag_task.resolve_retrieval_mode(cfg)
+    assert uncached.rag.grounding.cache is False
+    assert rag_task.run_identity(cached) == rag_task.run_identity(uncached)
+    assert set(rag_task.run_identity(cached)["rag"]["grounding"]) == {"source", "threshold", "psm", "upscale",
+                                                                     "writes_boxes"}
+
+
 def test_no_retrieval_baseline_answers_without_pages_and_retrieval_modes_are_checked(tmp_path, data, backends):
     answers = gold_answers(config(data))
     report = run(config(data, "retrieval=none"), tmp_path / "none", lambda: GoldBackend(answers), backends)
@@ -237,13 +252,14 @@ def test_ranks_answer_disjoint_shares_that_merge_in_plan_order(tmp_path, data):
 
 
 def test_rag_with_the_tiny_retriever_and_generator(tmp_path, data):
-    cfg = config(data, "task=rag", "model=tiny", "rag.max_queries=1", "eval.shard_size=64")
+    cfg = config(data, "task=rag", "model=tiny", "rag.max_queries=1", "eval.shard_size=64", grounded=True)
     report = run_eval_task(cfg, tmp_path / "run")
     assert set(report["results"]["syninfo"]) == {"single", "all"} and report["overall"]["n"] == 4
     trace = load_trace(tmp_path / "run" / "trace.jsonl")
     assert {len(o.retrieved) for o in trace if o.pool == "all"} == {cfg.rag.top_k}
     assert {len(o.retrieved) for o in trace if o.pool == "single"} == {2}  # the style's two test pages
     assert all(o.calls and not o.failed for o in trace)
+    assert all(o.grounding["source"] == "text" for o in trace)  # the whole path, the evidence step included
     shipped = "weights/generator_agents_tiny/base+weights/generator_agents_tiny/checkpoints/final/adapter"
     assert report["meta"]["lvlm"] == {"backend": "phi3v", "model": shipped}  # eval.yaml's default lvlm
     assert (tmp_path / "run" / "retrieval.md").is_file()

@@ -116,6 +116,7 @@ TINY_FLAGS: tuple[tuple[str, str], ...] = (
     (r"hkrag\.data\.layout train", "--steps 2"),
     (r"bench/lvlm\.py", "--questions 1 --repeats 1 --new-tokens 2"),
     (r"bench/agents\.py", "--queries 1 --repeats 1"),
+    (r"bench/grounding\.py", "--validation-questions 2"),
 )
 """Modules' own flags that shrink them (every matching row; they follow the command's own flags, so they win; for
 the runs-of-runs modules (:data:`RUNS_OF_RUNS`) the train.py shrink overrides follow the command's overrides)."""
@@ -143,8 +144,10 @@ SMALL_CORPUS = {"n_train": 10, "n_test": 10, "train_groups_per_style": 1, "test_
 SMALL_CORPUS_OVERRIDES = tuple(f"++data.synthetic.{key}={value}" for key, value in SMALL_CORPUS.items())
 OCR_CORPUS = "python -m hkrag.data.ocr data/synthetic/corpus --out data/synthetic_ocr --column ocr_text"
 """Writes the OCR'd copy that commands with ``data.corpus_source=data/synthetic_ocr`` read (the README's OCR line)."""
-SMALL_WORKSPACE = re.compile(r"hkrag\.data\.(ocr|degrade|pdf|layout|region_corpus)|ocr_text|degrade=|task=degradation")
-"""Commands that run in the workspace with the small corpus (they read every page of data/synthetic/corpus)."""
+SMALL_WORKSPACE = re.compile(r"hkrag\.data\.(ocr|degrade|pdf|layout|region_corpus)|ocr_text|degrade=|task=degradation"
+                             r"|bench/grounding\.py")
+"""Commands that run in the workspace with the small corpus (they read every page of data/synthetic/corpus, or,
+bench/grounding.py, OCR every test question's page three times and training pages at nine settings)."""
 
 
 def first_match(table: tuple[tuple[str, str], ...], text: str) -> str | None:

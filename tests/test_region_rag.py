@@ -14,6 +14,7 @@ from hkrag.data.region_corpus import build_region_corpus
 from hkrag.rag.trace import load_trace
 from hkrag.tasks import rag as rag_task
 from hkrag.tasks import run_eval_task
+from hkrag.tasks.common import UNGROUNDED
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_DATA = [
@@ -26,7 +27,8 @@ def config(data_dir: Path, *overrides: str):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("eval", [
             f"paths.data_dir={data_dir}", f"paths.output_dir={data_dir / 'out'}", *SMALL_DATA, "rag.max_queries=2",
-            "task=rag", "lvlm=scripted", "generator=single_pass", "rag.pools=[single]", "rag.top_k=3", *overrides,
+            "task=rag", "lvlm=scripted", "generator=single_pass", "rag.pools=[single]", "rag.top_k=3",
+            UNGROUNDED, *overrides,
         ])
 
 

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from hkrag.models.phi3v.loading import ShippedFileMismatch, file_sha256, load_phi3v, load_processor
 from hkrag.retriever import load_adapter
-from hkrag.tasks.common import CONF_DIR
+from hkrag.tasks.common import CONF_DIR, UNGROUNDED
 from hkrag.tasks.retrieval import run_retrieval_evaluation
 from hkrag.tasks.ship import MANIFEST_FILE, ShipRefused, file_hashes, ship, shipped_base_name, training_config
 
@@ -90,7 +90,7 @@ def test_the_shipped_generator_answers_as_when_it_was_shipped(tmp_path):
         cfg = compose("eval", [f"paths.data_dir={tmp_path / 'data'}", f"paths.output_dir={tmp_path / 'eval'}",
                                "task=generation", "generator=single_pass", "lvlm=phi3v_reader_tiny",
                                f"lvlm.base={GENERATOR / 'base'}",
-                               f"lvlm.adapter={GENERATOR / 'checkpoints' / 'final' / 'adapter'}"])
+                               f"lvlm.adapter={GENERATOR / 'checkpoints' / 'final' / 'adapter'}", UNGROUNDED])
     run_eval_task(cfg, tmp_path / "eval")
     rows = {r["questions"]: r for r in answer_rows([load_trace(tmp_path / "eval" / MERGED_FILE)])}
     shipped = json.loads((GENERATOR / MANIFEST_FILE).read_text())["answers"]["rows"]
@@ -110,7 +110,7 @@ def test_the_agents_generator_was_trained_on_every_step_and_answers_as_when_ship
     assert manifest["trained_steps"] == list(STEPS) and manifest["config"]["generator_training"]["curriculum"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("eval", [f"paths.data_dir={tmp_path / 'data'}", f"paths.output_dir={tmp_path / 'eval'}",
-                               "task=generation", "generator=hkrag", "lvlm=phi3v_agents_tiny"])
+                               "task=generation", "generator=hkrag", "lvlm=phi3v_agents_tiny", UNGROUNDED])
     assert cfg.lvlm.base == "weights/generator_agents_tiny/base"
     run_eval_task(cfg, tmp_path / "eval")
     rows = {r["questions"]: r for r in answer_rows([load_trace(tmp_path / "eval" / MERGED_FILE)])}

@@ -25,6 +25,7 @@ from hkrag.rag.records import PageText, Query
 from hkrag.rag.trace import load_trace
 from hkrag.tasks import rag as rag_task
 from hkrag.tasks import run_eval_task
+from hkrag.tasks.common import UNGROUNDED
 from hkrag.tasks.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,7 +164,7 @@ def config(data_dir: Path, *overrides: str):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("eval", [
             f"paths.data_dir={data_dir}", f"paths.output_dir={data_dir / 'out'}", *SMALL_DATA, "rag.max_queries=2",
-            "task=generation", "lvlm=scripted", *overrides,
+            "task=generation", "lvlm=scripted", UNGROUNDED, *overrides,
         ])
 
 

@@ -38,6 +38,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -65,7 +66,7 @@ from hkrag.data.opendocvqa import (
     text_kinds,
 )
 from hkrag.data.writer import declare_text_columns, save_split
-from hkrag.io import write_json, write_text
+from hkrag.io import WriteError, read_json, write_json, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,10 @@ PROTECTED_COLUMNS = CORPUS_COLUMNS
 """Columns ``--column`` may never replace: a page's id and its image (docs/data.md, "Schema")."""
 CACHE_SUBDIR = Path(".cache") / "ocr"
 """Default cache under the output folder (the loader ignores ``.cache`` folders)."""
+CACHE_ENV = "HKRAG_CACHE"
+"""The project's cache folder (default ``~/.cache/hkrag``); :class:`WordBoxCache` keeps its entries in ``ocr/``."""
+WordBoxes = list[tuple[str, tuple[float, ...]]]
+"""Words read on an image, each with its box ``(x0, y0, x1, y1)`` in the image's pixels (:func:`ocr_words`)."""
 _LANG = re.compile(r"[A-Za-z0-9_]+(\+[A-Za-z0-9_]+)*")
 
 
@@ -178,9 +183,21 @@ def ocr_image(image: Image.Image, settings: OcrSettings = OcrSettings()) -> str:
     return "\n".join(line.strip() for line in text.splitlines() if line.strip())
 
 
-def ocr_words(image: Image.Image, settings: OcrSettings = OcrSettings()) -> list[tuple[str, tuple[float, ...]]]:
+def ocr_words(image: Image.Image, settings: OcrSettings = OcrSettings(),
+              cache: WordBoxCache | None = None) -> WordBoxes:
     """Tesseract's words of ``image`` with their boxes ``(x0, y0, x1, y1)`` in ``image``'s own pixels (read
-    upscaled by ``settings.upscale``, mapped back), empty words dropped; Tesseract's ``image_to_data``."""
+    upscaled by ``settings.upscale``, mapped back), empty words dropped; Tesseract's ``image_to_data``. With
+    ``cache``, an image read before with these settings and this Tesseract comes from it, Tesseract not run."""
+    key = cache.key(image, settings) if cache is not None else None
+    if key is not None and (cached := cache.get(key)) is not None:
+        return cached
+    words = _tesseract_words(image, settings)
+    if key is not None:
+        cache.put(key, words)
+    return words
+
+
+def _tesseract_words(image: Image.Image, settings: OcrSettings) -> WordBoxes:
     scale = settings.upscale
     pytesseract = _pytesseract()
     data = pytesseract.image_to_data(_upscaled(image, settings), lang=settings.lang, config=f"--psm {settings.psm}",
@@ -258,7 +275,7 @@ class PageTextCache:
     @cached_property
     def engine(self) -> str:
         """Settings and Tesseract version (looked up on first use, so a corpus read from its text layer needs none)."""
-        return json.dumps({**asdict(self.settings), "tesseract": check_tesseract(self.settings.lang)}, sort_keys=True)
+        return _engine(self.settings)
 
     def key(self, image: bytes) -> str:
         return hashlib.sha256(self.engine.encode() + b"\0" + image).hexdigest()
@@ -272,6 +289,78 @@ class PageTextCache:
 
     def put(self, key: str, text: str) -> None:
         write_text(self._path(key), text)
+
+
+def _engine(settings: OcrSettings, **output: str) -> str:
+    """The settings and the installed Tesseract's version (and ``output``, what is read), as a cache key's part."""
+    return json.dumps({**asdict(settings), "tesseract": check_tesseract(settings.lang), **output}, sort_keys=True)
+
+
+def cache_home() -> Path:
+    """The project's cache folder: ``$HKRAG_CACHE``, else ``~/.cache/hkrag``."""
+    return Path(os.environ.get(CACHE_ENV) or "~/.cache/hkrag").expanduser()
+
+
+class WordBoxCache:
+    """Tesseract's word boxes of images (:func:`ocr_words`), one JSON file per image and engine under ``root``
+    (default ``$HKRAG_CACHE/ocr``), ``<root>/<2 hex>/<key>.words.json``.
+
+    The key is the sha256 of the engine (:class:`OcrSettings`, the Tesseract version) and of the image's size and
+    RGB pixels, what Tesseract is given: another setting or Tesseract never reuses an entry, and the same page
+    decoded from another file does. Entries are written atomically (processes that write one entry at once each
+    rename a whole file into place); one that cannot be read, does not parse or holds another key is read again
+    by Tesseract with a warning, and one that cannot be written is skipped with a warning.
+    """
+
+    def __init__(self, root: str | Path | None = None) -> None:
+        self.root = Path(root) if root is not None else cache_home() / "ocr"
+        self._engines: dict[OcrSettings, str] = {}
+
+    def key(self, image: Image.Image, settings: OcrSettings) -> str:
+        """The entry's key; :class:`OcrUnavailable` when Tesseract or a language of ``settings`` is missing."""
+        if settings not in self._engines:
+            self._engines[settings] = _engine(settings, output="words")
+        rgb = image.convert("RGB")
+        digest = hashlib.sha256(f"{self._engines[settings]}\0{rgb.width}x{rgb.height}\0".encode())
+        digest.update(rgb.tobytes())
+        return digest.hexdigest()
+
+    def path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}.words.json"
+
+    def get(self, key: str) -> WordBoxes | None:
+        """The entry's words; ``None`` when there is none or it is damaged (warned: the caller reads again)."""
+        path = self.path(key)
+        try:
+            entry = read_json(path, keys=("key", "words"), what="OCR cache entry")
+            if entry["key"] != key:
+                raise ValueError(f"it holds the entry {str(entry['key'])[:16]!r}…")
+            return _word_boxes(entry["words"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as error:
+            logger.warning("OCR cache entry %s cannot be read (%s); reading the page again", path, error)
+            return None
+
+    def put(self, key: str, words: WordBoxes) -> None:
+        """Store ``words`` under ``key``; a cache that cannot be written is warned about, never fatal."""
+        try:
+            write_json(self.path(key), {"key": key, "words": [[text, *box] for text, box in words]}, indent=None)
+        except WriteError as error:
+            logger.warning("OCR word boxes not cached: %s", error)
+
+
+def _word_boxes(rows: Any) -> WordBoxes:
+    """``[[word, x0, y0, x1, y1], ...]`` as words; ``ValueError`` naming the first row that is not one."""
+    if not isinstance(rows, list):
+        raise ValueError(f"words is a {type(rows).__name__}, not a list")
+    words = []
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 5 and isinstance(row[0], str) and all(
+                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in row[1:])):
+            raise ValueError(f"a word is [text, x0, y0, x1, y1], got {row!r}"[:200])
+        words.append((row[0], tuple(float(v) for v in row[1:])))
+    return words
 
 
 def add_page_text(

@@ -16,11 +16,12 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from PIL import Image
 
-from hkrag.data.ocr import OcrSettings, OcrUnavailable, ocr_words
+from hkrag.data.ocr import OcrSettings, OcrUnavailable, WordBoxCache, ocr_words
 from hkrag.data.pdf import WORDS_COLUMN
 from hkrag.rag.grounding import (
     SOURCES,
@@ -46,14 +47,16 @@ NOT_FOUND = "the answer is on none of the pages the generator read"
 @dataclass(frozen=True)
 class GroundingConfig:
     """``rag.grounding``: the source (``text``, ``region``, ``model`` or ``none``), the text source's similarity
-    threshold, and how Tesseract reads page images for word boxes (``psm``, ``upscale``; chosen on the built-in
-    corpus's training pages, docs/grounding.md)."""
+    threshold, how Tesseract reads page images for word boxes (``psm``, ``upscale``; chosen on the built-in
+    corpus's training pages, docs/grounding.md) and where those are cached (``cache``: ``True`` for
+    ``$HKRAG_CACHE/ocr``, a folder, or ``False`` for none; :class:`~hkrag.data.ocr.WordBoxCache`)."""
 
     source: str = "text"
     threshold: float = TEXT_THRESHOLD
     psm: int = 11
     upscale: float = 3.0
     writes_boxes: bool = False
+    cache: bool | str = True
 
     @classmethod
     def problems(cls, config: Mapping[str, Any]) -> list[str]:
@@ -74,7 +77,15 @@ class GroundingConfig:
             problems.append(f"rag.grounding: {error}")
         if not isinstance(settings["writes_boxes"], bool):
             problems.append(f"rag.grounding.writes_boxes must be true or false, got {settings['writes_boxes']!r}")
+        if not isinstance(cache := settings["cache"], bool | str) or cache == "":
+            problems.append(f"rag.grounding.cache must be true, false or a folder, got {cache!r}")
         return problems
+
+    def word_cache(self) -> WordBoxCache | None:
+        """The cache of Tesseract's word boxes that ``cache`` names; ``None`` when it is ``False``."""
+        if self.cache is False:
+            return None
+        return WordBoxCache(None if self.cache is True else Path(self.cache).expanduser())
 
     def make_source(self, backend: str = "lvlm") -> EvidenceSource | None:
         if self.source == NONE:
@@ -99,12 +110,15 @@ class PageView:
 @dataclass
 class Grounder:
     """Finds and scores an outcome's evidence (module docstring). ``view(doc_id)`` gives a kept id's
-    :class:`PageView`; ``gold`` maps (data set, query id) to gold boxes (``None``: no gold evidence)."""
+    :class:`PageView`; ``gold`` maps (data set, query id) to gold boxes (``None``: no gold evidence); ``ocr`` is how
+    Tesseract reads a page without a text layer, ``cache`` where its word boxes are kept."""
 
     source: EvidenceSource
     view: Callable[[str], PageView]
     gold: Mapping[tuple[str, str], list[Evidence]] | None = None
     ocr: OcrSettings = field(default_factory=OcrSettings)
+    cache: WordBoxCache | None = None
+    """Where Tesseract's word boxes are kept between runs (``None``: every page read by Tesseract)."""
     _words: dict[str, list[Word] | None] = field(default_factory=dict)
 
     def words(self, doc_id: str, view: PageView) -> list[Word] | None:
@@ -119,7 +133,7 @@ class Grounder:
         if view.image is None:
             return None
         try:
-            read = ocr_words(view.image, self.ocr)
+            read = ocr_words(view.image, self.ocr, self.cache)
         except (OcrUnavailable, RuntimeError) as missing:  # pytesseract's TesseractError is a RuntimeError
             logger.warning("no word boxes for grounding: %s", missing)
             return None

@@ -241,11 +241,14 @@ def retrieve(cfg: DictConfig, accelerator, output_dir: Path) -> dict[str, dict[s
 
 
 def run_identity(cfg: DictConfig) -> dict[str, Any]:
-    """What determines the answers: a resumed trace must come from the same settings (the task by name)."""
+    """What determines the answers: a resumed trace must come from the same settings (the task by name); where
+    OCR is cached (``rag.grounding.cache``) changes no answer or box."""
     keys = ("retrieval", "retriever", "model", "data", "lvlm", "generator", "judge", "rag")
     identity = {"task": cfg.task.name}
     identity.update({key: OmegaConf.to_container(cfg[key], resolve=True) if isinstance(cfg.get(key), DictConfig)
                      else cfg.get(key) for key in keys})
+    if isinstance(grounding := (identity.get("rag") or {}).get("grounding"), dict):
+        grounding.pop("cache", None)
     identity["run_dir"] = str(resolve_run_dir(cfg.run_dir)) if cfg.get("run_dir") else None  # `latest` moves on
     return identity
 
@@ -451,7 +454,8 @@ def build_grounder(cfg: DictConfig, store: PageStore, backend: str) -> Grounder 
     if source is None or cfg.retrieval == "none":
         return None
     gold = load_gold(cfg.data.root) if cfg.data.get("synthetic") is not None else None
-    return Grounder(source, store.view, gold, OcrSettings(psm=settings.psm, upscale=settings.upscale))
+    return Grounder(source, store.view, gold, OcrSettings(psm=settings.psm, upscale=settings.upscale),
+                    settings.word_cache())
 
 
 def page_scorer(cfg: DictConfig) -> tuple[Callable[[QAExample, list[PageImage]], list[float]], LVLMBackend]:
