@@ -119,10 +119,14 @@ def test_changed_rules_are_refused_naming_both_hashes(tmp_path, monkeypatch):
 def test_the_registered_rules_are_the_committed_file(capsys):
     assert table6.RULES_FILE == Path(__file__).resolve().parents[1] / "docs" / "rules" / "table6.md"
     assert "identical by construction" in table6.RULES_FILE.read_text()
+    committed = json.loads((COMMITTED / "table6.json").read_text())  # re-run under the registered rules
+    assert committed["rules"]["sha256"] == table6.rules_digest()
+    assert table6.render(committed) == (COMMITTED / "table6.md").read_text()
+    old = COMMITTED / "two_stage" / "table6.json"  # made under the earlier, post-hoc rule
     with pytest.raises(table6.RulesChangedError, match="records no registered verdict rules"):
-        table6.render(json.loads((COMMITTED / "table6.json").read_text()))  # made under the old, post-hoc rule
+        table6.render(json.loads(old.read_text()))
     with pytest.raises(SystemExit) as exit_info:
-        table6.main(["--render", str(COMMITTED / "table6.json")])
+        table6.main(["--render", str(old)])
     assert exit_info.value.code == 2 and "records no registered verdict rules" in capsys.readouterr().err
 
 
