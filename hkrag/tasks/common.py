@@ -8,13 +8,15 @@ RAG task build on these; entry points only call a task's ``run_*`` function. The
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import multiprocessing
 import os
 import shutil
+import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -435,3 +437,25 @@ def record_time(timings: dict[str, float], out: Path, name: str, seconds: float)
     if seconds:
         timings[name] = seconds
         write_json(out / TIMINGS_FILE, timings)
+
+
+def invocation(module: str, argv: Sequence[str] | None) -> str:
+    """The command line a batch command was started with (recorded in its report)."""
+    return f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])
+
+
+def run_report_command(parser: argparse.ArgumentParser, make_config: Callable[[], Any],
+                       run: Callable[[Any], dict[str, Any]], refused: type[Exception],
+                       markdown: Callable[[Any], Path]) -> dict[str, Any]:
+    """A batch command's run from its parsed arguments: a bad setting (``ValueError`` from ``make_config``) is a
+    usage error, a ``refused`` run exits 2 naming why, and the report's Markdown (``markdown(config)``) is printed."""
+    try:
+        config = make_config()
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        report = run(config)
+    except refused as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    print(markdown(config).read_text())
+    return report

@@ -38,7 +38,6 @@ import argparse
 import json
 import logging
 import re
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,9 +62,11 @@ from hkrag.tasks.common import (
     REPORT_FILE,
     Job,
     check_seeds,
+    invocation,
     read_timings,
     record_time,
     run_jobs,
+    run_report_command,
 )
 from hkrag.tasks.table6 import PAGES, query_row, relevant_pages, run_questions
 
@@ -621,18 +622,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("overrides", nargs="*", help="train.py overrides for every training run (e.g. data)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    command = "python -m hkrag.tasks.ladder " + " ".join(argv if argv is not None else sys.argv[1:])
-    try:
-        config = LadderConfig(args.out, args.sizes, args.seeds, args.workers, args.steps_scale, args.reader_steps,
-                              args.generator_steps, args.rerank, args.overrides, args.eval_overrides, command.strip())
-    except ValueError as error:  # bad arguments or an unknown size: a usage error, not a traceback
-        parser.error(str(error))
-    try:
-        report = run_ladder(config)
-    except LadderError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
-    print((config.out / "ladder.md").read_text())
-    return report
+    command = invocation("hkrag.tasks.ladder", argv).strip()
+    return run_report_command(  # bad arguments or an unknown size: a usage error, not a traceback
+        parser, lambda: LadderConfig(args.out, args.sizes, args.seeds, args.workers, args.steps_scale,
+                                     args.reader_steps, args.generator_steps, args.rerank, args.overrides,
+                                     args.eval_overrides, command),
+        run_ladder, LadderError, lambda config: config.out / "ladder.md")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ import gzip
 import hashlib
 import json
 import logging
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,9 +76,11 @@ from hkrag.tasks.common import (
     UNGROUNDED,
     Job,
     check_seeds,
+    invocation,
     read_timings,
     record_time,
     run_jobs,
+    run_report_command,
 )
 from hkrag.tasks.generator_training import page_truth, query_truth
 
@@ -685,22 +686,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return report
     if args.out is None:
         parser.error("--out is required (but with --render)")
-    command = "python -m hkrag.tasks.table6 " + " ".join(argv if argv is not None else sys.argv[1:])
-    try:
-        config = Table6Config(args.out, seeds=args.seeds, experiment=args.experiment,
-                              generator_steps=args.generator_steps, reader=args.reader,
-                              overrides=args.overrides, stage1=args.stage1, eval_overrides=args.eval_overrides,
-                              margin=args.margin,
-                              alpha=args.alpha, workers=args.workers, generators=args.generators,
-                              command=command.strip())
-    except ValueError as error:
-        parser.error(str(error))
-    try:
-        report = run_table6(config)
-    except RulesChangedError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
-    print((config.out / "table6.md").read_text())
-    return report
+    command = invocation("hkrag.tasks.table6", argv).strip()
+    return run_report_command(
+        parser, lambda: Table6Config(args.out, seeds=args.seeds, experiment=args.experiment,
+                                     generator_steps=args.generator_steps, reader=args.reader,
+                                     overrides=args.overrides, stage1=args.stage1,
+                                     eval_overrides=args.eval_overrides, margin=args.margin, alpha=args.alpha,
+                                     workers=args.workers, generators=args.generators, command=command),
+        run_table6, RulesChangedError, lambda config: config.out / "table6.md")
 
 
 if __name__ == "__main__":
