@@ -114,10 +114,18 @@ def wait_until(condition: Callable[[], Any], waiting_for: str, progress: Callabl
 
 def file_sizes(*paths: Path) -> tuple:
     """What exists of ``paths`` and how big: a file's size, a folder's files and sizes, None for a missing path."""
+    def stat_size(path: Path) -> int | None:
+        try:
+            return path.stat().st_size if path.is_file() else None
+        except FileNotFoundError:  # renamed or removed while we looked (an atomic write's temporary file)
+            return None
+
     def size(path: Path) -> Any:
         if path.is_dir():
-            return tuple((str(f.relative_to(path)), f.stat().st_size) for f in sorted(path.rglob("*")) if f.is_file())
-        return path.stat().st_size if path.is_file() else None
+            files = [Path(top, name) for top, _, names in os.walk(path) for name in names]  # os.walk skips vanished folders
+            sizes = ((str(f.relative_to(path)), stat_size(f)) for f in sorted(files))
+            return tuple((name, n) for name, n in sizes if n is not None)
+        return stat_size(path)
     return tuple(size(Path(path)) for path in paths)
 
 
