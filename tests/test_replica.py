@@ -2,6 +2,7 @@
 Table 5 claims, and a rerun skips finished jobs and redoes unfinished ones."""
 
 import json
+import re
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -151,3 +152,13 @@ def test_the_readmes_table_5_verdicts_are_the_committed_report():
     assert (len(verdicts), counts["inconclusive"], counts["not reproduced"]) == (14, 13, 1)
     assert ("Of the 14 verdicts on the paper's Table 5 claims (7 claims × 2 pools), 13 are *inconclusive*" in readme
             and "and one is *not reproduced*" in readme)
+
+
+def test_every_interval_the_readme_quotes_for_table_5_is_in_the_committed_report():
+    root = Path(__file__).resolve().parents[1]
+    readme = " ".join((root / "README.md").read_text().replace("−", "-").split())
+    section = readme[readme.index("nDCG@5 ×100 in the single pools after 324 steps"):readme.index("**Table 6** in the replica")]
+    quoted = re.findall(r"\[[-+]?\d+\.\d, [-+]?\d+\.\d\]", section)
+    report = (root / "docs" / "replica" / "replica.md").read_text()
+    assert len(quoted) > 20, "the README's Table 5 section moved"
+    assert [interval for interval in quoted if interval not in report] == []
