@@ -34,7 +34,8 @@ from hkrag.tasks.agent_steps import RETRIEVED_PAIRS
 from hkrag.tasks.common import BASE_DIR, CONF_DIR, FINAL_ADAPTER, prepare_data
 from hkrag.tasks.generator_training import training_retriever
 from hkrag.tasks.rag import page_scorer, question_text
-from hkrag.tasks.retrieval import RERANK_FILE, VisualModel, bind_ranker
+from hkrag.tasks.rankers import VisualModel, bind_ranker
+from hkrag.tasks.retrieval import RERANK_FILE
 
 EXPERIMENT = "generator_agents_tiny"
 

@@ -14,6 +14,7 @@ import ast
 import os
 import subprocess
 import sys
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,17 @@ def test_no_module_imports_a_higher_layer():
         if imported[0] > importer[0]:
             upward.append(f"{path} imports {target}: {_named(importer[0])} may not import {_named(imported[0])}")
     assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    graph: dict[str, set[str]] = {}
+    for _, module, target in _imports():
+        if not (module == target or target.startswith(module + ".") or module.startswith(target + ".")):
+            graph.setdefault(module, set()).add(target)  # a package and its own modules are one unit, not a circle
+    try:
+        TopologicalSorter(graph).prepare()
+    except CycleError as error:
+        pytest.fail(f"modules that import each other in a circle: {' -> '.join(error.args[1])}")
 
 
 def test_hkrag_names_a_generator_only_at_the_composition_root():

@@ -35,7 +35,7 @@ from hkrag.retrieval.evaluation import REPORTED_METRICS
 from hkrag.retrieval.metrics import expected_name
 from hkrag.retrieval.rerank import RerankRanker
 from hkrag.retrieval.rerank_report import per_query_rows
-from hkrag.tasks.retrieval import _needs_model, bind_ranker
+from hkrag.tasks.rankers import bind_ranker, needs_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -305,7 +305,7 @@ def test_retriever_rerank_composes_and_binds_its_first_stage_and_scorer():
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("eval", ["retriever=rerank", "retriever.depth=7"])
     factory = instantiate(cfg.retriever)
-    assert isinstance(factory.keywords["first"], functools.partial) and _needs_model({"rerank": factory})
+    assert isinstance(factory.keywords["first"], functools.partial) and needs_model({"rerank": factory})
     dense = FirstStage({})
     model = SimpleNamespace(ranker=lambda settings, work_dir: dense)
     ranker = bind_ranker(factory, model, None, Path("."), scorer_of({}))

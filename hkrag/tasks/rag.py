@@ -76,7 +76,7 @@ from hkrag.tasks.common import (
     shared_output_dir,
     trained_model_config,
 )
-from hkrag.tasks.retrieval import VisualModel, bind_ranker
+from hkrag.tasks.rankers import VisualModel, bind_ranker
 from hkrag.tasks.validation import ConfigError, validate_config
 
 logger = logging.getLogger(__name__)

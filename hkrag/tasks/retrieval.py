@@ -10,12 +10,10 @@ partial needs the visual model: the task loads it (``model`` / ``run_dir``) into
 
 from __future__ import annotations
 
-import functools
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -30,24 +28,22 @@ from hkrag.retrieval.evaluation import (
     TABLE_METRICS,
     DenseRanker,
     Ranker,
-    RetrievalEvalConfig,
     evaluate_ranker,
     per_query_rows,
     retrieval_rows,
 )
 from hkrag.retrieval.rerank import RerankRanker, check_settings
-from hkrag.retriever import Phi3VRetriever
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import (
-    build_retriever,
     check_pools,
     eval_config,
-    evaluated_model,
     flat_summary,
     make_accelerator,
     prepare_data,
     shared_output_dir,
 )
+from hkrag.tasks.rag import page_scorer
+from hkrag.tasks.rankers import VisualModel, bind_ranker, needs_model, reranks
 from hkrag.tasks.validation import ConfigError, validate_config
 
 RERANK_FILE = "rerank.json"
@@ -97,7 +93,7 @@ def degradation_study(cfg: DictConfig, output_dir: str | Path, rows: dict[str, D
     if accelerator.num_processes > 1:
         raise ValueError("the degradation study runs in one process: use `python eval.py`, not `accelerate launch`")
     factories = {name: instantiate(_with_empty_pages(row)) for name, row in rows.items()}
-    model = VisualModel(cfg, accelerator.device) if _needs_model(factories) else None
+    model = VisualModel(cfg, accelerator.device) if needs_model(factories) else None
     prepare_data(cfg.data)
     settings = eval_config(cfg)
     check_pools(settings)
@@ -136,16 +132,6 @@ def _with_empty_pages(row: DictConfig) -> DictConfig:
     return row
 
 
-def _needs_model(factories: dict[str, Any]) -> bool:
-    """Whether a ranker needs the visual model: a partial, or a reranker whose first stage is one."""
-    return any(isinstance(factory.keywords.get("first"), functools.partial) if _reranks(factory)
-               else isinstance(factory, functools.partial) for factory in factories.values())
-
-
-def _reranks(factory: Any) -> bool:
-    return isinstance(factory, functools.partial) and factory.func is RerankRanker
-
-
 def evaluate_rows(
     cfg: DictConfig, output_dir: str | Path, rows: dict[str, DictConfig], by_row: bool
 ) -> tuple[dict[str, dict[str, Any]], dict[str, float], Path]:
@@ -157,17 +143,17 @@ def evaluate_rows(
     accelerator = make_accelerator(cfg.get("cpu", False))
     output_dir = shared_output_dir(accelerator, output_dir)
     factories = {name: instantiate(row) for name, row in rows.items()}  # bad settings fail before any work
-    for factory in filter(_reranks, factories.values()):
+    for factory in filter(reranks, factories.values()):
         given = factory.keywords
         check_settings(given.get("rerank", RerankRanker.rerank), given.get("depth", RerankRanker.depth))
-    model = VisualModel(cfg, accelerator.device) if _needs_model(factories) else None
+    model = VisualModel(cfg, accelerator.device) if needs_model(factories) else None
     if accelerator.is_main_process:
         prepare_data(cfg.data)
     accelerator.wait_for_everyone()
     settings = eval_config(cfg)
     check_pools(settings)
     results, times = {}, {}
-    scorer, backend = page_scorer(cfg) if any(map(_reranks, factories.values())) else (None, None)
+    scorer, backend = page_scorer(cfg) if any(map(reranks, factories.values())) else (None, None)
     try:
         for row, factory in factories.items():
             work_dir = output_dir / row if by_row else output_dir
@@ -185,48 +171,6 @@ def evaluate_rows(
         if backend is not None:
             backend.close()
     return results, times, output_dir
-
-
-def page_scorer(cfg: DictConfig) -> tuple[Any, Any]:
-    """The reranker's page scorer and its backend, built at the composition root (:func:`hkrag.tasks.rag.page_scorer`:
-    the generator's P(yes | question, page))."""
-    from hkrag.tasks.rag import page_scorer as build  # the root imports this module: import it when needed
-
-    return build(cfg)
-
-
-class VisualModel:
-    """The visual retriever an evaluation names (``model`` / ``run_dir``, :func:`~hkrag.tasks.common.evaluated_model`),
-    loaded onto ``device`` on first use and shared by every dense ranker built from it."""
-
-    def __init__(self, cfg: DictConfig, device: torch.device | str):
-        self.model_cfg, self.identity = evaluated_model(cfg)
-        self.device = device
-        self._retriever: Phi3VRetriever | None = None
-
-    def ranker(self, settings: RetrievalEvalConfig, work_dir: Path) -> DenseRanker:
-        """A :class:`DenseRanker` of the model, its embedding shards under ``work_dir``."""
-        if self._retriever is None:
-            self._retriever = build_retriever(self.model_cfg, trainable=False)
-            self._retriever.model.to(self.device)
-        return DenseRanker(self._retriever, settings, work_dir, self.identity)
-
-
-def bind_ranker(
-    factory: Ranker | functools.partial, model: VisualModel | None, settings: RetrievalEvalConfig, work_dir: Path,
-    scorer: Any = None,
-) -> Ranker:
-    """The ranker of an instantiated ``retriever`` config: itself, or (a partial) given ``model``'s
-    :class:`DenseRanker` searching into ``work_dir``: as the ranker (``dense``) or handed to it as ``dense``; a
-    reranker (``retriever=rerank``) gets its first stage bound alike and ``scorer``."""
-    if _reranks(factory):
-        if scorer is None:
-            raise ValueError("retriever=rerank needs a page scorer (hkrag.tasks.rag.page_scorer)")
-        return factory(first=bind_ranker(factory.keywords["first"], model, settings, work_dir), scorer=scorer)
-    if not isinstance(factory, functools.partial):
-        return factory
-    dense = model.ranker(settings, work_dir)
-    return dense if factory.func is DenseRanker else factory(dense=dense)
 
 
 def write_report(cfg: DictConfig, output_dir: Path, result: dict[str, Any]) -> None:
