@@ -14,6 +14,7 @@ from hkrag.rag.grounding import (
     RegionSource,
     TextSource,
     Word,
+    at_threshold,
     check_evidence_box,
     grounding_score,
     make_source,
@@ -111,6 +112,23 @@ def test_text_source_refuses_unread_pages_and_bad_threshold():
     for threshold in (0, -1, 1.5, float("nan")):
         with pytest.raises(GroundingError, match=r"\(0, 1\]"):
             TextSource(threshold=threshold)
+
+
+
+def test_a_higher_threshold_from_a_finished_run_by_hand():
+    # "P.7" against the word "P.3": "p7" / "p3", Indel 1 - 2/4 = 0.5, boxed at 0.5 on the wrong page number
+    run = TextSource(threshold=0.5).locate("P.7", [PAGE])
+    assert run == [Evidence("p1", (55, 80, 70, 90), "text", 0.5)]
+    assert at_threshold(run, 0.5, 0.5) == run
+    assert at_threshold(run, 0.6, 0.5) == [] == TextSource(threshold=0.6).locate("P.7", [PAGE])
+    exact = TextSource(threshold=0.5).locate("2021", [PAGE])  # similarity 1: kept up to 1.0
+    assert at_threshold(exact, 1.0, 0.5) == exact == TextSource(threshold=1.0).locate("2021", [PAGE])
+    with pytest.raises(GroundingError, match="grounded at threshold 0.75 .* cannot give threshold 0.5"):
+        at_threshold(run, 0.5, 0.75)
+    with pytest.raises(GroundingError, match=r"\(0, 1\]"):
+        at_threshold(run, 1.5, 0.5)
+    with pytest.raises(GroundingError, match=r"only the text source.*\['region'\]"):
+        at_threshold([Evidence("p1", (0, 0, 5, 5), "region")], 0.6, 0.5)
 
 
 def test_region_source():

@@ -221,6 +221,21 @@ class TextSource:
         return Evidence(page.page_id, box, self.name, score)
 
 
+def at_threshold(evidence: Sequence[Evidence], threshold: float, run_threshold: float) -> list[Evidence]:
+    """The :class:`TextSource` evidence of a finished run grounded at ``run_threshold`` as a run at the higher
+    ``threshold`` gives it, with no page read again: the source keeps its single best window when the window
+    reaches the threshold, so a higher one keeps the recorded box when its score reaches it, else nothing. A lower
+    ``threshold`` (the boxes below ``run_threshold`` were never recorded) or another source's evidence is a
+    :class:`GroundingError`."""
+    TextSource(threshold=threshold)
+    if threshold < run_threshold:
+        raise GroundingError(f"a run grounded at threshold {run_threshold} holds no window scoring below it: it "
+                             f"cannot give threshold {threshold}'s evidence (ground the answers again)")
+    if sources := {item.source for item in evidence} - {TextSource.name}:
+        raise GroundingError(f"only the text source's evidence has a threshold, got sources {sorted(sources)}")
+    return [item for item in evidence if item.score >= threshold]
+
+
 def _share(box: Box, start: float, end: float) -> Box:
     """The horizontal slice ``[start, end]`` (fractions of the width) of ``box``."""
     width = box[2] - box[0]
