@@ -29,6 +29,7 @@ import argparse
 import itertools
 import json
 import os
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -187,6 +188,9 @@ def answer_validation(root: Path, lvlm: str, work: Path, threshold: float) -> li
     keeps every finished answer, so a killed run resumes."""
     from omegaconf import OmegaConf
 
+    bench = Path(__file__).resolve().parent
+    if Path(sys.path[0] or ".").resolve() == bench:  # run as a script: bench/agents.py would shadow the package
+        sys.path[0] = str(bench.parent)
     from agents import build_generator  # the bench is a composition root
     from hkrag.lvlm import build_backend
     from hkrag.tasks.fit import compose_config
@@ -321,9 +325,11 @@ def markdown(report: dict) -> str:
 def threshold_markdown(choice: dict) -> list[str]:
     """The threshold chosen on generated validation answers and the test rows read again at it."""
     chosen, before = choice["chosen"], choice["run_threshold"]
-    lines = ["", f"**The threshold chosen on generated answers** (`--choose-threshold --lvlm {choice['lvlm']}`; "
-             f"{choice['questions']} validation questions on their gold pages, HKRAG's agents; balanced accuracy of "
-             f"\"grounded ⇔ right\", ties to the lower; load {choice['load'][0]:.2f}): **{chosen}**.", "",
+    lines = ["", f"**The threshold chosen on generated answers** (`python bench/grounding.py --data data/synthetic "
+             f"--out docs/grounding --chosen docs/grounding/validation.json --reuse-test --choose-threshold --lvlm "
+             f"{choice['lvlm']}`, {choice['validation_s']:.0f} s, load average {choice['load'][0]:.2f} at its end; "
+             f"{choice['questions']} validation questions on their gold pages, HKRAG's agents; the balanced accuracy "
+             f"of \"grounded ⇔ right\", ties to the lower): **{chosen}**.", "",
              "| threshold | balanced accuracy | right | F1 | IoU ≥ 0.5 | right, ungrounded | grounded, wrong "
              "| wrong answers boxed |", "|---|---|---|---|---|---|---|---|"]
     for point in choice["candidates"]:
