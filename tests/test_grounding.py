@@ -5,8 +5,12 @@ from dataclasses import asdict
 
 import pytest
 from omegaconf import OmegaConf
+from PIL import Image
 
+from hkrag.data.region_corpus import page_units
+from hkrag.data.regions import Region
 from hkrag.data.synthetic import SyntheticConfig, generate
+from hkrag.rag import evidence
 from hkrag.rag.evidence import GroundingConfig
 from hkrag.rag.gold_evidence import answer_span, gold_evidence, load_gold, span_box, write_evidence
 from hkrag.rag.grounding import (
@@ -25,6 +29,7 @@ from hkrag.rag.grounding import (
     overlap_area,
     parse_model_boxes,
 )
+from hkrag.rag.records import QueryOutcome
 from hkrag.tasks.common import CONF_DIR
 
 
@@ -240,6 +245,26 @@ def test_a_pdf_page_is_grounded_on_its_text_layer_without_ocr(tmp_path, monkeypa
     assert outcome.evidence == [Evidence(row["doc_id"], tuple(words[2][1:]), "text", 1.0).to_dict()]
     with pytest.raises(GroundingError, match="its words column is not"):
         evidence.unit_view({**row, WORDS_COLUMN: '[["x", 1, 2]]'}, row["doc_id"], image)
+
+
+def test_words_read_on_a_unit_crop_with_a_margin_land_on_the_page(monkeypatch):
+    page = Image.new("RGB", (200, 100), "white")
+    footer, title = Region((20.5, 30.2, 80.0, 50.0), "footer"), Region((4.0, 2.0, 60.0, 10.0), "title")
+    [_, row] = page_units("p1", page, [footer, title], "all-box", margin=8)
+    assert (row["box"], row["crop"]) == ([20.5, 30.2, 80.0, 50.0], [12, 22, 88, 58])  # floor(20.5) - 8, ceil(50) + 8
+    assert row["image"].size == (76, 36)
+    read = {"words": [("P.3", (10.0, 10.0, 30.0, 20.0)), ("REF", (1.0, 40.0, 20.0, 48.0))]}  # crop pixels
+    monkeypatch.setattr(evidence, "ocr_words", lambda *_: read["words"])
+
+    def located(unit: dict) -> list[dict]:
+        grounder = evidence.Grounder(TextSource(), lambda doc_id: evidence.unit_view(unit, doc_id, unit["image"]))
+        return grounder.annotate(QueryOutcome("q", "Page?", ["P.3"], kept=["p1#0"], answer="P.3")).evidence
+
+    assert located(row)[0]["box"] == [22.0, 32.0, 42.0, 42.0]  # moved by the crop's corner (12, 22), not the box's
+    assert located({**row, "crop": None})[0]["box"] == [30.5, 40.2, 50.5, 50.2]  # a corpus built before the column
+    read["words"] = [("P.3", (1.0, 40.0, 20.0, 48.0))]  # below the unit's own 36-pixel crop
+    assert located(row)[0]["box"] == [13.0, 62.0, 32.0, 70.0]
+    assert located({**row, "label": "semantic_box+global"}) == []  # there, an appended global crop: left out
 
 
 def test_the_configured_grounding_is_the_code_default():
