@@ -14,10 +14,11 @@
 
 Every config/split of the page corpus (or those named) becomes the same config/split of the region corpus, so the
 pools line up. A row is ``doc_id`` (the unit's id, ``<page doc_id>#<k>``), ``image`` (the crop), ``page_id``,
-``label`` (its SCAN class, ``semantic_box+global`` for a concatenation) and ``box`` (``[x0, y0, x1, y1]`` in page
-pixels), and with ``--gold`` ``text``, the drawn strings in the unit (declared ``drawn`` in the card, as the page
-corpus's); :func:`hkrag.data.opendocvqa.load_corpus` reads it like any corpus. Units of a page are in reading order,
-by upper-left corner (top, then left), as SCAN orders regions. The three modes are SCAN's:
+``label`` (its SCAN class, ``semantic_box+global`` for a concatenation), ``box`` (``[x0, y0, x1, y1]`` in page
+pixels) and ``crop`` (the page rectangle its own crop was cut from, margin included), and with ``--gold`` ``text``,
+the drawn strings in the unit (declared ``drawn`` in the card, as the page corpus's);
+:func:`hkrag.data.opendocvqa.load_corpus` reads it like any corpus. Units of a page are in reading order, by
+upper-left corner (top, then left), as SCAN orders regions. The three modes are SCAN's:
 
 - ``all-box``: every selected box is a unit, global boxes (title, footer, ...) included.
 - ``semantic_box-only``: only semantic boxes are units.
@@ -81,18 +82,27 @@ DETECTIONS_DIR = ".layout"
 """Where ``build`` run with ``layout.model`` writes its detections (and their cache), inside ``--out``."""
 PAGE_COLUMN = "page_id"
 """A unit's page: the column that maps region units back to the page they were cut from."""
+CROP_COLUMN = "crop"
+"""Where a unit's own crop lies on its page (``[x0, y0, x1, y1]``, whole pixels: its box widened, with the margin,
+clipped to the page): words read on the crop are moved to page pixels by its corner (:mod:`hkrag.rag.evidence`)."""
 UNIT_FEATURES = datasets.Features({**CORPUS_FEATURES, PAGE_COLUMN: datasets.Value("string"),
                                    "label": datasets.Value("string"),
-                                   "box": datasets.Sequence(datasets.Value("float32"))})
+                                   "box": datasets.Sequence(datasets.Value("float32")),
+                                   CROP_COLUMN: datasets.Sequence(datasets.Value("float32"))})
+
+
+def crop_box(size: tuple[int, int], box: Sequence[float], margin: int | Sequence[int] = 0) -> tuple[int, ...]:
+    """The page rectangle :func:`crop` cuts: ``box``'s edges widened to whole pixels, with ``margin`` pixels of the
+    page around it (one number, or one per edge: left, top, right, bottom) where the ``size`` page has them."""
+    x0, y0, x1, y1 = box
+    left, top, right, bottom = (margin,) * 4 if isinstance(margin, int) else margin
+    return (max(0, math.floor(x0) - left), max(0, math.floor(y0) - top), min(size[0], math.ceil(x1) + right),
+            min(size[1], math.ceil(y1) + bottom))
 
 
 def crop(image: Image.Image, box: Sequence[float], margin: int | Sequence[int] = 0) -> Image.Image:
-    """The pixels of ``box`` (edges widened to whole pixels), with ``margin`` pixels of the page around it (one
-    number, or one per edge: left, top, right, bottom) where the page has them."""
-    x0, y0, x1, y1 = box
-    left, top, right, bottom = (margin,) * 4 if isinstance(margin, int) else margin
-    return image.crop((max(0, math.floor(x0) - left), max(0, math.floor(y0) - top),
-                       min(image.width, math.ceil(x1) + right), min(image.height, math.ceil(y1) + bottom)))
+    """The pixels of :func:`crop_box`."""
+    return image.crop(crop_box(image.size, box, margin))
 
 
 def jittered(margin: int, jitter: int, key: str) -> tuple[int, int, int, int]:
@@ -142,9 +152,10 @@ def page_units(
         raise DataError(f"page {doc_id!r} has {what}: it would have no {mode} unit")
     rows = []
     for k, (label, region, members) in enumerate(units):
-        row = {"doc_id": f"{doc_id}#{k}", "image": stack([crop(image, m.box, jittered(
-                   margin, jitter, f"{doc_id}#{k}/{i}") if jitter else margin) for i, m in enumerate(members)]),
-               PAGE_COLUMN: doc_id, "label": label, "box": list(region.box)}
+        rects = [crop_box(image.size, m.box, jittered(margin, jitter, f"{doc_id}#{k}/{i}") if jitter else margin)
+                 for i, m in enumerate(members)]
+        row = {"doc_id": f"{doc_id}#{k}", "image": stack([image.crop(rect) for rect in rects]),
+               PAGE_COLUMN: doc_id, "label": label, "box": list(region.box), CROP_COLUMN: list(rects[0])}
         if items is not None:
             row[TEXT_COLUMN] = "\n".join(item.text for m in members for item in sorted(
                 (i for i in items if _centre_in(i.box, m.box)), key=lambda i: (i.box[1], i.box[0])))

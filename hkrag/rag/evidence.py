@@ -7,7 +7,8 @@ when nothing was found and why (the answer is on none of the pages, a page has n
 boxes), whether the question's answer is drawn at all (``drawn``; ``None`` without gold evidence) and the
 :class:`~hkrag.rag.grounding.GroundingScore` against the gold boxes. A region unit (a row of a region corpus, with
 ``page_id`` and ``box``) is grounded on its page: its box is the region source's evidence, and the words read on the
-crop are moved to page pixels by the box's corner (a ``concatenation`` unit's appended global crops are left out).
+crop are moved to page pixels by the crop's corner (its ``crop`` column, the box with the margin it was cut with; the
+box's corner for a corpus built without the column), a ``concatenation`` unit's appended global crops left out.
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ class PageView:
     box: tuple[float, float, float, float] | None = None
     concatenated: bool = False
     words: list[Word] | None = None
+    crop: tuple[float, float, float, float] | None = None
+    """Where a unit's own crop lies on its page (a region corpus's ``crop`` column: the box with its margin);
+    ``None`` for corpora built before the column, whose crops are taken to start at the box's corner."""
     """The page's text-layer words (a PDF page's ``words`` column), read instead of OCR when present."""
 
 
@@ -139,8 +143,9 @@ class Grounder:
             return None
         if view.box is None:
             return [Word(text, box) for text, box in read]
-        x, y = view.box[0], view.box[1]
-        height = view.box[3] - view.box[1] if view.concatenated else float("inf")
+        rect = view.crop or view.box
+        x, y = rect[0], rect[1]
+        height = rect[3] - rect[1] if view.concatenated else float("inf")
         return [Word(text, (b[0] + x, b[1] + y, b[2] + x, b[3] + y)) for text, b in read if b[3] <= height]
 
     def page(self, doc_id: str) -> GroundingPage:
@@ -178,8 +183,9 @@ def unit_view(row: Mapping[str, Any], doc_id: str, image: Image.Image | None) ->
     """A corpus row as a :class:`PageView`: a region unit (``page_id``, ``box``) on its page, else the page, with
     its text-layer words when the corpus has them (a PDF's ``words`` column, :data:`hkrag.data.pdf.WORDS_COLUMN`)."""
     if row.get("page_id") and row.get("box"):
+        rect = tuple(float(v) for v in row["crop"]) if row.get("crop") else None
         return PageView(image, str(row["page_id"]), tuple(float(v) for v in row["box"]),
-                        "+" in str(row.get("label", "")))
+                        "+" in str(row.get("label", "")), crop=rect)
     return PageView(image, doc_id, words=layer_words(row.get(WORDS_COLUMN), doc_id))
 
 
