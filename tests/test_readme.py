@@ -8,7 +8,9 @@ docs/*.md, which the default suite only parses). Runs happen in a temporary work
 train.py, eval.py, conf/), never in the repository's data/ or outputs/: the demo's run serves `run_dir=latest` and
 `outputs/train/<stamp>`; commands reading `data/synthetic/corpus` directly (OCR, degradation, PDFs) run in a second
 directory with a small corpus. Shrinking overrides are appended unless the command sets the key itself. Slow
-commands that read an earlier command's output (the sweeps, the mining steps) run in document order.
+commands that read an earlier command's output (the sweeps, the mining steps) run in document order. With
+HKRAG_README_WORKSPACE set, the two working directories live there and are kept between pytest runs, so the slow
+commands can run in batches (in document order: a later batch reads an earlier one's output, and the demo runs once).
 """
 
 from __future__ import annotations
@@ -194,6 +196,10 @@ def run_shell(text: str, cwd: Path, timeout: int = TIMEOUT_S) -> subprocess.Comp
     return result
 
 
+KEPT_WORKSPACE = "HKRAG_README_WORKSPACE"
+"""Environment variable: a folder where the working directories are kept between pytest runs (batches)."""
+
+
 def workspace(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for name in LINKED:
@@ -201,16 +207,26 @@ def workspace(root: Path) -> Path:
     return root
 
 
+def session_workspace(tmp_path_factory, name: str) -> tuple[Path, bool]:
+    """A working directory named ``name`` and whether it was kept from an earlier run (:data:`KEPT_WORKSPACE`)."""
+    kept = os.environ.get(KEPT_WORKSPACE)
+    root = Path(kept).resolve() / name / "work" if kept else tmp_path_factory.mktemp(name) / "work"
+    if root.is_dir():
+        return root, True
+    return workspace(root), False
+
+
 @pytest.fixture(scope="session")
 def demo_workspace(tmp_path_factory) -> Path:
-    return workspace(tmp_path_factory.mktemp("readme") / "work")
+    return session_workspace(tmp_path_factory, "readme")[0]
 
 
 @pytest.fixture(scope="session")
 def demo_run(demo_workspace) -> Path:
     """``python train.py`` exactly as the README's quick start runs it (the demo's corpus, the shipped reader,
-    324 steps), in the temporary working directory; its run folder."""
-    run_shell(DEMO, demo_workspace)
+    324 steps), in the working directory (once: a kept workspace's run is reused); its run folder."""
+    if not list((demo_workspace / "outputs" / "train").glob("*/report.json")):
+        run_shell(DEMO, demo_workspace)
     runs = sorted((demo_workspace / "outputs" / "train").glob("*/report.json"))
     assert len(runs) == 1, f"`{DEMO}` wrote {len(runs)} reports: {runs}"
     return runs[0].parent
@@ -229,7 +245,9 @@ def small_workspace(tmp_path_factory) -> Path:
         install_tesseract("eng")
     except OcrUnavailable as reason:
         pytest.skip(f"Tesseract: {reason}")
-    root = workspace(tmp_path_factory.mktemp("readme-small") / "work")
+    root, kept = session_workspace(tmp_path_factory, "readme-small")
+    if kept:
+        return root
     generate(root / "data" / "synthetic", SyntheticConfig(**SMALL_CORPUS))
     (root / "reports").mkdir()
     for name, colour in (("a.pdf", "white"), ("b.pdf", "lightgrey")):
