@@ -274,14 +274,20 @@ def argparse_parser(main: Callable[..., object], takes_argv: bool = True) -> arg
     raise AssertionError(f"{main.__module__}.main returned without parsing its arguments")
 
 
-def check_flags(main: Callable[..., object], args: list[str], takes_argv: bool = True) -> str:
-    """A command with a part elided (``…``): every ``--flag`` it names is an option of ``main``'s parser (or of
-    the subcommand it names)."""
+def command_parser(main: Callable[..., object], args: list[str], takes_argv: bool = True) -> argparse.ArgumentParser:
+    """The parser that reads ``args``' options: ``main``'s, or that of the subcommand ``args`` names."""
     parser = argparse_parser(main, takes_argv)
     for arg in args:
         sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
         if sub and arg in sub.choices:
             parser = sub.choices[arg]
+    return parser
+
+
+def check_flags(main: Callable[..., object], args: list[str], takes_argv: bool = True) -> str:
+    """A command with a part elided (``…``): every ``--flag`` it names is an option of ``main``'s parser (or of
+    the subcommand it names)."""
+    parser = command_parser(main, args, takes_argv)
     flags = [arg.split("=", 1)[0] for arg in args if arg.startswith("--") and arg != "--"]
     unknown = [flag for flag in flags if flag not in parser._option_string_actions]
     if unknown:

@@ -326,6 +326,16 @@ def shrink(argv: list[str], slug: str) -> list[str]:
     return [*extra, folder]
 
 
+def value_options(command: list[str]) -> set[str]:
+    """The options of ``python -m module``'s parser (its subcommand's) that take a value: a ``key=value`` after one
+    is that option's value (``--eval rag.max_queries=2``, ``--stage1 'generator_training.pages=[gold]'``), not one of
+    the module's positional overrides."""
+    if command[1:2] != ["-m"]:
+        return set()
+    parser = rc.command_parser(rc.load_module(command[2]).main, command[3:])
+    return {flag for flag, action in parser._option_string_actions.items() if action.nargs != 0}
+
+
 def tiny(text: str, slug: str, small: bool = False) -> str:
     """The command as the test runs it: placeholders filled, tiny flags and shrinking overrides appended (in the
     small workspace, the small corpus's settings too)."""
@@ -336,8 +346,9 @@ def tiny(text: str, slug: str, small: bool = False) -> str:
     flags = [flag for pattern, flags in TINY_FLAGS if re.search(pattern, text) for flag in shlex.split(flags)]
     if flags:  # python -m module [options] [overrides]: argparse takes the positional overrides in one run
         own = command[3:]
+        valued = value_options(command)
         overrides = [arg for i, arg in enumerate(own) if "=" in arg and not arg.startswith("-")
-                     and not (i and own[i - 1] == "--eval")]
+                     and not (i and own[i - 1] in valued)]
         options = [arg for arg in own if arg not in overrides]
         prefix = [f"{name}={value}" for name, value in env.items()]
         shrink_runs = RUNS_SHRINK if re.search(RUNS_OF_RUNS, text) else ()
@@ -509,6 +520,17 @@ def test_tiny_replaces_a_commands_own_step_count():
     argv = shlex.split(text)
     assert "trainer.max_steps=2" in argv and "trainer.max_steps=3000" not in argv
     assert 'data.field_queries=["{title}"]' in argv and argv.count("trainer.max_steps=2") == 1
+
+
+def test_tiny_keeps_an_options_override_value_with_it():
+    """An override that is an option's value (table6's ``--stage1``) stays after its option; the tiny flags and the
+    runs' shrinking overrides follow (a value moved to the positionals left ``--stage1`` without one)."""
+    text = ("python -m hkrag.tasks.table6 --out o --stage1 'generator_training.pages=[gold]' --eval rag.top_k=2 "
+            "+generator_training.optim.loss_mean=example")
+    argv = shlex.split(tiny(text, "x"))
+    assert argv[argv.index("--stage1") + 1] == "generator_training.pages=[gold]"
+    assert argv[argv.index("--eval") + 1] == "rag.top_k=2"
+    assert argv.index("+generator_training.optim.loss_mean=example") > argv.index("--generator-steps")
 
 
 def test_prose_extraction_rules(tmp_path):
