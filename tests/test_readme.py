@@ -149,9 +149,10 @@ SMALL_CORPUS_OVERRIDES = tuple(f"++data.synthetic.{key}={value}" for key, value 
 OCR_CORPUS = "python -m hkrag.data.ocr data/synthetic/corpus --out data/synthetic_ocr --column ocr_text"
 """Writes the OCR'd copy that commands with ``data.corpus_source=data/synthetic_ocr`` read (the README's OCR line)."""
 SMALL_WORKSPACE = re.compile(r"hkrag\.data\.(ocr|degrade|pdf|layout|region_corpus)|ocr_text|degrade=|task=degradation"
-                             r"|bench/grounding\.py")
+                             r"|bench/grounding\.py|corpus_source=data/deg")
 """Commands that run in the workspace with the small corpus (they read every page of data/synthetic/corpus, or,
-bench/grounding.py, OCR every test question's page three times and training pages at nine settings)."""
+bench/grounding.py, OCR every test question's page three times and training pages at nine settings), and those that
+read what one of them wrote (a degraded corpus)."""
 
 
 def first_match(table: tuple[tuple[str, str], ...], text: str) -> str | None:
@@ -533,6 +534,17 @@ def test_tiny_keeps_an_options_override_value_with_it():
     assert argv[argv.index("--stage1") + 1] == "generator_training.pages=[gold]"
     assert argv[argv.index("--eval") + 1] == "rag.top_k=2"
     assert argv.index("+generator_training.optim.loss_mean=example") > argv.index("--generator-steps")
+
+
+def test_a_corpus_is_read_in_the_workspace_that_wrote_it():
+    """A command reading ``data.corpus_source=data/X`` runs in the workspace of the command that writes ``--out
+    data/X`` (docs/data.md's evaluation of the degraded pages ran in the demo's, where they are not)."""
+    runs = [c.text for c in COMMANDS if not first_match(EXTERNAL, c.text) and not first_match(OFFLINE, c.text)]
+    writers = {match.group(1): text for text in runs for match in re.finditer(r"--out (data/\S+)", text)}
+    misplaced = [(text, writers[source]) for text in runs for source in re.findall(r"corpus_source=(data/\S+)", text)
+                 if source in writers and bool(SMALL_WORKSPACE.search(text)) != bool(SMALL_WORKSPACE.search(
+                     writers[source]))]
+    assert writers and not misplaced, misplaced
 
 
 def test_prose_extraction_rules(tmp_path):
