@@ -395,8 +395,39 @@ def test_command_runs(command: rc.Command, request):
         report = json.loads((request.getfixturevalue("demo_run") / "report.json").read_text())
         assert report["steps"] == 324 and report["before"] and report["after"]
         return
+    run_command(command, request)
+
+
+WRITTEN = re.compile(r"(?:hydra\.run\.dir=|HKRAG_RUN_DIR=|--out )((?:outputs|runs)/[\w./-]+)")
+"""The run folders a command writes (``hydra.run.dir=``, ``HKRAG_RUN_DIR=``, ``--out``)."""
+READ = re.compile(r"(?<![\w/.-])((?:outputs|runs)/[\w./-]+)")
+"""The run folders (and files in them) a command names."""
+
+
+def writer(path: str, reader: rc.Command) -> rc.Command | None:
+    """The command, other than ``reader`` and of any document, that runs here and writes the folder holding
+    ``path``."""
+    return next((c for c in COMMANDS if c is not reader and not first_match(EXTERNAL, c.text)
+                 and not first_match(OFFLINE, c.text)
+                 and any(path == folder or path.startswith(folder + "/") for folder in WRITTEN.findall(c.text))), None)
+
+
+def run_writers(command: rc.Command, cwd: Path, request) -> None:
+    """Run first the command that writes a run folder ``command`` reads and ``cwd`` lacks: one of a later document
+    (docs/evaluation.md reads docs/training.md's outputs/s2_example), or one left out of this pytest run."""
+    own = set(WRITTEN.findall(command.text))
+    for path in READ.findall(command.text):
+        found = None if path in own or (cwd / path).exists() else writer(path, command)
+        if found:
+            run_command(found, request)
+
+
+def run_command(command: rc.Command, request) -> None:
+    """``command`` run shrunk in its workspace, after what it reads (the demo, the OCR'd corpus, the run folders
+    other commands write); a refused one must be refused with its message."""
     small = SMALL_WORKSPACE.search(command.text)
     cwd = request.getfixturevalue("small_workspace" if small else "demo_workspace")
+    run_writers(command, cwd, request)
     if "bench/" in command.text and not small:  # bench scripts read the demo's corpus, data/synthetic
         request.getfixturevalue("demo_run")
     if "latest" in command.text:
@@ -545,6 +576,20 @@ def test_a_corpus_is_read_in_the_workspace_that_wrote_it():
                  if source in writers and bool(SMALL_WORKSPACE.search(text)) != bool(SMALL_WORKSPACE.search(
                      writers[source]))]
     assert writers and not misplaced, misplaced
+
+
+def test_every_run_folder_a_command_reads_is_one_a_command_writes():
+    """A run folder (outputs/, runs/) that a runnable command reads is written by another that runs here (or is the
+    demo's, outputs/train/<stamp>): docs/evaluation.md's `rag steps outputs/test_s2_gold_hkrag` read one no command
+    wrote; its `agent_steps outputs/s2_example` finds docs/training.md's stage-2 run."""
+    runs = [c for c in COMMANDS if not first_match(EXTERNAL, c.text) and not first_match(OFFLINE, c.text)
+            and not rc.elided(c.text)]
+    unwritten = [(c.source, path) for c in runs for path in READ.findall(c.text)
+                 if path not in WRITTEN.findall(c.text) and not path.startswith("outputs/train/")
+                 and not writer(path, c)]
+    assert not unwritten, unwritten
+    steps = next(c for c in runs if c.text.startswith("python -m hkrag.tasks.agent_steps outputs/s2_example"))
+    assert "hydra.run.dir=outputs/s2_example " in writer("outputs/s2_example", steps).text
 
 
 def test_prose_extraction_rules(tmp_path):
