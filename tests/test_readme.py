@@ -132,8 +132,11 @@ SMALL_DATA = ("data.synthetic.n_train=40", "data.synthetic.n_test=12", "data.syn
 TRAIN_SHRINK = ("trainer.max_steps=2", "trainer.global_batch_size=8", "trainer.save_every=null",
                 "trainer.eval_every=0", "model.num_crops=4", "eval.doc_batch_size=16",
                 "data.eval_datasets=[synchart,synfine]", *SMALL_DATA, "generator_training.optim.max_steps=2",
-                "generator_training.optim.batch_size=2", "generator_training.max_queries=8")
-"""train.py overrides that shrink a run to seconds (only keys the composed config has and the command leaves)."""
+                "generator_training.optim.batch_size=2", "generator_training.max_queries=8",
+                "generator_training.validation.fraction=0.5")
+"""train.py overrides that shrink a run to seconds (only keys the composed config has and the command leaves). A
+generator run that holds out validation groups holds out half: a tenth of the 8 queries' two groups is none, and
+`agent_steps` then has no validation query to evaluate."""
 FORCED = ("trainer.max_steps=2", "generator_training.optim.max_steps=2")
 """train.py overrides that replace the command's own value (`trainer.max_steps=3000` runs 2 steps here)."""
 RUNS_SHRINK = ("trainer.max_steps=2", "trainer.global_batch_size=8", "eval.doc_batch_size=16",
@@ -590,6 +593,15 @@ def test_every_run_folder_a_command_reads_is_one_a_command_writes():
     assert not unwritten, unwritten
     steps = next(c for c in runs if c.text.startswith("python -m hkrag.tasks.agent_steps outputs/s2_example"))
     assert "hydra.run.dir=outputs/s2_example " in writer("outputs/s2_example", steps).text
+
+
+def test_a_shrunk_generator_run_holds_out_validation_queries():
+    """docs/training.md's stage-2 run, shrunk, holds out half its groups (agent_steps reads the held-out queries);
+    a run without a validation split gets no such key."""
+    stage2 = ("python train.py experiment=generator_agents_tiny hydra.run.dir=outputs/s2_example "
+              "generator_training.init_from=outputs/d_single +generator_training.optim.loss_mean=example")
+    assert "generator_training.validation.fraction=0.5" in shlex.split(tiny(stage2, "x"))
+    assert not any("validation" in arg for arg in shlex.split(tiny("python train.py loss=infonce", "x")))
 
 
 def test_prose_extraction_rules(tmp_path):
