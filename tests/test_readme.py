@@ -269,8 +269,9 @@ def newest(folder: Path) -> Path:
     return found[-1]
 
 
-def placeholder_values(text: str, request, cwd: Path) -> dict[str, str]:
-    """Concrete values for the placeholders ``text`` names, from the fixtures' runs."""
+def placeholder_values(text: str, request, cwd: Path, slug: str) -> dict[str, str]:
+    """Concrete values for the placeholders ``text`` names, from the fixtures' runs; ``--out DIR`` is a new folder
+    of the command's own (``slug``): shipping refuses one another command filled."""
     values = dict(rc.PARSE_VALUES)
     needed = rc.needed_values(text)
     if {"train_run", "shards", "queries", "qrels", "adapter"} & set(needed):
@@ -287,7 +288,7 @@ def placeholder_values(text: str, request, cwd: Path) -> dict[str, str]:
         runs = request.getfixturevalue("rag_runs")
         values.update(rag_runs=" ".join(map(str, runs)), rag_run=str(runs[0]))
     if "out_dir" in needed:
-        values["out_dir"] = "--out outputs/readme/out-dir"
+        values["out_dir"] = f"--out outputs/readme/{slug}-out"
     return values
 
 
@@ -441,7 +442,7 @@ def run_command(command: rc.Command, request) -> None:
     if "=data/synthetic_ocr" in command.text and not (cwd / "data" / "synthetic_ocr").is_dir():
         run_shell(OCR_CORPUS, cwd)
     slug = f"c{COMMANDS.index(command):03d}"
-    text = rc.concrete(command.text, placeholder_values(command.text, request, cwd))
+    text = rc.concrete(command.text, placeholder_values(command.text, request, cwd, slug))
     refused = first_match(REFUSED, command.text)
     if refused:  # verbatim: shrinking flags could replace what is refused
         result = subprocess.run(["bash", "-c", text], cwd=cwd, env=environment(), capture_output=True, text=True,
@@ -602,6 +603,14 @@ def test_a_shrunk_generator_run_holds_out_validation_queries():
               "generator_training.init_from=outputs/d_single +generator_training.optim.loss_mean=example")
     assert "generator_training.validation.fraction=0.5" in shlex.split(tiny(stage2, "x"))
     assert not any("validation" in arg for arg in shlex.split(tiny("python train.py loss=infonce", "x")))
+
+
+def test_each_command_gets_its_own_out_dir(tmp_path):
+    """``--out DIR`` is a fresh folder per command (the replica's run filled the shared one, which shipping then
+    refused to overwrite)."""
+    folders = {placeholder_values("python -m hkrag.data.synthetic --out DIR", None, tmp_path, slug)["out_dir"]
+               for slug in ("c001", "c002")}
+    assert len(folders) == 2
 
 
 def test_prose_extraction_rules(tmp_path):
