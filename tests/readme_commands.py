@@ -55,7 +55,8 @@ PLACEHOLDERS: tuple[tuple[str, str], ...] = (
     (r"--out DIR", "out_dir"),
     (r"<image run> <text run>", "rag_runs"),
     (r"<its eval\.py task=generation run>", "rag_run"),
-    (r"(?<=rag steps )<run>", "rag_run"),
+    (r"(?<=rag steps )(<run>|RUN(?![\w.-]))", "rag_run"),
+    (r"VAL/steps\.json", "val_steps"),
     (r"<that run>|<the demo run>|<train\.py run>|<run>|(?<![\w.-])RUN(?![\w.-])", "train_run"),
     (r"<stitched corpus>", "stitched_corpus"),
     (r"<region corpus of detected boxes>", "detected_units"),
@@ -69,6 +70,7 @@ PARSE_VALUES = {
     "adapter": "runs/adapter", "hub_adapter": "model.adapter=NTT-hil-insight/VDocRetriever-Phi3-vision",
     "mirror": "/tmp/mirror", "out_dir": "--out outputs/replica", "rag_run": "outputs/eval/a",
     "stitched_corpus": "data/units_ocr_all-box", "detected_units": "data/units_det_all-box",
+    "val_steps": "outputs/eval/b/steps.json",
 }
 LEFTOVER = re.compile(r"<[^<>\s][^<>]*>|(?<![\w.-])(DIR|FILE|RUN_DIR|RUN|\.\.\.|…)(?![\w.-])")
 """A placeholder no rule replaced: a new one in a document needs a row in :data:`PLACEHOLDERS`."""

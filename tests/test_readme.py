@@ -287,9 +287,26 @@ def placeholder_values(text: str, request, cwd: Path, slug: str) -> dict[str, st
     if {"rag_runs", "rag_run"} & set(needed):
         runs = request.getfixturevalue("rag_runs")
         values.update(rag_runs=" ".join(map(str, runs)), rag_run=str(runs[0]))
+    if "val_steps" in needed:
+        values["val_steps"] = str(validation_steps(cwd))
     if "out_dir" in needed:
         values["out_dir"] = f"--out outputs/readme/{slug}-out"
     return values
+
+
+VALIDATION_RUN = Path("outputs", "readme", "validation-agents")
+"""The run whose ``steps.json`` stands for a validation report (``--threshold-from VAL/steps.json``)."""
+
+
+def validation_steps(cwd: Path) -> Path:
+    """A ``steps.json`` with a Pruner P(yes) threshold: the shipped agents' tiny ``task=generation`` run (HKRAG's
+    Pruner scores every gold page) and its step report, made once."""
+    steps = VALIDATION_RUN / "steps.json"
+    if not (cwd / steps).is_file():
+        run_shell(f"python eval.py task=generation generator=hkrag lvlm=phi3v_agents_tiny {' '.join(EVAL_SHRINK)} "
+                  f"hydra.run.dir={VALIDATION_RUN}", cwd)
+        run_shell(f"python -m hkrag.rag steps {VALIDATION_RUN}", cwd)
+    return steps
 
 
 @pytest.fixture(scope="session")
@@ -611,6 +628,14 @@ def test_each_command_gets_its_own_out_dir(tmp_path):
     folders = {placeholder_values("python -m hkrag.data.synthetic --out DIR", None, tmp_path, slug)["out_dir"]
                for slug in ("c001", "c002")}
     assert len(folders) == 2
+
+
+def test_a_step_report_reads_a_rag_run_and_a_validation_report():
+    """docs/evaluation.md's `rag steps RUN --threshold-from VAL/steps.json`: RUN is a RAG run (not a train.py run,
+    which has no trace) and VAL a validation report's steps.json."""
+    text = rc.concrete("python -m hkrag.rag steps RUN --threshold-from VAL/steps.json", rc.PARSE_VALUES)
+    assert text == (f"python -m hkrag.rag steps {rc.PARSE_VALUES['rag_run']} --threshold-from "
+                    f"{rc.PARSE_VALUES['val_steps']}")
 
 
 def test_prose_extraction_rules(tmp_path):
