@@ -73,8 +73,8 @@ OFFLINE: tuple[tuple[str, str], ...] = (
      "the reader's runs and evaluations follow from it)"),
     (r"runs/(index|corpus)", "a user's own index and embeddings under runs/ (tests/test_index_tuning.py, "
      "tests/test_retrieval_budget.py run the same code)"),
-    (r"^python eval\.py( task=(rag|retrieval))?$", "no run_dir: the default retriever is the paper's Phi-3-vision "
-     "from the hub (network)"),
+    (r"^python eval\.py( task=(rag|retrieval))?( model\.head=\w+)?$", "no run_dir: the default retriever is the "
+     "paper's Phi-3-vision from the hub (network)"),
     (r"agent_steps <run>", "`<run>` is a generator training run (experiment=generator_agents_tiny), which the demo's "
      "run is not (tests/test_curriculum.py runs agent_steps on one)"),
     (r"--size full", "a full-size Phi-3-vision training step (4.2B parameters, tens of GB of memory)"),
