@@ -299,12 +299,13 @@ VALIDATION_RUN = Path("outputs", "readme", "validation-agents")
 
 
 def validation_steps(cwd: Path) -> Path:
-    """A ``steps.json`` with a Pruner P(yes) threshold: the shipped agents' tiny ``task=generation`` run (HKRAG's
-    Pruner scores every gold page) and its step report, made once."""
+    """A ``steps.json`` with a Pruner P(yes) threshold: HKRAG's agents on the shipped generator over the shipped
+    reader's top pages (``task=rag``: the Pruner scores retrieved pages, not gold ones) and its step report, made
+    once."""
     steps = VALIDATION_RUN / "steps.json"
     if not (cwd / steps).is_file():
-        run_shell(f"python eval.py task=generation generator=hkrag lvlm=phi3v_agents_tiny {' '.join(EVAL_SHRINK)} "
-                  f"hydra.run.dir={VALIDATION_RUN}", cwd)
+        run_shell(f"python eval.py task=rag run_dir=weights/reader_tiny generator=hkrag lvlm=phi3v_agents_tiny "
+                  f"{' '.join(EVAL_SHRINK)} hydra.run.dir={VALIDATION_RUN}", cwd)
         run_shell(f"python -m hkrag.rag steps {VALIDATION_RUN}", cwd)
     return steps
 
