@@ -88,8 +88,7 @@ from hkrag.data.synthetic import (
     page_regions,
     render_page,
 )
-from hkrag.io import atomic_directory, read_json, read_jsonl, write_bytes, write_json, write_text
-from hkrag.repository import local_path
+from hkrag.io import atomic_directory, local_path, read_json, read_jsonl, write_bytes, write_json, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +214,7 @@ def load_detector(path: str | Path) -> tuple[Any, Any]:
     Raises :class:`LayoutError` naming ``path`` when it is not one, or when a label is not one of SCAN's classes;
     a shipped detector (``weights/layout_tiny``) whose files differ from its manifest's sha256 is refused
     (``hkrag.models.phi3v.loading.verify_shipped``, as the shipped readers are). A relative path missing under the
-    working directory is the repository's (``weights/layout_tiny/model`` from any folder: hkrag.repository).
+    working directory is the repository's (``weights/layout_tiny/model`` from any folder: hkrag.io.local_path).
     """
     from transformers import AutoImageProcessor, AutoModelForObjectDetection
 

@@ -32,10 +32,9 @@ from tqdm.auto import tqdm
 
 from hkrag.data.opendocvqa import ALL_POOL, check_pool_pages, load_corpus, pools
 from hkrag.data.synthetic import CONFIG_FILE, SyntheticConfig, generate
-from hkrag.io import atomic_directory, read_json, write_json, write_text
+from hkrag.io import atomic_directory, read_json, repository_locations, write_json, write_text
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.models.phi3v.loading import save_processor, shipped_manifest, tiny_phi3v
-from hkrag.repository import repository_locations
 from hkrag.retrieval.evaluation import RetrievalEvalConfig
 from hkrag.retriever import HeadSettings, LoraSettings, Phi3VRetriever
 from hkrag.tasks import run_eval_task

@@ -17,8 +17,7 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-from hkrag.io import write_json, write_text
-from hkrag.repository import local_path
+from hkrag.io import local_path, write_json, write_text
 from hkrag.tasks.chain import retrieval_rows, retrieval_scores, retrieval_table
 
 
