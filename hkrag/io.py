@@ -9,6 +9,11 @@ swapped into place only when complete.
 Reads of JSON and JSON Lines go through :func:`read_json` / :func:`read_jsonl`: a truncated, non-UTF-8 or
 malformed file, or one without the keys its reader needs, raises :class:`FileFormatError` naming the file, the
 line (or key) and what is wrong, instead of the parser's bare ``JSONDecodeError`` / ``UnicodeDecodeError``.
+
+The repository's own files are found from any working directory (:func:`local_path`): a relative path the documents
+write from the repository's root (``run_dir=weights/reader_tiny``, ``--model weights/layout_tiny/model``) that is
+missing under the working directory is looked up under the repository, so a command runs as documented from wherever
+a user runs it.
 """
 
 from __future__ import annotations
@@ -194,3 +199,19 @@ def read_jsonl(path: str | Path, keys: Sequence[str] = ()) -> list[Any]:
             raise FileFormatError(path, f"line {number}: record lacks key(s) {missing}")
         rows.append(row)
     return rows
+
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+"""The repository's root (the folder holding ``hkrag/``, ``conf/`` and ``weights/``)."""
+
+
+def repository_locations(path: str | Path) -> list[Path]:
+    """Where ``path`` is looked for, in order: as given (relative to the working directory), then, when relative,
+    under :data:`REPOSITORY`."""
+    path = Path(path)
+    return [path] if path.is_absolute() else [path, REPOSITORY / path]
+
+
+def local_path(path: str | Path) -> Path:
+    """The first of :func:`repository_locations` that exists, else ``path`` as given (its error names it)."""
+    return next((found for found in repository_locations(path) if found.exists()), Path(path))

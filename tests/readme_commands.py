@@ -55,7 +55,8 @@ PLACEHOLDERS: tuple[tuple[str, str], ...] = (
     (r"--out DIR", "out_dir"),
     (r"<image run> <text run>", "rag_runs"),
     (r"<its eval\.py task=generation run>", "rag_run"),
-    (r"(?<=rag steps )<run>", "rag_run"),
+    (r"(?<=rag steps )(<run>|RUN(?![\w.-]))", "rag_run"),
+    (r"VAL/steps\.json", "val_steps"),
     (r"<that run>|<the demo run>|<train\.py run>|<run>|(?<![\w.-])RUN(?![\w.-])", "train_run"),
     (r"<stitched corpus>", "stitched_corpus"),
     (r"<region corpus of detected boxes>", "detected_units"),
@@ -69,6 +70,7 @@ PARSE_VALUES = {
     "adapter": "runs/adapter", "hub_adapter": "model.adapter=NTT-hil-insight/VDocRetriever-Phi3-vision",
     "mirror": "/tmp/mirror", "out_dir": "--out outputs/replica", "rag_run": "outputs/eval/a",
     "stitched_corpus": "data/units_ocr_all-box", "detected_units": "data/units_det_all-box",
+    "val_steps": "outputs/eval/b/steps.json",
 }
 LEFTOVER = re.compile(r"<[^<>\s][^<>]*>|(?<![\w.-])(DIR|FILE|RUN_DIR|RUN|\.\.\.|…)(?![\w.-])")
 """A placeholder no rule replaced: a new one in a document needs a row in :data:`PLACEHOLDERS`."""
@@ -274,14 +276,20 @@ def argparse_parser(main: Callable[..., object], takes_argv: bool = True) -> arg
     raise AssertionError(f"{main.__module__}.main returned without parsing its arguments")
 
 
-def check_flags(main: Callable[..., object], args: list[str], takes_argv: bool = True) -> str:
-    """A command with a part elided (``…``): every ``--flag`` it names is an option of ``main``'s parser (or of
-    the subcommand it names)."""
+def command_parser(main: Callable[..., object], args: list[str], takes_argv: bool = True) -> argparse.ArgumentParser:
+    """The parser that reads ``args``' options: ``main``'s, or that of the subcommand ``args`` names."""
     parser = argparse_parser(main, takes_argv)
     for arg in args:
         sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
         if sub and arg in sub.choices:
             parser = sub.choices[arg]
+    return parser
+
+
+def check_flags(main: Callable[..., object], args: list[str], takes_argv: bool = True) -> str:
+    """A command with a part elided (``…``): every ``--flag`` it names is an option of ``main``'s parser (or of
+    the subcommand it names)."""
+    parser = command_parser(main, args, takes_argv)
     flags = [arg.split("=", 1)[0] for arg in args if arg.startswith("--") and arg != "--"]
     unknown = [flag for flag in flags if flag not in parser._option_string_actions]
     if unknown:

@@ -569,6 +569,23 @@ def test_the_seed_table_refuses_one_evaluation_given_as_two_seeds(tmp_path, how,
     assert ("is given twice" if how != "a copy" else "hold the same evaluation") in error
 
 
+def test_the_seed_table_reads_the_repositorys_committed_evaluations_from_any_folder(tmp_path, monkeypatch):
+    """docs/data.md's `hkrag.tasks.seeds ... docs/regions/test_pages_s0 ...` (the committed per-query data) works
+    outside the repository root; a folder found nowhere is still named as given."""
+    from hkrag.tasks import seeds
+
+    monkeypatch.chdir(tmp_path)
+    read = []
+    monkeypatch.setattr(seeds, "retrieval_rows", lambda runs, corpus, split: read.extend(runs) or [])
+    monkeypatch.setattr(seeds, "retrieval_table", lambda rows: "")
+    runs = [f"docs/regions/test_pages_s{seed}" for seed in range(3)]
+    seeds.main([*runs, "--corpus", "data/synthetic/corpus"])
+    root = Path(__file__).resolve().parents[1]
+    assert read == [root / run for run in runs]
+    with pytest.raises(SystemExit, match="2"):
+        seeds.main(["docs/regions/nosuch_s0", "--corpus", "c"])
+
+
 # --- 8. still open: resumes, generator.top_k, undecodable questions, empty pre-training text ------------------------
 
 

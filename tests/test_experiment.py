@@ -153,7 +153,8 @@ def test_a_relative_run_dir_missing_here_is_looked_up_in_the_repository(tmp_path
     both places looked; a hub id stays one."""
     from omegaconf import OmegaConf
 
-    from hkrag.tasks.common import REPOSITORY, local_adapter, resolve_run_dir, trained_model_config
+    from hkrag.io import REPOSITORY
+    from hkrag.tasks.common import local_adapter, resolve_run_dir, trained_model_config
 
     monkeypatch.chdir(tmp_path)
     assert REPOSITORY == ROOT

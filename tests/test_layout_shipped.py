@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from hkrag.data.layout import BATCH_SIZE, LR, STEPS, THREADS, evaluate_detector, load_detector, train_command
+from hkrag.data.layout import (
+    BATCH_SIZE,
+    LR,
+    STEPS,
+    THREADS,
+    Detectors,
+    evaluate_detector,
+    load_detector,
+    train_command,
+)
 from hkrag.data.regions import CLASSES
 from hkrag.data.synthetic import DEMO, generate
 from hkrag.tasks.ship import file_hashes
@@ -40,6 +49,17 @@ def test_it_loads_with_scans_classes():
     assert sorted(model.config.id2label.values()) == sorted(CLASSES)
     assert sum(p.numel() for p in model.parameters()) == json.loads(
         (SHIPPED / "train_report.json").read_text())["parameters"]
+
+
+def test_the_documented_relative_path_loads_it_from_any_folder(tmp_path, monkeypatch):
+    """docs/data.md's `--model weights/layout_tiny/model` works outside the repository (README commands run from
+    wherever a user runs them), for loading and for detect's detectors; a folder of that name here wins."""
+    monkeypatch.chdir(tmp_path)
+    model, _ = load_detector("weights/layout_tiny/model")
+    assert sorted(model.config.id2label.values()) == sorted(CLASSES)
+    assert Detectors("weights/layout_tiny/model").model == SHIPPED / "model"
+    (tmp_path / "weights" / "layout_tiny" / "model").mkdir(parents=True)
+    assert Detectors("weights/layout_tiny/model").model == Path("weights/layout_tiny/model")
 
 
 @pytest.mark.slow

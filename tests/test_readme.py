@@ -8,7 +8,9 @@ docs/*.md, which the default suite only parses). Runs happen in a temporary work
 train.py, eval.py, conf/), never in the repository's data/ or outputs/: the demo's run serves `run_dir=latest` and
 `outputs/train/<stamp>`; commands reading `data/synthetic/corpus` directly (OCR, degradation, PDFs) run in a second
 directory with a small corpus. Shrinking overrides are appended unless the command sets the key itself. Slow
-commands that read an earlier command's output (the sweeps, the mining steps) run in document order.
+commands that read an earlier command's output (the sweeps, the mining steps) run in document order. With
+HKRAG_README_WORKSPACE set, the two working directories live there and are kept between pytest runs, so the slow
+commands can run in batches (in document order: a later batch reads an earlier one's output, and the demo runs once).
 """
 
 from __future__ import annotations
@@ -60,17 +62,19 @@ OFFLINE: tuple[tuple[str, str], ...] = (
      "the one-off comparison with the original remote code: a second venv (transformers 4.45.2) and a mirror"),
     (r" \.\.\. resume=latest", "`...` stands for the interrupted run's own overrides (tests/test_training.py "
      "resumes exactly)"),
-    (r"data/synthetic_regions|units_det_|<stitched corpus>|<region corpus",
-     "crops of a trained detector's boxes (and their stitched OCR): the test's 2-step detector selects "
-     "none, which build refuses by design (tests/test_regions.py builds from detected and gold boxes)"),
-    (r"region_pairs|reader_regions|region_train|runs/(rr|test_gold)_s",
+    (r"data/synthetic_regions|units_det_|region_ocr_det|<stitched corpus>|<region corpus|--regions data/deg"
+     r"|data/deg\w*/(units|region_ocr)",
+     "crops of a trained detector's boxes (and their OCR, stitched; clean or degraded pages): the test's 2-step "
+     "detector selects none, which build refuses by design (tests/test_regions.py builds from detected and gold "
+     "boxes)"),
+    (r"region_pairs|reader_regions|region_train|runs/(rr|test_gold|(test_)?rdet2k[\w-]*)_s",
      "the region reader's training set holds out whole documents for validation: the small corpus's one document a "
      "style leaves a style without one, which region_pairs refuses by design (tests/test_region_pairs.py builds one; "
      "the reader's runs and evaluations follow from it)"),
     (r"runs/(index|corpus)", "a user's own index and embeddings under runs/ (tests/test_index_tuning.py, "
      "tests/test_retrieval_budget.py run the same code)"),
-    (r"^python eval\.py( task=(rag|retrieval))?$", "no run_dir: the default retriever is the paper's Phi-3-vision "
-     "from the hub (network)"),
+    (r"^python eval\.py( task=(rag|retrieval))?( model\.head=\w+)?$", "no run_dir: the default retriever is the "
+     "paper's Phi-3-vision from the hub (network)"),
     (r"agent_steps <run>", "`<run>` is a generator training run (experiment=generator_agents_tiny), which the demo's "
      "run is not (tests/test_curriculum.py runs agent_steps on one)"),
     (r"--size full", "a full-size Phi-3-vision training step (4.2B parameters, tens of GB of memory)"),
@@ -128,8 +132,11 @@ SMALL_DATA = ("data.synthetic.n_train=40", "data.synthetic.n_test=12", "data.syn
 TRAIN_SHRINK = ("trainer.max_steps=2", "trainer.global_batch_size=8", "trainer.save_every=null",
                 "trainer.eval_every=0", "model.num_crops=4", "eval.doc_batch_size=16",
                 "data.eval_datasets=[synchart,synfine]", *SMALL_DATA, "generator_training.optim.max_steps=2",
-                "generator_training.optim.batch_size=2", "generator_training.max_queries=8")
-"""train.py overrides that shrink a run to seconds (only keys the composed config has and the command leaves)."""
+                "generator_training.optim.batch_size=2", "generator_training.max_queries=8",
+                "generator_training.validation.fraction=0.5")
+"""train.py overrides that shrink a run to seconds (only keys the composed config has and the command leaves). A
+generator run that holds out validation groups holds out half: a tenth of the 8 queries' two groups is none, and
+`agent_steps` then has no validation query to evaluate."""
 FORCED = ("trainer.max_steps=2", "generator_training.optim.max_steps=2")
 """train.py overrides that replace the command's own value (`trainer.max_steps=3000` runs 2 steps here)."""
 RUNS_SHRINK = ("trainer.max_steps=2", "trainer.global_batch_size=8", "eval.doc_batch_size=16",
@@ -145,9 +152,10 @@ SMALL_CORPUS_OVERRIDES = tuple(f"++data.synthetic.{key}={value}" for key, value 
 OCR_CORPUS = "python -m hkrag.data.ocr data/synthetic/corpus --out data/synthetic_ocr --column ocr_text"
 """Writes the OCR'd copy that commands with ``data.corpus_source=data/synthetic_ocr`` read (the README's OCR line)."""
 SMALL_WORKSPACE = re.compile(r"hkrag\.data\.(ocr|degrade|pdf|layout|region_corpus)|ocr_text|degrade=|task=degradation"
-                             r"|bench/grounding\.py")
+                             r"|bench/grounding\.py|corpus_source=data/deg")
 """Commands that run in the workspace with the small corpus (they read every page of data/synthetic/corpus, or,
-bench/grounding.py, OCR every test question's page three times and training pages at nine settings)."""
+bench/grounding.py, OCR every test question's page three times and training pages at nine settings), and those that
+read what one of them wrote (a degraded corpus)."""
 
 
 def first_match(table: tuple[tuple[str, str], ...], text: str) -> str | None:
@@ -194,6 +202,10 @@ def run_shell(text: str, cwd: Path, timeout: int = TIMEOUT_S) -> subprocess.Comp
     return result
 
 
+KEPT_WORKSPACE = "HKRAG_README_WORKSPACE"
+"""Environment variable: a folder where the working directories are kept between pytest runs (batches)."""
+
+
 def workspace(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for name in LINKED:
@@ -201,16 +213,26 @@ def workspace(root: Path) -> Path:
     return root
 
 
+def session_workspace(tmp_path_factory, name: str) -> tuple[Path, bool]:
+    """A working directory named ``name`` and whether it was kept from an earlier run (:data:`KEPT_WORKSPACE`)."""
+    kept = os.environ.get(KEPT_WORKSPACE)
+    root = Path(kept).resolve() / name / "work" if kept else tmp_path_factory.mktemp(name) / "work"
+    if root.is_dir():
+        return root, True
+    return workspace(root), False
+
+
 @pytest.fixture(scope="session")
 def demo_workspace(tmp_path_factory) -> Path:
-    return workspace(tmp_path_factory.mktemp("readme") / "work")
+    return session_workspace(tmp_path_factory, "readme")[0]
 
 
 @pytest.fixture(scope="session")
 def demo_run(demo_workspace) -> Path:
     """``python train.py`` exactly as the README's quick start runs it (the demo's corpus, the shipped reader,
-    324 steps), in the temporary working directory; its run folder."""
-    run_shell(DEMO, demo_workspace)
+    324 steps), in the working directory (once: a kept workspace's run is reused); its run folder."""
+    if not list((demo_workspace / "outputs" / "train").glob("*/report.json")):
+        run_shell(DEMO, demo_workspace)
     runs = sorted((demo_workspace / "outputs" / "train").glob("*/report.json"))
     assert len(runs) == 1, f"`{DEMO}` wrote {len(runs)} reports: {runs}"
     return runs[0].parent
@@ -229,7 +251,9 @@ def small_workspace(tmp_path_factory) -> Path:
         install_tesseract("eng")
     except OcrUnavailable as reason:
         pytest.skip(f"Tesseract: {reason}")
-    root = workspace(tmp_path_factory.mktemp("readme-small") / "work")
+    root, kept = session_workspace(tmp_path_factory, "readme-small")
+    if kept:
+        return root
     generate(root / "data" / "synthetic", SyntheticConfig(**SMALL_CORPUS))
     (root / "reports").mkdir()
     for name, colour in (("a.pdf", "white"), ("b.pdf", "lightgrey")):
@@ -245,8 +269,9 @@ def newest(folder: Path) -> Path:
     return found[-1]
 
 
-def placeholder_values(text: str, request, cwd: Path) -> dict[str, str]:
-    """Concrete values for the placeholders ``text`` names, from the fixtures' runs."""
+def placeholder_values(text: str, request, cwd: Path, slug: str) -> dict[str, str]:
+    """Concrete values for the placeholders ``text`` names, from the fixtures' runs; ``--out DIR`` is a new folder
+    of the command's own (``slug``): shipping refuses one another command filled."""
     values = dict(rc.PARSE_VALUES)
     needed = rc.needed_values(text)
     if {"train_run", "shards", "queries", "qrels", "adapter"} & set(needed):
@@ -262,9 +287,27 @@ def placeholder_values(text: str, request, cwd: Path) -> dict[str, str]:
     if {"rag_runs", "rag_run"} & set(needed):
         runs = request.getfixturevalue("rag_runs")
         values.update(rag_runs=" ".join(map(str, runs)), rag_run=str(runs[0]))
+    if "val_steps" in needed:
+        values["val_steps"] = str(validation_steps(cwd))
     if "out_dir" in needed:
-        values["out_dir"] = "--out outputs/readme/out-dir"
+        values["out_dir"] = f"--out outputs/readme/{slug}-out"
     return values
+
+
+VALIDATION_RUN = Path("outputs", "readme", "validation-agents")
+"""The run whose ``steps.json`` stands for a validation report (``--threshold-from VAL/steps.json``)."""
+
+
+def validation_steps(cwd: Path) -> Path:
+    """A ``steps.json`` with a Pruner P(yes) threshold: HKRAG's agents on the shipped generator over the shipped
+    reader's top pages (``task=rag``: the Pruner scores retrieved pages, not gold ones) and its step report, made
+    once."""
+    steps = VALIDATION_RUN / "steps.json"
+    if not (cwd / steps).is_file():
+        run_shell(f"python eval.py task=rag run_dir=weights/reader_tiny generator=hkrag lvlm=phi3v_agents_tiny "
+                  f"{' '.join(EVAL_SHRINK)} hydra.run.dir={VALIDATION_RUN}", cwd)
+        run_shell(f"python -m hkrag.rag steps {VALIDATION_RUN}", cwd)
+    return steps
 
 
 @pytest.fixture(scope="session")
@@ -308,6 +351,16 @@ def shrink(argv: list[str], slug: str) -> list[str]:
     return [*extra, folder]
 
 
+def value_options(command: list[str]) -> set[str]:
+    """The options of ``python -m module``'s parser (its subcommand's) that take a value: a ``key=value`` after one
+    is that option's value (``--eval rag.max_queries=2``, ``--stage1 'generator_training.pages=[gold]'``), not one of
+    the module's positional overrides."""
+    if command[1:2] != ["-m"]:
+        return set()
+    parser = rc.command_parser(rc.load_module(command[2]).main, command[3:])
+    return {flag for flag, action in parser._option_string_actions.items() if action.nargs != 0}
+
+
 def tiny(text: str, slug: str, small: bool = False) -> str:
     """The command as the test runs it: placeholders filled, tiny flags and shrinking overrides appended (in the
     small workspace, the small corpus's settings too)."""
@@ -318,8 +371,9 @@ def tiny(text: str, slug: str, small: bool = False) -> str:
     flags = [flag for pattern, flags in TINY_FLAGS if re.search(pattern, text) for flag in shlex.split(flags)]
     if flags:  # python -m module [options] [overrides]: argparse takes the positional overrides in one run
         own = command[3:]
+        valued = value_options(command)
         overrides = [arg for i, arg in enumerate(own) if "=" in arg and not arg.startswith("-")
-                     and not (i and own[i - 1] == "--eval")]
+                     and not (i and own[i - 1] in valued)]
         options = [arg for arg in own if arg not in overrides]
         prefix = [f"{name}={value}" for name, value in env.items()]
         shrink_runs = RUNS_SHRINK if re.search(RUNS_OF_RUNS, text) else ()
@@ -363,8 +417,39 @@ def test_command_runs(command: rc.Command, request):
         report = json.loads((request.getfixturevalue("demo_run") / "report.json").read_text())
         assert report["steps"] == 324 and report["before"] and report["after"]
         return
+    run_command(command, request)
+
+
+WRITTEN = re.compile(r"(?:hydra\.run\.dir=|HKRAG_RUN_DIR=|--out )((?:outputs|runs)/[\w./-]+)")
+"""The run folders a command writes (``hydra.run.dir=``, ``HKRAG_RUN_DIR=``, ``--out``)."""
+READ = re.compile(r"(?<![\w/.-])((?:outputs|runs)/[\w./-]+)")
+"""The run folders (and files in them) a command names."""
+
+
+def writer(path: str, reader: rc.Command) -> rc.Command | None:
+    """The command, other than ``reader`` and of any document, that runs here and writes the folder holding
+    ``path``."""
+    return next((c for c in COMMANDS if c is not reader and not first_match(EXTERNAL, c.text)
+                 and not first_match(OFFLINE, c.text)
+                 and any(path == folder or path.startswith(folder + "/") for folder in WRITTEN.findall(c.text))), None)
+
+
+def run_writers(command: rc.Command, cwd: Path, request) -> None:
+    """Run first the command that writes a run folder ``command`` reads and ``cwd`` lacks: one of a later document
+    (docs/evaluation.md reads docs/training.md's outputs/s2_example), or one left out of this pytest run."""
+    own = set(WRITTEN.findall(command.text))
+    for path in READ.findall(command.text):
+        found = None if path in own or (cwd / path).exists() else writer(path, command)
+        if found:
+            run_command(found, request)
+
+
+def run_command(command: rc.Command, request) -> None:
+    """``command`` run shrunk in its workspace, after what it reads (the demo, the OCR'd corpus, the run folders
+    other commands write); a refused one must be refused with its message."""
     small = SMALL_WORKSPACE.search(command.text)
     cwd = request.getfixturevalue("small_workspace" if small else "demo_workspace")
+    run_writers(command, cwd, request)
     if "bench/" in command.text and not small:  # bench scripts read the demo's corpus, data/synthetic
         request.getfixturevalue("demo_run")
     if "latest" in command.text:
@@ -375,7 +460,7 @@ def test_command_runs(command: rc.Command, request):
     if "=data/synthetic_ocr" in command.text and not (cwd / "data" / "synthetic_ocr").is_dir():
         run_shell(OCR_CORPUS, cwd)
     slug = f"c{COMMANDS.index(command):03d}"
-    text = rc.concrete(command.text, placeholder_values(command.text, request, cwd))
+    text = rc.concrete(command.text, placeholder_values(command.text, request, cwd, slug))
     refused = first_match(REFUSED, command.text)
     if refused:  # verbatim: shrinking flags could replace what is refused
         result = subprocess.run(["bash", "-c", text], cwd=cwd, env=environment(), capture_output=True, text=True,
@@ -491,6 +576,67 @@ def test_tiny_replaces_a_commands_own_step_count():
     argv = shlex.split(text)
     assert "trainer.max_steps=2" in argv and "trainer.max_steps=3000" not in argv
     assert 'data.field_queries=["{title}"]' in argv and argv.count("trainer.max_steps=2") == 1
+
+
+def test_tiny_keeps_an_options_override_value_with_it():
+    """An override that is an option's value (table6's ``--stage1``) stays after its option; the tiny flags and the
+    runs' shrinking overrides follow (a value moved to the positionals left ``--stage1`` without one)."""
+    text = ("python -m hkrag.tasks.table6 --out o --stage1 'generator_training.pages=[gold]' --eval rag.top_k=2 "
+            "+generator_training.optim.loss_mean=example")
+    argv = shlex.split(tiny(text, "x"))
+    assert argv[argv.index("--stage1") + 1] == "generator_training.pages=[gold]"
+    assert argv[argv.index("--eval") + 1] == "rag.top_k=2"
+    assert argv.index("+generator_training.optim.loss_mean=example") > argv.index("--generator-steps")
+
+
+def test_a_corpus_is_read_in_the_workspace_that_wrote_it():
+    """A command reading ``data.corpus_source=data/X`` runs in the workspace of the command that writes ``--out
+    data/X`` (docs/data.md's evaluation of the degraded pages ran in the demo's, where they are not)."""
+    runs = [c.text for c in COMMANDS if not first_match(EXTERNAL, c.text) and not first_match(OFFLINE, c.text)]
+    writers = {match.group(1): text for text in runs for match in re.finditer(r"--out (data/\S+)", text)}
+    misplaced = [(text, writers[source]) for text in runs for source in re.findall(r"corpus_source=(data/\S+)", text)
+                 if source in writers and bool(SMALL_WORKSPACE.search(text)) != bool(SMALL_WORKSPACE.search(
+                     writers[source]))]
+    assert writers and not misplaced, misplaced
+
+
+def test_every_run_folder_a_command_reads_is_one_a_command_writes():
+    """A run folder (outputs/, runs/) that a runnable command reads is written by another that runs here (or is the
+    demo's, outputs/train/<stamp>): docs/evaluation.md's `rag steps outputs/test_s2_gold_hkrag` read one no command
+    wrote; its `agent_steps outputs/s2_example` finds docs/training.md's stage-2 run."""
+    runs = [c for c in COMMANDS if not first_match(EXTERNAL, c.text) and not first_match(OFFLINE, c.text)
+            and not rc.elided(c.text)]
+    unwritten = [(c.source, path) for c in runs for path in READ.findall(c.text)
+                 if path not in WRITTEN.findall(c.text) and not path.startswith("outputs/train/")
+                 and not writer(path, c)]
+    assert not unwritten, unwritten
+    steps = next(c for c in runs if c.text.startswith("python -m hkrag.tasks.agent_steps outputs/s2_example"))
+    assert "hydra.run.dir=outputs/s2_example " in writer("outputs/s2_example", steps).text
+
+
+def test_a_shrunk_generator_run_holds_out_validation_queries():
+    """docs/training.md's stage-2 run, shrunk, holds out half its groups (agent_steps reads the held-out queries);
+    a run without a validation split gets no such key."""
+    stage2 = ("python train.py experiment=generator_agents_tiny hydra.run.dir=outputs/s2_example "
+              "generator_training.init_from=outputs/d_single +generator_training.optim.loss_mean=example")
+    assert "generator_training.validation.fraction=0.5" in shlex.split(tiny(stage2, "x"))
+    assert not any("validation" in arg for arg in shlex.split(tiny("python train.py loss=infonce", "x")))
+
+
+def test_each_command_gets_its_own_out_dir(tmp_path):
+    """``--out DIR`` is a fresh folder per command (the replica's run filled the shared one, which shipping then
+    refused to overwrite)."""
+    folders = {placeholder_values("python -m hkrag.data.synthetic --out DIR", None, tmp_path, slug)["out_dir"]
+               for slug in ("c001", "c002")}
+    assert len(folders) == 2
+
+
+def test_a_step_report_reads_a_rag_run_and_a_validation_report():
+    """docs/evaluation.md's `rag steps RUN --threshold-from VAL/steps.json`: RUN is a RAG run (not a train.py run,
+    which has no trace) and VAL a validation report's steps.json."""
+    text = rc.concrete("python -m hkrag.rag steps RUN --threshold-from VAL/steps.json", rc.PARSE_VALUES)
+    assert text == (f"python -m hkrag.rag steps {rc.PARSE_VALUES['rag_run']} --threshold-from "
+                    f"{rc.PARSE_VALUES['val_steps']}")
 
 
 def test_prose_extraction_rules(tmp_path):

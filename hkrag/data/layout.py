@@ -88,7 +88,7 @@ from hkrag.data.synthetic import (
     page_regions,
     render_page,
 )
-from hkrag.io import atomic_directory, read_json, read_jsonl, write_bytes, write_json, write_text
+from hkrag.io import atomic_directory, local_path, read_json, read_jsonl, write_bytes, write_json, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -213,13 +213,14 @@ def load_detector(path: str | Path) -> tuple[Any, Any]:
 
     Raises :class:`LayoutError` naming ``path`` when it is not one, or when a label is not one of SCAN's classes;
     a shipped detector (``weights/layout_tiny``) whose files differ from its manifest's sha256 is refused
-    (``hkrag.models.phi3v.loading.verify_shipped``, as the shipped readers are).
+    (``hkrag.models.phi3v.loading.verify_shipped``, as the shipped readers are). A relative path missing under the
+    working directory is the repository's (``weights/layout_tiny/model`` from any folder: hkrag.io.local_path).
     """
     from transformers import AutoImageProcessor, AutoModelForObjectDetection
 
     from hkrag.models.phi3v.loading import CheckpointNotFoundError, verify_shipped
 
-    path = Path(path)
+    path = local_path(path)
     try:
         verify_shipped(path)
     except CheckpointNotFoundError as error:
@@ -515,7 +516,7 @@ class Detectors:
     it trained on (:data:`TRAINED_ON`) is refused (:class:`LayoutError`): the cross-fitting is broken."""
 
     def __init__(self, model: str | Path, folds: str | Path | None = None) -> None:
-        self.model, self.folds = Path(model), Path(folds) if folds is not None else None
+        self.model, self.folds = local_path(model), Path(folds) if folds is not None else None
         self.fold: dict[str, int] = {}
         if self.folds is not None:
             path = self.folds / FOLDS_FILE

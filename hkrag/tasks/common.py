@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from hkrag.data.opendocvqa import ALL_POOL, check_pool_pages, load_corpus, pools
 from hkrag.data.synthetic import CONFIG_FILE, SyntheticConfig, generate
-from hkrag.io import atomic_directory, read_json, write_json, write_text
+from hkrag.io import atomic_directory, read_json, repository_locations, write_json, write_text
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.models.phi3v.loading import save_processor, shipped_manifest, tiny_phi3v
 from hkrag.retrieval.evaluation import RetrievalEvalConfig
@@ -165,21 +165,10 @@ step OCRs every kept page (about 1 s a page on the CPU), which would dominate th
 measures grounding."""
 
 
-REPOSITORY = CONF_DIR.parent
-"""The repository's root: a relative ``run_dir`` or ``model.adapter`` missing under the working directory is looked
-up here, so ``run_dir=weights/reader_tiny`` (the shipped weights) works from any folder, as the README writes it."""
-
-
-def run_dir_locations(run_dir: str | Path) -> list[Path]:
-    """Where a ``run_dir`` other than ``latest`` (or a local ``model.adapter``) is looked for, in order: as given
-    (relative to the working directory), then, when relative, under :data:`REPOSITORY`."""
-    path = Path(run_dir)
-    return [path] if path.is_absolute() else [path, REPOSITORY / path]
-
-
 def missing_run_dir(run_dir: str | Path) -> str:
     """The message for a ``run_dir`` found nowhere, naming every place looked (absolute paths)."""
-    return "no such directory (looked in " + " and ".join(str(p.absolute()) for p in run_dir_locations(run_dir)) + ")"
+    looked = " and ".join(str(path.absolute()) for path in repository_locations(run_dir))
+    return f"no such directory (looked in {looked})"
 
 
 def local_adapter(adapter: str | None) -> str | None:
@@ -187,14 +176,14 @@ def local_adapter(adapter: str | None) -> str | None:
     (``weights/reader_tiny/checkpoints/final/adapter`` from any folder), else as given (a hub id stays one)."""
     if not adapter:
         return adapter
-    return str(next((path for path in run_dir_locations(adapter) if path.is_dir()), adapter))
+    return str(next((path for path in repository_locations(adapter) if path.is_dir()), adapter))
 
 
 def resolve_run_dir(run_dir: str | Path, runs: Path = TRAIN_RUNS) -> Path:
-    """The first of :func:`run_dir_locations` that exists (the first when none does), or for ``latest`` the newest
+    """The first of :func:`repository_locations` that exists (the first when none does), or for ``latest`` the newest
     finished ``train.py`` run under ``runs`` (by its stamp)."""
     if str(run_dir) != "latest":
-        locations = run_dir_locations(run_dir)
+        locations = repository_locations(run_dir)
         return next((path for path in locations if path.is_dir()), locations[0])
     finished = sorted(path.parent.parent.parent for path in runs.glob(f"*/{FINAL_ADAPTER}") if path.is_dir())
     if not finished:

@@ -4,7 +4,8 @@
     python -m hkrag.tasks.seeds runs/eval_s0 runs/eval_s1 runs/eval_s2 --corpus data/synthetic/corpus
 
 Each folder is one seed's ``eval.py task=retrieval`` output (its ``per_query.json``) or a ``train.py`` run
-(``eval-after/per_query.json``), all over the same questions; ``--corpus`` is the page corpus whose pools give
+(``eval-after/per_query.json``), all over the same questions (a relative one missing here is the repository's:
+``docs/regions/test_pages_s0`` from any folder); ``--corpus`` is the page corpus whose pools give
 chance (for region units, the pages they were cut from). Prints the table (``--out``: also writes it and the rows
 as ``<out>.md`` / ``<out>.json``).
 """
@@ -16,7 +17,7 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-from hkrag.io import write_json, write_text
+from hkrag.io import local_path, write_json, write_text
 from hkrag.tasks.chain import retrieval_rows, retrieval_scores, retrieval_table
 
 
@@ -53,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--split", default="test")
     parser.add_argument("--out", type=Path, help="write <out>.md and <out>.json")
     args = parser.parse_args(argv)
+    args.runs = [local_path(run) for run in args.runs]  # docs/regions/test_pages_s0, the repository's, from anywhere
     missing = [str(run) for run in args.runs if not run.is_dir()]
     if missing:
         parser.exit(2, f"error: no such evaluation folder: {', '.join(missing)}\n")
