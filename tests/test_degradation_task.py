@@ -6,7 +6,7 @@ import json
 import pytest
 from _eval_config import tiny_eval_config
 
-import hkrag.tasks.retrieval as retrieval_task
+import hkrag.tasks.rankers as rankers
 from hkrag.data.ocr import OcrUnavailable, install_tesseract
 from hkrag.retrieval.degradation import STUDY_FILE, STUDY_TABLE, DegradationStudy
 from hkrag.tasks.retrieval import run_degradation_study, run_retrieval_evaluation
@@ -24,9 +24,9 @@ def tesseract():
 def study(tmp_path_factory, tesseract):
     tmp_path = tmp_path_factory.mktemp("degradation")
     loads = []
-    build = retrieval_task.build_retriever
+    build = rankers.build_retriever
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(retrieval_task, "build_retriever", lambda *a, **k: loads.append(1) or build(*a, **k))
+        patch.setattr(rankers, "build_retriever", lambda *a, **k: loads.append(1) or build(*a, **k))
         cfg = tiny_eval_config(tmp_path, "study", "task=degradation", "degrade=[gaussian_blur:1.5]",
                                "eval.pools=[single]", "degradation.ocr_workers=1")
         result = run_degradation_study(cfg, tmp_path / "study")
