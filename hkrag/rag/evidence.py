@@ -105,10 +105,10 @@ class PageView:
     box: tuple[float, float, float, float] | None = None
     concatenated: bool = False
     words: list[Word] | None = None
+    """The page's text-layer words (a PDF page's ``words`` column), read instead of OCR when present."""
     crop: tuple[float, float, float, float] | None = None
     """Where a unit's own crop lies on its page (a region corpus's ``crop`` column: the box with its margin);
     ``None`` for corpora built before the column, whose crops are taken to start at the box's corner."""
-    """The page's text-layer words (a PDF page's ``words`` column), read instead of OCR when present."""
 
 
 @dataclass

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from hkrag.data.opendocvqa import ALL_POOL, check_pool_pages, load_corpus, pools
 from hkrag.data.synthetic import CONFIG_FILE, SyntheticConfig, generate
-from hkrag.io import atomic_directory, read_json, repository_locations, write_json, write_text
+from hkrag.io import atomic_directory, local_path, read_json, repository_locations, write_json, write_text
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.models.phi3v.loading import save_processor, shipped_manifest, tiny_phi3v
 from hkrag.retrieval.evaluation import RetrievalEvalConfig
@@ -180,11 +180,10 @@ def local_adapter(adapter: str | None) -> str | None:
 
 
 def resolve_run_dir(run_dir: str | Path, runs: Path = TRAIN_RUNS) -> Path:
-    """The first of :func:`repository_locations` that exists (the first when none does), or for ``latest`` the newest
-    finished ``train.py`` run under ``runs`` (by its stamp)."""
+    """Where ``run_dir`` is found (:func:`~hkrag.io.local_path`: as given, else under the repository), or for
+    ``latest`` the newest finished ``train.py`` run under ``runs`` (by its stamp)."""
     if str(run_dir) != "latest":
-        locations = repository_locations(run_dir)
-        return next((path for path in locations if path.is_dir()), locations[0])
+        return local_path(run_dir)
     finished = sorted(path.parent.parent.parent for path in runs.glob(f"*/{FINAL_ADAPTER}") if path.is_dir())
     if not finished:
         raise FileNotFoundError(f"run_dir=latest: no finished train.py run under {runs}; run `python train.py` "
