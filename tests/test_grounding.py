@@ -28,6 +28,7 @@ from hkrag.rag.grounding import (
     make_source,
     overlap_area,
     parse_model_boxes,
+    without_boxes,
 )
 from hkrag.rag.records import QueryOutcome
 from hkrag.tasks.common import CONF_DIR
@@ -165,6 +166,8 @@ def test_model_boxes_parse_and_refuse():
     with pytest.raises(GroundingError, match="phi3v does not write evidence boxes"):
         ModelSource(backend="phi3v").locate("x", pages, out)
     assert ModelSource(writes_boxes=True).locate("x", pages, out)[0].page_id == "b"
+    assert without_boxes(out) == "K7 and"
+    assert without_boxes("1987<box page=1>0,0,1,1</box>\n") == "1987" and without_boxes("no box") == "no box"
 
 
 def test_make_source_names_the_choices():

@@ -4,7 +4,9 @@ format and refusals, and the resumable ``detect`` command."""
 from __future__ import annotations
 
 import json
+import logging
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -503,6 +505,31 @@ def test_cross_fitting_never_detects_a_page_with_a_detector_that_trained_on_it(c
         with pytest.raises(LayoutError, match=message):
             train_detector(corpus, tmp_path / "x", steps=1, batch_size=2, folds=folds_count)
         assert not (tmp_path / "x").exists()  # refused before any training
+
+
+def test_fold_detectors_train_at_once_the_same_and_a_finished_detector_is_kept(corpus, detector, tmp_path, caplog):
+    # the full detector copied in (as a shipped one would be) is kept; the two fold detectors train in two processes
+    run = tmp_path / "cf"
+    shutil.copytree(detector, run / "model")
+    shutil.copy(detector.parent / "train_report.json", run / "train_report.json")
+    stamp = (run / "model" / "model.safetensors").stat().st_mtime_ns
+    with caplog.at_level(logging.INFO, logger="hkrag.data.layout"):
+        report = train_detector(corpus, run, steps=2, batch_size=2, folds=2, jobs=2)
+    assert (run / "model" / "model.safetensors").stat().st_mtime_ns == stamp
+    assert f"{run} already holds this detector" in caplog.text
+    assert [r["fold"] for r in report["folds"]] == [0, 1] and report["train_pages"] == 4
+    serial = tmp_path / "serial"
+    train_detector(corpus, serial, steps=2, batch_size=2, folds=2)
+    for k in (0, 1):  # one process after the other gives the same bytes
+        for name in ("model.safetensors", "trained_on.json"):
+            assert (run / f"fold-{k}" / "model" / name).read_bytes() == (
+                serial / f"fold-{k}" / "model" / name).read_bytes()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hkrag.data.layout"):
+        train_detector(corpus, serial, steps=3, batch_size=2)  # another step count: trained again
+    assert "already holds" not in caplog.text and json.loads((serial / "train_report.json").read_text())["steps"] == 3
+    with pytest.raises(LayoutError, match=r"jobs must be an integer in \[1, 1024\], got 0"):
+        train_detector(corpus, tmp_path / "x", steps=1, batch_size=2, jobs=0)
 
 
 def test_a_shipped_detector_is_checked_against_its_manifest(corpus, detector, tmp_path):

@@ -158,6 +158,34 @@ def test_gold_answers_are_grounded_on_their_pages_and_reported(tmp_path, data, b
     assert 'class="box gold"' in (tmp_path / "run" / "rag.html").read_text()
 
 
+class BoxBackend(GoldBackend):
+    """:class:`GoldBackend` whose answers end with an evidence box on the first page of the prompt."""
+
+    def reply(self, request) -> Reply:
+        reply = super().reply(request)
+        return reply if reply.error or reply.text == "yes" else Reply(f"{reply.text} <box page=1>1,2,30,40</box>")
+
+
+def test_boxes_the_generator_writes_are_its_evidence_and_not_part_of_its_answer(tmp_path, data, backends):
+    cfg = config(data, "rag.grounding.source=model", "rag.grounding.writes_boxes=true", grounded=True)
+    answers = gold_answers(cfg)
+    report = run(cfg, tmp_path / "run", lambda: BoxBackend(answers), backends)
+    trace = load_trace(tmp_path / "run" / "trace.jsonl")
+    assert report["overall"]["metrics"]["exact_match"] == pytest.approx(1.0)  # the box is out of the answer
+    assert [o.answer for o in trace] == [answers[o.question] for o in trace]
+    assert all("<box page=1>" in o.calls[-1].output for o in trace)  # the raw output keeps it
+    for outcome in trace:
+        assert outcome.evidence == [{"page_id": outcome.kept[0], "box": [1.0, 2.0, 30.0, 40.0], "source": "model",
+                                     "score": 1.0}]
+        assert outcome.grounding["source"] == "model" and outcome.grounding["note"] is None
+        assert outcome.grounding["score"]["hit"] is False  # a 29 x 38 px corner is no drawn answer
+    undeclared = config(data, "rag.grounding.source=model", grounded=True)
+    run(undeclared, tmp_path / "undeclared", lambda: BoxBackend(answers), backends)
+    for outcome in load_trace(tmp_path / "undeclared" / "trace.jsonl"):
+        assert outcome.evidence == [] and "does not write evidence boxes" in outcome.grounding["note"]
+        assert outcome.answer == answers[outcome.question]
+
+
 def test_bad_grounding_settings_are_refused_before_the_run(tmp_path, data):
     for override, problem in (("rag.grounding.source=ocr", "rag.grounding.source must be one of"),
                               ("rag.grounding.threshold=0", r"threshold must be in \(0, 1\], got 0"),

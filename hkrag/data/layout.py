@@ -39,7 +39,9 @@ without the detector.
 outside one fold of the documents (:func:`fold_of`), so that every training page is detected by a detector that
 never trained on it (:class:`Detectors`; pages not in the folds, e.g. the test split, by the full detector): the
 crops a region reader trains and chooses its recipe on are then as far from the detector's training data as the
-test pages' are. Each detector folder lists the pages it trained on (:data:`TRAINED_ON`); without ``--folds``,
+test pages' are. ``train --jobs J`` trains J detectors at once, and a detector already in its folder with the
+same pages and settings is kept (:func:`finished_detector`), so an interrupted run resumes. Each detector folder
+lists the pages it trained on (:data:`TRAINED_ON`); without ``--folds``,
 ``detect`` counts the pages its detector trained on (``seen_in_training``) and warns.
 See docs/data.md, "Region units (SCAN)".
 """
@@ -52,10 +54,12 @@ import hashlib
 import json
 import logging
 import math
+import multiprocessing
 import random
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -344,6 +348,11 @@ def fit_detector(
     batch_size = check_number(batch_size, "batch size", 1, 4096, integer=True)
     lr = check_number(lr, "lr", 0, 1, open_low=True)
     threads = check_number(threads, "threads", 1, 1024, integer=True)
+    out = Path(out)
+    settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "threads": threads, **record}
+    finished = finished_detector(out, [p.doc_id for p in pages], settings)
+    if finished is not None:
+        return finished
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -352,7 +361,6 @@ def fit_detector(
         losses = [round(loss, 4) for loss in training_steps(model, processor, pages, steps, batch_size, lr, seed)]
     finally:
         torch.set_num_threads(before)
-    out = Path(out)
     with atomic_directory(out / "model") as folder:
         model.save_pretrained(folder)
         processor.save_pretrained(folder)
@@ -365,6 +373,29 @@ def fit_detector(
     return report
 
 
+def _fit_listed(root: Path, out: Path, doc_ids: Sequence[str], settings: dict[str, Any]) -> dict[str, Any]:
+    """:func:`fit_detector` on the train pages ``doc_ids`` of ``root``, drawn again here (a process of its own)."""
+    listed = set(doc_ids)
+    return fit_detector([p for p in gold_pages(root, "train") if p.doc_id in listed], out, **settings)
+
+
+def finished_detector(out: Path, doc_ids: Sequence[str], settings: dict[str, Any]) -> dict[str, Any] | None:
+    """The report of a detector :func:`fit_detector` already wrote into ``out`` from the pages ``doc_ids`` with
+    ``settings`` (each equal in its ``train_report.json``), else ``None``: a finished detector is kept, so an
+    interrupted ``train --folds`` resumes with the first unfinished one, and a shipped detector copied into
+    ``out`` (``model/`` and ``train_report.json``) stands for the full one."""
+    try:
+        report, trained_on = read_json(out / TRAIN_REPORT), read_json(out / "model" / TRAINED_ON)
+    except (OSError, ValueError):
+        return None
+    expected = {"train_pages": len(doc_ids), **{key: value for key, value in settings.items() if key != "corpus"}}
+    if not isinstance(report, dict) or any(report.get(key) != value for key, value in expected.items()) or (
+            trained_on != sorted(doc_ids)):
+        return None
+    logger.info("%s already holds this detector (the same pages and settings): kept, not trained again", out)
+    return report
+
+
 def fold_of(doc_id: str, folds: int, seed: int = 0) -> int:
     """The cross-fitting fold of a page: by its document (:func:`hkrag.data.splits.page_group`, so a document's pages
     share one), from a hash of ``seed`` and the document's name (independent of order and corpus size)."""
@@ -374,28 +405,42 @@ def fold_of(doc_id: str, folds: int, seed: int = 0) -> int:
 
 def train_detector(
     root: str | Path, out: str | Path, steps: int = STEPS, batch_size: int = BATCH_SIZE, lr: float = LR,
-    seed: int = 0, folds: int = 0, threads: int = THREADS,
+    seed: int = 0, folds: int = 0, threads: int = THREADS, jobs: int = 1,
 ) -> dict[str, Any]:
     """Train :func:`new_detector` on the built-in corpus's train pages for ``steps`` steps into ``<out>/model`` and
     ``<out>/train_report.json`` (:func:`fit_detector`). With ``folds`` K >= 2, also K cross-fitting detectors:
     ``<out>/fold-<k>/model`` trained on the train pages outside fold ``k`` (:func:`fold_of`), and
     ``<out>/folds.json`` mapping each train page to its fold, which ``detect --folds`` reads so that no page is
-    detected by a detector that trained on it (module docstring). Returns the full detector's report, with the
-    folds' reports under ``folds``."""
+    detected by a detector that trained on it (module docstring). ``jobs`` > 1 trains that many detectors at once,
+    each in its own process on ``threads`` threads (the same weights as one after the other); a detector already
+    in ``out`` with these settings is kept (:func:`finished_detector`). Returns the full detector's report, with
+    the folds' reports under ``folds``."""
     if not isinstance(folds, int) or folds == 1 or not 0 <= folds <= 1000:
         raise LayoutError(f"--folds {folds}: cross-fitting needs an integer in [2, 1000] (0: none)")
+    jobs = check_number(jobs, "jobs", 1, 1024, integer=True)
     pages = gold_pages(root, "train")
     assignment = {p.doc_id: fold_of(p.doc_id, folds, seed) for p in pages} if folds else {}
     empty = sorted(set(range(folds)) - set(assignment.values()))
     if empty:  # checked before any training
         raise LayoutError(f"--folds {folds}: fold(s) {empty} of {root}'s train documents are empty; use fewer folds")
-    settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "threads": threads}
-    report = fit_detector(pages, out, **settings, corpus=str(root))
+    settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "threads": threads,
+                "corpus": str(root)}
+    runs = [(Path(out), [p.doc_id for p in pages], {})] + [
+        (Path(out) / f"fold-{k}", [p.doc_id for p in pages if assignment[p.doc_id] != k], {"fold": k, "folds": folds})
+        for k in range(folds)]
+    reports = [finished_detector(path, ids, settings | record) for path, ids, record in runs]
+    todo = [(path, ids, settings | record) for (path, ids, record), done in zip(runs, reports) if done is None]
+    if jobs == 1 or len(todo) < 2:
+        by_id = {p.doc_id: p for p in pages}
+        trained = [fit_detector([by_id[i] for i in ids], path, **options) for path, ids, options in todo]
+    else:
+        with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            trained = list(pool.map(_fit_listed, [root] * len(todo), *zip(*todo)))
+    reports = [done if done is not None else trained.pop(0) for done in reports]
+    report = reports[0]
     if not folds:
         return report
-    report["folds"] = [fit_detector([p for p in pages if assignment[p.doc_id] != k], Path(out) / f"fold-{k}",
-                                    **settings, corpus=str(root), fold=k, folds=folds)
-                       for k in range(folds)]
+    report["folds"] = reports[1:]
     write_json(Path(out) / FOLDS_FILE, {"folds": folds, "seed": seed, "pages": assignment})
     write_json(Path(out) / TRAIN_REPORT, report)
     return report
@@ -752,6 +797,9 @@ def main(argv: Iterable[str] | None = None) -> int:
     train.add_argument("--folds", type=int, default=0,
                        help="also train K cross-fitting detectors, each without one fold of the documents (detect "
                             "--folds; default 0: none)")
+    train.add_argument("--jobs", type=int, default=1,
+                       help="detectors trained at once, a process each on --threads threads (the same weights; "
+                            "default 1). A detector already in --out with these settings is kept")
     evaluate = commands.add_parser("evaluate", help="matching-based IoU on a built-in split")
     evaluate.add_argument("corpus", type=Path, help="built-in corpus folder")
     evaluate.add_argument("--model", type=Path, help="detector folder (default: the gold boxes themselves)")
@@ -788,7 +836,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     try:
         if args.command == "train":
             result = train_detector(args.corpus, args.out, args.steps, args.batch_size, args.lr, args.seed,
-                                    args.folds, args.threads)
+                                    args.folds, args.threads, args.jobs)
         elif args.command == "evaluate":
             result = evaluate_detector(args.corpus, args.model, args.split, _settings(args))
             if args.out:

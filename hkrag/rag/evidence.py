@@ -31,10 +31,12 @@ from hkrag.rag.grounding import (
     EvidenceSource,
     GroundingError,
     GroundingPage,
+    ModelSource,
     Word,
     check_evidence_box,
     grounding_score,
     make_source,
+    without_boxes,
 )
 from hkrag.rag.records import QueryOutcome
 
@@ -159,8 +161,12 @@ class Grounder:
         return GroundingPage(view.page_id, size, words, regions)
 
     def annotate(self, outcome: QueryOutcome) -> QueryOutcome:
-        """Set ``outcome.evidence`` and ``outcome.grounding`` (module docstring); returns ``outcome``."""
+        """Set ``outcome.evidence`` and ``outcome.grounding`` (module docstring); returns ``outcome``. With the
+        ``model`` source the boxes are read from the generator's last output and taken out of ``outcome.answer``
+        (:func:`~hkrag.rag.grounding.without_boxes`), so the answer is scored without them."""
         note, evidence = None, []
+        if isinstance(self.source, ModelSource):
+            outcome.answer = without_boxes(outcome.answer)
         answer = "" if outcome.failed else outcome.answer
         try:
             pages = [self.page(doc_id) for doc_id in (outcome.kept or outcome.retrieved)]

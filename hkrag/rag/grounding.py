@@ -291,6 +291,12 @@ def parse_model_boxes(output: str, pages: Sequence[GroundingPage], source: str =
     return evidence
 
 
+def without_boxes(text: str) -> str:
+    """``text`` with every :data:`MODEL_BOX_FORMAT` box taken out (spaces collapsed): the answer a generator that
+    writes boxes gave, as the metrics and the judge read it."""
+    return " ".join(_MODEL_BOX.sub(" ", text).split())
+
+
 SOURCES: dict[str, Callable[..., EvidenceSource]] = {"text": TextSource, "region": RegionSource, "model": ModelSource}
 """``grounding.source`` -> the source's class."""
 

@@ -342,9 +342,9 @@ def answer_one(item: PlannedQuery, store: PageStore, generate: Callable[[Query],
     try:
         outcome = QueryOutcome.from_dict(valid_text(generate(to_query(item, store)).to_dict()))
         outcome.dataset, outcome.pool, outcome.retrieved = item.dataset, item.pool, list(item.page_ids)
-        outcome.metrics = rule_metrics("" if outcome.failed else outcome.answer, outcome.gold)
         if grounder is not None:
             grounder.annotate(outcome)
+        outcome.metrics = rule_metrics("" if outcome.failed else outcome.answer, outcome.gold)
     except Exception as error:
         if is_run_level(error):
             raise
