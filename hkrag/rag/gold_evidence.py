@@ -7,7 +7,10 @@ in ``"2023"``), boxed by the font's own metrics (the width of the text before it
 height). The whole item's box is kept beside it (``item_box``). A question whose answers are drawn on none of its
 pages (nothing in ``items`` holds them) has no gold evidence, which reports count apart, never as a miss.
 
-``python -m hkrag.rag.gold_evidence --root DIR`` writes ``DIR/evidence.jsonl`` (one line a question of every split).
+``python -m hkrag.rag.gold_evidence --root DIR`` writes ``DIR/evidence.jsonl`` (one line a question of every split),
+beside ``qa/``; ``eval.py`` and ``train.py`` write it with the built-in corpus they generate, or into one that lacks it
+(:func:`hkrag.tasks.common.prepare_data`). Both files are read through :func:`hkrag.io.read_jsonl`: a non-UTF-8 or
+damaged line is a :class:`~hkrag.io.FileFormatError` naming the file and the line.
 """
 
 from __future__ import annotations
@@ -84,12 +87,15 @@ def question_evidence(question: Any, pages: Mapping[str, Sequence[Mapping[str, A
 
 
 def evidence_rows(root: str | Path) -> Iterator[dict[str, Any]]:
-    """One row a question of every split and data set of ``root``: query id, data set, split, gold boxes."""
-    from hkrag.data.opendocvqa import load_qa
+    """One row a question of every split and data set of ``root``: query id, data set, split, gold boxes. A split
+    without questions (a small corpus's data set that drew none) adds no row."""
+    from hkrag.data.opendocvqa import load_qa, stored_rows
 
     root = Path(root)
     pages = _pages(root)
     for split, config in (("train", "default"), *(("test", name) for name in _test_configs(root))):
+        if stored_rows(root / "qa", config, split) == 0:
+            continue
         for question in load_qa(root / "qa", config=config, split=split):
             boxes = question_evidence(question, pages)
             yield {"query_id": question.query_id, "dataset": config, "split": split,

@@ -98,18 +98,17 @@ def prepare_data(data_cfg: DictConfig) -> None:
         return
     root, config = Path(data_cfg.root), SyntheticConfig(**data_cfg.synthetic)
     marker = root / CONFIG_FILE
-    if marker.is_file() and read_json(marker) == dataclasses.asdict(config):
-        if not (root / EVIDENCE_FILE).is_file():
-            write_gold_evidence(root)
-        return
-    if root.exists() and any(root.iterdir()):
-        if not marker.is_file():
-            raise FileExistsError(f"{root} exists but was not written by hkrag.data.synthetic; set data.root elsewhere")
-        logger.warning("%s was generated with other settings: regenerating it", root)
-    logger.info("generating the built-in synthetic corpus in %s", root)
-    with atomic_directory(root) as tmp:  # a failed generation leaves the previous folder (or none)
-        generate(tmp, config)
-        write_evidence(tmp)
+    if not marker.is_file() or read_json(marker) != dataclasses.asdict(config):
+        if root.exists() and any(root.iterdir()):
+            if not marker.is_file():
+                raise FileExistsError(f"{root} exists but was not written by hkrag.data.synthetic; set data.root "
+                                      "elsewhere")
+            logger.warning("%s was generated with other settings: regenerating it", root)
+        logger.info("generating the built-in synthetic corpus in %s", root)
+        with atomic_directory(root) as tmp:  # a failed generation leaves the previous folder (or none)
+            generate(tmp, config)
+    if not (root / EVIDENCE_FILE).is_file():
+        write_gold_evidence(root)
 
 
 def write_gold_evidence(root: Path) -> None:
