@@ -101,6 +101,41 @@ def test_generated_corpus_is_regenerated_when_its_settings_change(tmp_path):
     assert len(load_qa(tmp_path / "syn" / "qa", "default", "train")) == 6
 
 
+def test_the_built_in_corpus_is_generated_with_its_gold_evidence_beside_the_questions(tmp_path, monkeypatch, caplog):
+    from omegaconf import OmegaConf
+
+    from hkrag.io import WriteError, read_jsonl
+    from hkrag.rag.gold_evidence import EVIDENCE_FILE, evidence_rows, load_gold
+    from hkrag.tasks import common
+
+    root = tmp_path / "syn"
+    data = OmegaConf.create({"root": str(root), "synthetic": {
+        "n_train": 8, "n_test": 4, "train_groups_per_style": 1, "test_groups_per_style": 1, "group_size": 2}})
+    common.prepare_data(data)
+    rows = read_jsonl(root / EVIDENCE_FILE)
+    assert len(rows) == 8 + 4 and all(row["drawn"] and row["evidence"] for row in rows)  # every question, drawn
+    # the 4 test questions fell on three styles: synchart's test split has none, and adds no row
+    assert {(row["dataset"], row["split"]) for row in rows} == {("default", "train"), ("synslide", "test"),
+                                                                ("syntable", "test"), ("syninfo", "test")}
+    stamp = (root / "synthetic_config.json").stat().st_mtime_ns
+    (root / EVIDENCE_FILE).unlink()  # a corpus the command line generated has none
+    common.prepare_data(data)
+    assert read_jsonl(root / EVIDENCE_FILE) == rows
+    assert (root / "synthetic_config.json").stat().st_mtime_ns == stamp  # the corpus itself kept as is
+    (root / EVIDENCE_FILE).unlink()
+
+    def unwritable(path):
+        raise WriteError(Path(path) / EVIDENCE_FILE, PermissionError(13, "Permission denied"))
+
+    monkeypatch.setattr(common, "write_evidence", unwritable)
+    with caplog.at_level("WARNING"):
+        common.prepare_data(data)
+    assert re.search(r"gold evidence not written beside the questions \(runs derive it\): .*could not write "
+                     r".*evidence.jsonl: Permission denied", caplog.text)
+    assert not (root / EVIDENCE_FILE).exists()
+    assert len(load_gold(root)) == len(list(evidence_rows(root))) == len(rows)  # derived from pages.jsonl
+
+
 def test_foreign_folder_is_never_overwritten(tmp_path):
     from omegaconf import OmegaConf
 

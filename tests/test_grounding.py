@@ -10,6 +10,7 @@ from PIL import Image
 from hkrag.data.region_corpus import page_units
 from hkrag.data.regions import Region
 from hkrag.data.synthetic import SyntheticConfig, generate
+from hkrag.io import FileFormatError
 from hkrag.rag import evidence
 from hkrag.rag.evidence import GroundingConfig
 from hkrag.rag.gold_evidence import answer_span, gold_evidence, load_gold, span_box, write_evidence
@@ -211,6 +212,40 @@ def test_gold_evidence_of_the_built_in_corpus(tmp_path):
     for line in (root / "pages.jsonl").read_text().splitlines():
         for item in json.loads(line)["items"]:  # a span of the whole text is the drawn item's box
             assert span_box(item, (0, len(item["text"]))) == pytest.approx(item["box"], abs=1)
+
+
+def test_non_utf8_or_damaged_gold_evidence_inputs_name_the_file_and_line(tmp_path):
+    pages = tmp_path / "pages.jsonl"
+    pages.write_bytes(b'{"doc_id": "p1", "items": []}\n{"doc_id": "p2", "items": [{"text": "caf\xe9"}]}\n')
+    with pytest.raises(FileFormatError, match=r"pages.jsonl: line 2 is not UTF-8"):
+        write_evidence(tmp_path)
+    pages.write_text('{"doc_id": "p1"}\n')
+    with pytest.raises(FileFormatError, match=r"pages.jsonl: line 1: record lacks key\(s\) \['items'\]"):
+        write_evidence(tmp_path)
+    rows = tmp_path / "evidence.jsonl"
+    rows.write_bytes(b'{"query_id": "q1", "dataset": "synchart", "evidence": []}\n\x93q2\x94\n')
+    with pytest.raises(FileFormatError, match=r"evidence.jsonl: line 2 is not UTF-8"):
+        load_gold(tmp_path)
+    rows.write_text('{"query_id": "q1", "evidence": []}\n')
+    with pytest.raises(FileFormatError, match=r"evidence.jsonl: line 1: record lacks key\(s\) \['dataset'\]"):
+        load_gold(tmp_path)
+
+
+def test_an_answer_on_none_of_the_pages_has_no_evidence_and_says_so(monkeypatch):
+    monkeypatch.setattr(evidence, "ocr_words", lambda *_: [("REF", (10.0, 40.0, 30.0, 48.0)),
+                                                           ("K7", (34.0, 40.0, 48.0, 48.0))])
+    page = Image.new("RGB", (100, 60), "white")
+    gold = {("synfine", "q"): [Evidence("p1", (34.0, 40.0, 48.0, 48.0), "gold", 1.0)]}
+    grounder = evidence.Grounder(TextSource(), lambda doc_id: evidence.PageView(page, doc_id), gold)
+    outcome = grounder.annotate(QueryOutcome("q", "Code?", ["K7"], dataset="synfine", kept=["p1"],
+                                             answer="QUETZALCOATL"))
+    assert outcome.evidence == [] and outcome.grounding["note"] == evidence.NOT_FOUND
+    assert outcome.grounding["note"] == "the answer is on none of the pages the generator read"
+    assert outcome.grounding["drawn"] is True  # the question's answer is drawn: a miss, scored 0
+    assert outcome.grounding["score"] == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "hit": False,
+                                          "wrong_page": False}
+    found = grounder.annotate(QueryOutcome("q", "Code?", ["K7"], dataset="synfine", kept=["p1"], answer="K7"))
+    assert found.evidence[0]["box"] == [34.0, 40.0, 48.0, 48.0] and found.grounding["note"] is None
 
 
 def test_a_pdf_page_is_grounded_on_its_text_layer_without_ocr(tmp_path, monkeypatch):

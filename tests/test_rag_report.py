@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from hkrag.rag.evidence import NOT_FOUND
 from hkrag.rag.records import ROUTES, CallRecord, QueryOutcome
-from hkrag.rag.report import CLUSTERED, flat_metrics, summarize, sweep_summary, write_reports
+from hkrag.rag.report import CLUSTERED, flat_metrics, query_rows, summarize, sweep_summary, write_reports
 from hkrag.rag.trace import write_trace
-from hkrag.stats import wilson_interval
+from hkrag.stats import bootstrap_interval, cluster_bootstrap_interval, wilson_interval
 
 PERFECT = {"anls": 1.0, "relaxed_accuracy": 1.0, "relaxed_correctness": 1.0, "exact_match": 1.0, "f1": 1.0}
 WRONG = dict.fromkeys(PERFECT, 0.0)
@@ -172,6 +173,104 @@ def test_uncertainty_histogram_and_route_shares_from_the_data(tmp_path):
             "| [0.6, 0.7) | [0.7, 0.8) | [0.8, 0.9) | [0.9, 1.0] | none | outside [0, 1] |") in markdown
     assert "| ChartQA | single | 2 | 1 | 0 | 1 | 0 | 1 | 0 | 1 | 1 | 2 | 1 | 2 |" in markdown
     assert flat_metrics(report)["rag/overall/uncertainty_bin9"] == 2.0
+
+
+def grounded(qid, precision=0.0, recall=0.0, *, right=True, hit=False, wrong_page=False, drawn=True,
+             failed=False, dataset="ChartQA", pool="single"):
+    """An unjudged outcome with text evidence scored against a gold box (``drawn``), or no gold evidence."""
+    result = outcome(qid, dataset, pool, metrics=PERFECT if right else WRONG, failed=failed, judged=False)
+    found = bool(precision or hit or wrong_page)
+    result.evidence = [{"page_id": f"{qid}-p2" if wrong_page else f"{qid}-p1", "box": [0.0, 0.0, 10.0, 10.0],
+                        "source": "text", "score": 1.0}] if found else []
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    score = {"precision": precision, "recall": recall, "f1": f1, "hit": hit, "wrong_page": wrong_page}
+    result.grounding = {"source": "text", "note": None if found else NOT_FOUND, "drawn": drawn,
+                        "gold": [{"page_id": f"{qid}-p1", "box": [0.0, 0.0, 10.0, 20.0], "source": "gold",
+                                  "score": 1.0}] if drawn else [],
+                        "score": score if drawn else None}
+    return result
+
+
+def grounded_run():
+    """ChartQA/single: g1 right and hit (P 1, R 1/2); g2 right, no hit (1/2, 1/2): right but ungrounded; g3 wrong
+    and hit (1, 1): grounded but wrong; g4 wrong, its box on a wrong page (0, 0); g5 right, its answer drawn
+    nowhere (not scored); g6 failed (its record says right: it scores 0). ChartQA/all: g1 again, hit (1, 1).
+    InfoVQA/single: i1, i2 right and hit (1, 1)."""
+    return [grounded("g1", 1.0, 0.5, hit=True), grounded("g2", 0.5, 0.5), grounded("g3", 1.0, 1.0, right=False,
+                                                                                     hit=True),
+            grounded("g4", right=False, wrong_page=True), grounded("g5", drawn=False),
+            grounded("g6", failed=True), grounded("g1", 1.0, 1.0, hit=True, pool="all"),
+            *(grounded(q, 1.0, 1.0, hit=True, dataset="InfoVQA") for q in ("i1", "i2"))]
+
+
+def test_grounding_counts_shares_and_intervals_by_hand(tmp_path):
+    report = write_reports(tmp_path, grounded_run(), {"config": "run"})
+    single = report["results"]["ChartQA"]["single"]["grounding"]
+    f1s = [2 / 3, 0.5, 1.0, 0.0, 0.0]  # g1 .. g4 and g6 scored; g5 not drawn
+    assert {key: single[key] for key in ("source", "scored", "not_drawn", "no_evidence", "wrong_page",
+                                         "right_ungrounded", "grounded_wrong")} == {
+        "source": "text", "scored": 5, "not_drawn": 1, "no_evidence": 2, "wrong_page": 1, "right_ungrounded": 1,
+        "grounded_wrong": 1}  # no evidence: g5, g6; right but ungrounded: g2; grounded but wrong: g3
+    assert single["f1"]["value"] == pytest.approx(13 / 30)  # (2/3 + 1/2 + 1) / 5
+    assert single["precision"]["value"] == pytest.approx(0.5) and single["recall"]["value"] == pytest.approx(0.4)
+    assert single["hit"]["value"] == pytest.approx(0.4)
+    assert single["hit"]["ci95"] == pytest.approx(list(wilson_interval(2, 5)), abs=1e-6)  # 2 hits of 5, Wilson
+    assert single["f1"]["ci95"] == pytest.approx(list(bootstrap_interval(f1s)), abs=1e-6)
+    low, high = single["f1"]["ci95"]
+    assert 0 < low < 13 / 30 < high < 1
+    info = report["results"]["InfoVQA"]["single"]["grounding"]
+    assert info["f1"] == {"value": 1.0, "ci95": [1.0, 1.0]}  # every resample of two 1s is 1
+    assert info["hit"]["ci95"] == pytest.approx(list(wilson_interval(2, 2)), abs=1e-6)
+    assert (info["right_ungrounded"], info["grounded_wrong"], info["not_drawn"]) == (0, 0, 0)
+    chart_all = report["results"]["ChartQA"]["all"]["grounding"]
+    assert (chart_all["scored"], chart_all["f1"]["value"], chart_all["hit"]["value"]) == (1, 1.0, 1.0)
+    overall = report["overall"]["grounding"]  # g1 twice (both pools): its question resampled, not its rows
+    assert (overall["scored"], overall["not_drawn"], overall["right_ungrounded"], overall["grounded_wrong"],
+            overall["wrong_page"]) == (8, 1, 1, 1, 1)
+    scored = [*f1s[:4], f1s[4], 1.0, 1.0, 1.0]
+    clusters = [("ChartQA", q) for q in ("g1", "g2", "g3", "g4", "g6", "g1")] + [("InfoVQA", "i1"), ("InfoVQA", "i2")]
+    assert overall["f1"]["value"] == pytest.approx(sum(scored) / 8)
+    assert overall["f1"]["ci95"] == pytest.approx(list(cluster_bootstrap_interval(scored, clusters)), abs=1e-6)
+    assert overall["hit"]["ci95"] == pytest.approx(list(cluster_bootstrap_interval(
+        [1, 0, 1, 0, 0, 1, 1, 1], clusters)), abs=1e-6)
+    assert report["grounding_by_evidence"]["other"]["scored"] == 8  # "question g1?" is no built-in question
+    markdown = (tmp_path / "rag.md").read_text()
+    cells = " | ".join(f"{100 * v:.1f} [{100 * single[n]['ci95'][0]:.1f}, {100 * single[n]['ci95'][1]:.1f}]"
+                       for n, v in (("f1", 13 / 30), ("precision", 0.5), ("recall", 0.4), ("hit", 0.4)))
+    assert f"| ChartQA | single | 5 | {cells} | 1 | 1 | 1 | 2 | 1 |" in markdown
+
+
+def test_rag_json_carries_each_query_s_evidence_and_the_counts_re_derive_from_it(tmp_path):
+    outcomes = grounded_run()
+    write_reports(tmp_path, outcomes, {"config": "run"})
+    saved = json.loads((tmp_path / "rag.json").read_text())
+    queries = saved["queries"]
+    assert [(q["dataset"], q["pool"], q["query_id"]) for q in queries] == [(o.dataset, o.pool, o.query_id)
+                                                                          for o in outcomes]
+    g4 = queries[3]
+    assert g4["evidence"] == [{"page_id": "g4-p2", "box": [0.0, 0.0, 10.0, 10.0], "source": "text", "score": 1.0}]
+    assert g4["grounding"]["score"]["wrong_page"] is True and g4["evidence_type"] == "other"
+    assert queries[4]["evidence"] == [] and queries[4]["grounding"]["drawn"] is False
+    assert queries[5]["failed"] is True and queries[5]["relaxed_accuracy"] == 0.0  # as the report scores it
+    single = [q for q in queries if (q["dataset"], q["pool"]) == ("ChartQA", "single")]
+    scored = [q for q in single if q["grounding"]["score"]]
+    hit = [q["grounding"]["score"]["hit"] for q in scored]
+    right = [q["relaxed_accuracy"] == 1 for q in scored]
+    group = saved["results"]["ChartQA"]["single"]["grounding"]
+    assert sum(r and not h for r, h in zip(right, hit)) == group["right_ungrounded"]
+    assert sum(h and not r for r, h in zip(right, hit)) == group["grounded_wrong"]
+    assert sum(q["grounding"]["drawn"] is False for q in single) == group["not_drawn"]
+    assert sum(q["grounding"]["score"]["f1"] for q in scored) / len(scored) == pytest.approx(group["f1"]["value"])
+
+    columns, rows = query_rows(outcomes)
+    table = [dict(zip(columns, row)) for row in rows]
+    assert json.loads(table[3]["evidence"]) == g4["evidence"]
+    assert (table[3]["answer_drawn"], table[3]["grounding_f1"], table[3]["grounding_hit"]) == (True, 0.0, False)
+    assert (table[4]["evidence"], table[4]["grounding_note"], table[4]["answer_drawn"], table[4]["grounding_f1"]) \
+        == ("[]", NOT_FOUND, False, None)
+    ungrounded = query_rows(chartqa_single())[1][0]
+    assert ungrounded[-5:] == [None] * 5  # a run that did not ground
+    assert write_reports(tmp_path, chartqa_single(), {"config": "run"})["queries"][0]["grounding"] is None
 
 
 def sweep_runs():

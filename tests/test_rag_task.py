@@ -11,19 +11,24 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
 from hkrag.data.ocr import OcrUnavailable, install_tesseract
 from hkrag.data.opendocvqa import load_qa
-from hkrag.io import WriteError
+from hkrag.io import WriteError, read_jsonl
 from hkrag.lvlm import LVLMTimeoutError
 from hkrag.lvlm.scripted import Reply, ScriptedBackend, request_text
 from hkrag.rag import trace as trace_module
 from hkrag.rag.__main__ import main
+from hkrag.rag.evidence import NOT_FOUND
+from hkrag.rag.gold_evidence import EVIDENCE_FILE, evidence_rows
 from hkrag.rag.trace import PARTS_DIR, TraceError, TraceWriter, load_trace, merge
 from hkrag.tasks import rag as rag_task
 from hkrag.tasks import run_eval_task
@@ -156,6 +161,48 @@ def test_gold_answers_are_grounded_on_their_pages_and_reported(tmp_path, data, b
     markdown = (tmp_path / "run" / "rag.md").read_text()
     assert "## Grounding (text source" in markdown and "| evidence: " in markdown
     assert 'class="box gold"' in (tmp_path / "run" / "rag.html").read_text()
+
+
+def test_a_question_whose_answer_is_drawn_nowhere_is_counted_apart_never_as_a_miss(tmp_path, data, backends):
+    """Generating the corpus wrote its gold evidence beside the questions; one question's answer edited to a
+    string drawn on no page: its row says ``drawn: false``, its run found no evidence and said why, and the report
+    counts it under ``not_drawn``, outside the scored questions."""
+    try:
+        install_tesseract()
+    except OcrUnavailable as missing:
+        pytest.skip(f"grounding by text needs Tesseract: {missing}")
+    generated = data / "synthetic"
+    assert read_jsonl(generated / EVIDENCE_FILE) == json.loads(json.dumps(list(evidence_rows(generated))))
+    root = tmp_path / "synthetic"
+    shutil.copytree(generated, root)
+    (root / EVIDENCE_FILE).unlink()  # stale once a question changes: the run writes it again
+    questions = root / "qa" / "synchart" / "test-00000-of-00001.parquet"
+    table = pq.read_table(questions)
+    answers = table.column("answers").to_pylist()
+    answers[0] = ["QUETZALCOATL"]
+    field = table.schema.field("answers")
+    pq.write_table(table.set_column(table.schema.get_field_index("answers"), field, pa.array(answers, field.type)),
+                   questions)
+    cfg = config(tmp_path, "data.eval_datasets=[synchart]", grounded=True)
+    edited = table.column("query_id")[0].as_py()
+    report = run(cfg, tmp_path / "run", lambda: GoldBackend(gold_answers(cfg)), backends)
+
+    rows = {row["query_id"]: row for row in read_jsonl(root / EVIDENCE_FILE) if row["dataset"] == "synchart"}
+    assert (rows[edited]["drawn"], rows[edited]["evidence"]) == (False, [])
+    assert all(row["drawn"] for query_id, row in rows.items() if query_id != edited)
+    trace = {o.query_id: o for o in load_trace(tmp_path / "run" / "trace.jsonl")}
+    nowhere = trace[edited]
+    assert nowhere.answer == "QUETZALCOATL" and nowhere.metrics["relaxed_accuracy"] == 1.0
+    assert nowhere.evidence == [] and nowhere.grounding["note"] == NOT_FOUND
+    assert (nowhere.grounding["drawn"], nowhere.grounding["gold"], nowhere.grounding["score"]) == (False, [], None)
+    overall = report["overall"]["grounding"]
+    assert (overall["not_drawn"], overall["scored"]) == (1, len(trace) - 1)
+    assert overall["right_ungrounded"] == sum(not o.grounding["score"]["hit"] for o in trace.values()
+                                              if o.grounding["drawn"])  # every answer right: misses only
+    [saved] = [q for q in json.loads((tmp_path / "run" / "rag.json").read_text())["queries"]
+               if q["query_id"] == edited]
+    assert (saved["evidence"], saved["grounding"]["drawn"], saved["grounding"]["note"]) == ([], False, NOT_FOUND)
+    assert re.search(r"\| synchart \| gold \| 2 \| .* \| 1 \|\n", (tmp_path / "run" / "rag.md").read_text())
 
 
 class BoxBackend(GoldBackend):

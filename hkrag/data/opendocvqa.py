@@ -334,7 +334,7 @@ def _load(
     try:
         dataset = datasets.load_dataset(str(source), name=config, split=split, **load_kwargs)
     except Exception as error:
-        if _looks_local(source) and _stored_rows(Path(source), config, split) == 0:
+        if _looks_local(source) and stored_rows(Path(source), config, split) == 0:
             raise _empty(name, config, split) from error
         raise DataError(f"{name} could not be loaded: {_explain(error, split)}") from error
     if len(dataset) == 0:
@@ -348,7 +348,7 @@ def _empty(name: str, config: str | None, split: str) -> DataError:
                      "regenerate or re-export it")
 
 
-def _stored_rows(root: Path, config: str | None, split: str) -> int | None:
+def stored_rows(root: Path, config: str | None, split: str) -> int | None:
     """Rows in the parquet files a local folder's card maps ``config``/``split`` to; ``None`` if unknown.
 
     ``datasets`` reports an empty split in many ways (a zero-row file fails with "An error occurred while

@@ -7,7 +7,10 @@ in ``"2023"``), boxed by the font's own metrics (the width of the text before it
 height). The whole item's box is kept beside it (``item_box``). A question whose answers are drawn on none of its
 pages (nothing in ``items`` holds them) has no gold evidence, which reports count apart, never as a miss.
 
-``python -m hkrag.rag.gold_evidence --root DIR`` writes ``DIR/evidence.jsonl`` (one line a question of every split).
+``python -m hkrag.rag.gold_evidence --root DIR`` writes ``DIR/evidence.jsonl`` (one line a question of every split),
+beside ``qa/``; ``eval.py`` and ``train.py`` write it with the built-in corpus they generate, or into one that lacks it
+(:func:`hkrag.tasks.common.prepare_data`). Both files are read through :func:`hkrag.io.read_jsonl`: a non-UTF-8 or
+damaged line is a :class:`~hkrag.io.FileFormatError` naming the file and the line.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from hkrag.data.synthetic import FINE_PRINT_SPLIT, PAGES_FILE, STYLES, _font
-from hkrag.io import write_text
+from hkrag.io import read_jsonl, write_text
 from hkrag.rag.grounding import Evidence
 from hkrag.rag.metrics import relaxed_normalize
 from hkrag.rag.records import WORD
 
 EVIDENCE_FILE = "evidence.jsonl"
+EVIDENCE_KEYS = ("query_id", "dataset", "evidence")
+"""What :func:`load_gold` needs of each row of :data:`EVIDENCE_FILE`."""
 GOLD = "gold"
 """The ``source`` of a gold evidence box."""
 
@@ -66,18 +71,13 @@ def gold_evidence(answers: Sequence[str], page_id: str, items: Sequence[Mapping[
 
 
 def _pages(root: Path) -> dict[str, list[dict]]:
+    """``doc_id -> items`` of ``root/pages.jsonl``; a damaged or non-UTF-8 line is a
+    :class:`~hkrag.io.FileFormatError` naming the file and the line."""
     path = root / PAGES_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no drawn items; gold evidence exists for the built-in corpus only "
                                 "(python -m hkrag.data.synthetic --out DIR)")
-    pages = {}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        try:
-            row = json.loads(line)
-            pages[row["doc_id"]] = row["items"]
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise ValueError(f"{path}, line {number}: not a page row with doc_id and items ({error})") from None
-    return pages
+    return {row["doc_id"]: row["items"] for row in read_jsonl(path, keys=("doc_id", "items"))}
 
 
 def question_evidence(question: Any, pages: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[Evidence]:
@@ -87,12 +87,15 @@ def question_evidence(question: Any, pages: Mapping[str, Sequence[Mapping[str, A
 
 
 def evidence_rows(root: str | Path) -> Iterator[dict[str, Any]]:
-    """One row a question of every split and data set of ``root``: query id, data set, split, gold boxes."""
-    from hkrag.data.opendocvqa import load_qa
+    """One row a question of every split and data set of ``root``: query id, data set, split, gold boxes. A split
+    without questions (a small corpus's data set that drew none) adds no row."""
+    from hkrag.data.opendocvqa import load_qa, stored_rows
 
     root = Path(root)
     pages = _pages(root)
     for split, config in (("train", "default"), *(("test", name) for name in _test_configs(root))):
+        if stored_rows(root / "qa", config, split) == 0:
+            continue
         for question in load_qa(root / "qa", config=config, split=split):
             boxes = question_evidence(question, pages)
             yield {"query_id": question.query_id, "dataset": config, "split": split,
@@ -105,10 +108,10 @@ def _test_configs(root: Path) -> list[str]:
 
 
 def load_gold(root: str | Path) -> dict[tuple[str, str], list[Evidence]]:
-    """(data set, query id) -> gold evidence, from ``root/evidence.jsonl`` when written, else derived."""
+    """(data set, query id) -> gold evidence, from ``root/evidence.jsonl`` when written, else derived. A damaged
+    or non-UTF-8 file is a :class:`~hkrag.io.FileFormatError` naming it and the line."""
     path = Path(root) / EVIDENCE_FILE
-    rows = (json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()) if path.is_file() \
-        else evidence_rows(root)
+    rows = read_jsonl(path, keys=EVIDENCE_KEYS) if path.is_file() else evidence_rows(root)
     return {(row["dataset"], row["query_id"]): [Evidence.from_dict(box) for box in row["evidence"]] for row in rows}
 
 
@@ -124,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root", required=True, type=Path, help="a folder made by python -m hkrag.data.synthetic")
     args = parser.parse_args(argv)
     path = write_evidence(args.root)
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    rows = read_jsonl(path)
     print(f"{path}: {len(rows)} questions, {sum(row['drawn'] for row in rows)} with drawn evidence")
     return 0
 

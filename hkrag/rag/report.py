@@ -23,6 +23,7 @@ answer or verdict; their ids and reasons are listed.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -208,13 +209,18 @@ def summarize(outcomes: Sequence[QueryOutcome]) -> dict[str, Any]:
             "grounding_by_evidence": grounding_by_evidence(outcomes)}
 
 
+def evidence_type(outcome: QueryOutcome) -> str:
+    """The evidence type of a built-in question (``salient``, ``fine_print``), ``other`` for any other question."""
+    kind = question_kind(outcome.question)
+    return kind[0] if kind else "other"
+
+
 def grounding_by_evidence(outcomes: Sequence[QueryOutcome]) -> dict[str, Any]:
-    """:func:`grounding_group` per evidence type of the built-in questions (``salient``, ``fine_print``; ``other``
-    for any other question), every pool together; empty when the run did not ground."""
+    """:func:`grounding_group` per evidence type (:func:`evidence_type`), every pool together; empty when the run
+    did not ground."""
     groups: dict[str, list[QueryOutcome]] = {}
     for outcome in outcomes:
-        kind = question_kind(outcome.question)
-        groups.setdefault(kind[0] if kind else "other", []).append(outcome)
+        groups.setdefault(evidence_type(outcome), []).append(outcome)
     found = {kind: grounding_group(members) for kind, members in sorted(groups.items())}
     return {kind: group for kind, group in found.items() if group}
 
@@ -258,19 +264,43 @@ def layout_metrics(report: Mapping[str, Any]) -> list[str]:
 
 QUERY_COLUMNS = ("dataset", "pool", "query_id", "question", "gold", "answer", "route", "uncertainty", "iterations",
                  "failed", "failure", "judge_score", "correct", *METRICS, "lvlm_calls", "input_tokens",
-                 "output_tokens", "wall_s")
+                 "output_tokens", "wall_s", "evidence", "grounding_note", "answer_drawn", "grounding_f1",
+                 "grounding_hit")
 """The per-query table of a RAG run (:func:`query_rows`)."""
+
+
+def _grounding_cells(outcome: QueryOutcome) -> list[Any]:
+    """``evidence`` (the boxes as JSON text), the grounding note, whether the answer is drawn, the F1 and the hit;
+    all ``None`` when the run did not ground, the last three when the question has no gold evidence."""
+    if not outcome.grounding:
+        return [None] * 5
+    score = outcome.grounding.get("score") or {}
+    return [json.dumps(outcome.evidence), outcome.grounding.get("note"), outcome.grounding.get("drawn"),
+            score.get("f1"), score.get("hit")]
 
 
 def query_rows(outcomes: Sequence[QueryOutcome]) -> tuple[list[str], list[list[Any]]]:
     """One row per query of the trace, with the values the report averages (a failed query scores 0 and is
-    wrong, as in every denominator; ``judge_score`` is ``None`` when unjudged, ``correct`` when no query was)."""
+    wrong, as in every denominator; ``judge_score`` is ``None`` when unjudged, ``correct`` when no query was) and
+    its evidence (:func:`_grounding_cells`)."""
     judged = any(o.judge is not None for o in outcomes)
     return list(QUERY_COLUMNS), [
         [o.dataset, o.pool, o.query_id, o.question, " | ".join(o.gold), o.answer, o.route, o.uncertainty,
          o.iterations, o.failed, o.failure, (o.judge or {}).get("score"), is_correct(o) if judged else None,
-         *(metric_value(o, name) for name in METRICS), o.num_calls, o.prompt_tokens, o.completion_tokens, o.wall_s]
+         *(metric_value(o, name) for name in METRICS), o.num_calls, o.prompt_tokens, o.completion_tokens, o.wall_s,
+         *_grounding_cells(o)]
         for o in outcomes]
+
+
+def query_record(outcome: QueryOutcome) -> dict[str, Any]:
+    """One query as ``rag.json``'s ``queries`` keeps it: enough to re-derive every grounding count of the report
+    (:func:`grounding_group`) and to see each answer's boxes without the trace. ``relaxed_accuracy`` is the score
+    the report uses (0 for a failed query); ``evidence`` is ``[]`` and ``grounding`` ``None`` when the run did not
+    ground."""
+    return {"dataset": outcome.dataset, "pool": outcome.pool, "query_id": outcome.query_id,
+            "evidence_type": evidence_type(outcome), "answer": outcome.answer, "failed": outcome.failed,
+            "relaxed_accuracy": metric_value(outcome, "relaxed_accuracy"), "evidence": outcome.evidence,
+            "grounding": outcome.grounding}
 
 
 def _pct(value: float) -> str:
@@ -412,9 +442,10 @@ def render_markdown(report: Mapping[str, Any]) -> str:
 
 
 def build_report(outcomes: Sequence[QueryOutcome], meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The content of ``rag.json``: the run's ``meta``, its judge (or "disabled") and :func:`summarize`."""
+    """The content of ``rag.json``: the run's ``meta``, its judge (or "disabled"), :func:`summarize` and
+    ``queries``, one :func:`query_record` a query in the trace's order (absent from reports written before it)."""
     return {"config": meta.get("config", "run"), "meta": dict(meta), "judge": meta.get("judge") or JUDGE_DISABLED,
-            **summarize(outcomes)}
+            **summarize(outcomes), "queries": [query_record(o) for o in outcomes]}
 
 
 def write_reports(out_dir: str | Path, outcomes: Sequence[QueryOutcome], meta: Mapping[str, Any]) -> dict[str, Any]:

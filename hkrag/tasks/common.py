@@ -32,9 +32,18 @@ from tqdm.auto import tqdm
 
 from hkrag.data.opendocvqa import ALL_POOL, check_pool_pages, load_corpus, pools
 from hkrag.data.synthetic import CONFIG_FILE, SyntheticConfig, generate
-from hkrag.io import atomic_directory, local_path, read_json, repository_locations, write_json, write_text
+from hkrag.io import (
+    WriteError,
+    atomic_directory,
+    local_path,
+    read_json,
+    repository_locations,
+    write_json,
+    write_text,
+)
 from hkrag.models.phi3v import Phi3VForCausalLM, Phi3VProcessor
 from hkrag.models.phi3v.loading import save_processor, shipped_manifest, tiny_phi3v
+from hkrag.rag.gold_evidence import EVIDENCE_FILE, write_evidence
 from hkrag.retrieval.evaluation import RetrievalEvalConfig
 from hkrag.retriever import HeadSettings, LoraSettings, Phi3VRetriever
 from hkrag.tasks import run_eval_task
@@ -78,24 +87,38 @@ def shared_output_dir(accelerator: Accelerator, local_dir: str | Path) -> Path:
 
 
 def prepare_data(data_cfg: DictConfig) -> None:
-    """Generate the built-in synthetic corpus when absent or generated with other settings.
+    """Generate the built-in synthetic corpus when absent or generated with other settings, with its gold evidence
+    (``evidence.jsonl`` beside ``qa/``, :mod:`hkrag.rag.gold_evidence`).
 
     A folder is regenerated only if it carries the generator's own ``synthetic_config.json`` (so it
-    is ours and deterministic from those settings); anything else at that path raises.
+    is ours and deterministic from those settings); anything else at that path raises. A corpus already there
+    without ``evidence.jsonl`` (``python -m hkrag.data.synthetic`` writes none) gets it (:func:`write_gold_evidence`).
     """
     if data_cfg.get("synthetic") is None:
         return
     root, config = Path(data_cfg.root), SyntheticConfig(**data_cfg.synthetic)
     marker = root / CONFIG_FILE
-    if marker.is_file() and read_json(marker) == dataclasses.asdict(config):
-        return
-    if root.exists() and any(root.iterdir()):
-        if not marker.is_file():
-            raise FileExistsError(f"{root} exists but was not written by hkrag.data.synthetic; set data.root elsewhere")
-        logger.warning("%s was generated with other settings: regenerating it", root)
-    logger.info("generating the built-in synthetic corpus in %s", root)
-    with atomic_directory(root) as tmp:  # a failed generation leaves the previous folder (or none)
-        generate(tmp, config)
+    if not marker.is_file() or read_json(marker) != dataclasses.asdict(config):
+        if root.exists() and any(root.iterdir()):
+            if not marker.is_file():
+                raise FileExistsError(f"{root} exists but was not written by hkrag.data.synthetic; set data.root "
+                                      "elsewhere")
+            logger.warning("%s was generated with other settings: regenerating it", root)
+        logger.info("generating the built-in synthetic corpus in %s", root)
+        with atomic_directory(root) as tmp:  # a failed generation leaves the previous folder (or none)
+            generate(tmp, config)
+    if not (root / EVIDENCE_FILE).is_file():
+        write_gold_evidence(root)
+
+
+def write_gold_evidence(root: Path) -> None:
+    """Write the gold evidence of the built-in corpus at ``root``; a folder that cannot be written is warned about
+    (a run then derives the gold evidence from ``pages.jsonl``, as :func:`hkrag.rag.gold_evidence.load_gold` does
+    without the file)."""
+    try:
+        write_evidence(root)
+    except WriteError as error:
+        logger.warning("gold evidence not written beside the questions (runs derive it): %s", error)
 
 
 def build_retriever(
