@@ -125,7 +125,8 @@ def test_tuned_parameters_persist_and_reload(corpus, tuned, tmp_path):
         IndexSpec.parse(f"tuned:{tmp_path / 'missing'}")
 
 
-def test_cli_builds_tunes_and_writes_parameters(corpus, tmp_path, capsys):
+def _cli_args(corpus, tmp_path) -> list[str]:
+    """Shards of the corpus, 100 tuning and 100 test queries under tmp_path; the CLI arguments naming them."""
     ids, docs, data = corpus
     queries, test = data.sample(100, stream=TUNING_STREAM), data.sample(100, stream=QUERY_STREAM)
     for name, rows, vectors, key in (("docs", ids, docs, "doc_id"), ("queries", range(100), queries, "query_id"),
@@ -133,23 +134,38 @@ def test_cli_builds_tunes_and_writes_parameters(corpus, tmp_path, capsys):
         encode_corpus([{key: str(r)} for r in rows], lambda batch, v=vectors, k=key: v[[
             int(str(b[k]).lstrip("d")) for b in batch]], tmp_path / name, shard_size=1000,
             manifest={"model": "m", "config_hash": "h"}, dtype="float32", id_key=key, progress=False)
-    args = ["--index", str(tmp_path / "ix"), "--shards", str(tmp_path / "docs"), "--queries", str(tmp_path / "queries"),
-            "--target", "0.9", "--cpu"]
+    return ["--index", str(tmp_path / "ix"), "--shards", str(tmp_path / "docs"), "--queries",
+            str(tmp_path / "queries"), "--target", "0.9", "--cpu"]
+
+
+def _assert_held_out_printed(out: str) -> None:
+    held_out = re.search(r"held-out test recall@5: ([\d.]+) \[([\d.]+), ([\d.]+)\] \(95 % bootstrap interval, "
+                         r"100 test queries\)", out)
+    assert held_out and float(held_out[2]) <= float(held_out[1]) <= float(held_out[3])
+
+
+def test_cli_builds_tunes_and_writes_parameters(corpus, tmp_path, capsys):
+    args = _cli_args(corpus, tmp_path)
     main([*args, "--spec", SPEC, "--test-queries", str(tmp_path / "test")])
     first = DocumentIndex.load(tmp_path / "ix", use_gpu=False)
     assert first.tuning["met"] and first.search_params == first.tuning["params"]
     out = capsys.readouterr().out
     assert "on the tuning queries (target 0.9 for their normal lower bound" in out and "optimistic" in out
-    held_out = re.search(r"held-out test recall@5: ([\d.]+) \[([\d.]+), ([\d.]+)\] \(95 % bootstrap interval, "
-                         r"100 test queries\)", out)
-    assert held_out and float(held_out[2]) <= float(held_out[1]) <= float(held_out[3])
+    _assert_held_out_printed(out)
     main([*args, "--mmap"])  # re-tune the saved index in place, its stored vectors mapped: only index.json changes
     assert DocumentIndex.load(tmp_path / "ix", use_gpu=False).tuning["target"] == 0.9
     assert "recall@5" in capsys.readouterr().out
-    main([*args[:2], "--shards", str(tmp_path / "docs"), "--queries", str(tmp_path / "queries"), "--target", "0.9",
-          "--cpu", "--select", "IVF16,SQ8", "HNSW16,SQ8", "--cost", "distances_per_query"])
+    main([*args, "--select", "IVF16,SQ8", "HNSW16,SQ8", "--cost", "distances_per_query"])
     assert "selected faiss:" in capsys.readouterr().out
     assert DocumentIndex.load(tmp_path / "ix", use_gpu=False).spec.factory in ("IVF16,SQ8", "HNSW16,SQ8")
+
+
+def test_cli_select_reports_held_out_test_recall(corpus, tmp_path, capsys):
+    """--select with --test-queries measures the selected index on them (it used to return before doing so)."""
+    main([*_cli_args(corpus, tmp_path), "--select", "IVF16,SQ8", "--test-queries", str(tmp_path / "test")])
+    out = capsys.readouterr().out
+    assert "selected faiss:IVF16,SQ8" in out
+    _assert_held_out_printed(out)
 
 
 def test_embedding_like_generator_has_the_measured_structure():

@@ -10,7 +10,7 @@ bound of the mean recall over the tuning queries (95 %, ``--confidence``) reache
 index (``index.json``: spec parameters plus a ``tuning`` record), so ``DocumentIndex.load`` and
 ``eval.index=tuned:<dir>`` search with it. That bound is computed on the queries the point was selected on, at the
 selected point: a selection rule, optimistic as a guarantee. What a tuned index delivers is its recall on held-out
-test queries, with its interval (``--test-queries``: :func:`held_out_recall`).
+test queries, with its interval (``--test-queries``, also with ``--select``: :func:`held_out_recall`).
 
     python -m hkrag.index.tuning --index runs/index --shards runs/corpus --queries runs/tuning-queries \\
         --spec "faiss:PCA384,IVF2048,PQ96x4fs,Refine(PCA384,SQ8)" --target 0.95 --k 5
@@ -264,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "(0.5: the mean); a selection rule, optimistic after selection: --test-queries measures the tuned index",
     )
     parser.add_argument("--test-queries", help="shard directory of held-out test query embeddings (never tuned on): "
-                        "the tuned index's recall on them with its 95 %% interval")
+                        "the tuned (or --select'ed) index's recall on them with its 95 %% interval")
     parser.add_argument("--k", type=POSITIVE.arg, default=5)
     parser.add_argument("--chunk", type=POSITIVE.arg, default=65536, help="documents per exact-search chunk")
     parser.add_argument("--cpu", action="store_true", help="never use a GPU")
@@ -286,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             log.info("%s", record)
         index.save(args.index)
         print(f"selected {index.spec} among {len(specs)}; written to {Path(args.index) / META_FILE}")
+        _print_test_recall(index, docs, args)
         return
     if args.spec:
         start = time.perf_counter()
@@ -307,12 +308,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"selected on them), {record['ms_per_query']:.3f} ms/query batched; written to "
         f"{Path(args.index) / META_FILE}"
     )
-    if args.test_queries:
-        _, test = load_shards(args.test_queries, expect={"dim": docs.shape[1],
-                                                          "model": read_manifest(args.shards)["model"]})
-        _, test_exact = exact_neighbours(test, _chunks(docs, args.chunk), args.k)
-        recalls = query_recalls(index.search_arrays(test, args.k)[1], test_exact)
-        print(f"held-out test recall@{args.k}: {format_held_out(held_out_recall(recalls))}")
+    _print_test_recall(index, docs, args)
+
+
+def _print_test_recall(index: DocumentIndex, docs: np.ndarray, args: argparse.Namespace) -> None:
+    """Print the tuned (or selected) index's recall on --test-queries with its interval, when they are given."""
+    if not args.test_queries:
+        return
+    expect = {"dim": docs.shape[1], "model": read_manifest(args.shards)["model"]}
+    _, test = load_shards(args.test_queries, expect=expect)
+    _, test_exact = exact_neighbours(test, _chunks(docs, args.chunk), args.k)
+    recalls = query_recalls(index.search_arrays(test, args.k)[1], test_exact)
+    print(f"held-out test recall@{args.k}: {format_held_out(held_out_recall(recalls))}")
 
 
 if __name__ == "__main__":

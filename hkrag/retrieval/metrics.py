@@ -134,7 +134,7 @@ def cut_with_ties(run: Run, k: int) -> dict[str, dict[str, float]]:
 TIE_TOLERANCE = 1e-5
 """Float scores this close (relative to ``max(1, |score|)``) count as tied (:func:`snap_near_ties`): identical pages
 scored by float32 dot products differ in their last bits with their place in the matrix product (FAISS flat at
-width 3072: up to 2.4e-7; exact MaxSim over identical token sets: up to 1.9e-6; bench/RESULTS.md)."""
+width 3072: up to 2.4e-7, tests/test_ties.py), as does a page encoded in two batches."""
 
 
 def snap_near_ties(docs: Mapping[str, float], tolerance: float = TIE_TOLERANCE) -> dict[str, float]:
