@@ -3,6 +3,7 @@ the RAG run, the report judges the targets from per-question scores, and a rerun
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -90,13 +91,28 @@ def test_a_target_is_judged_by_its_whole_interval(low, mean, high, verdict):
 
 def test_every_interval_re_derives_from_the_committed_per_question_scores(done):
     config, report = done
+    assert_re_derives(report, config.out / PER_QUERY_LINES, len(config.seeds))
     lines = [json.loads(line) for line in (config.out / PER_QUERY_LINES).read_text().splitlines()]
+    assert {line["step"] for line in lines[1:] if line["stage"] == "curve"} == {1, 2}
+
+
+@pytest.mark.parametrize("folder", ["docs/chain", "docs/chain/pretrain"])
+def test_the_committed_chain_reports_re_derive_from_their_per_question_scores(folder):
+    root = Path(__file__).resolve().parents[1] / folder
+    report = json.loads((root / "chain.json").read_text())
+    assert_re_derives(report, root / PER_QUERY_LINES, len(report["settings"]["seeds"]))
+
+
+def assert_re_derives(report: dict, per_query: Path, seeds: int) -> None:
+    """The gold pages' fine-print row and the reader's synfine single-pool row of ``report`` are the crossed
+    intervals of the per-question scores in ``per_query``."""
+    lines = [json.loads(line) for line in per_query.read_text().splitlines()]
     kinds, runs = lines[0]["questions"], lines[1:]
     gold = [line["scores"] for line in runs if line["stage"] == "answers" and line["pool"] == "gold"]
     fine = sorted(query for query, kind in kinds.items() if kind and kind[0] == "fine_print" and query in gold[0])
     expected = crossed_interval([[scores[query] for query in fine] for scores in gold], bounds=(0.0, 1.0))
     row = next(row for row in report["answers"]["answers"]["gold"] if row["questions"] == "fine_print")
-    assert len(gold) == len(config.seeds) and row["n"] == len(fine)
+    assert len(gold) == seeds and row["n"] == len(fine)
     assert (row["mean"], row["low"], row["high"]) == pytest.approx((expected["mean"], expected["low"],
                                                                     expected["high"]))
     reader = [line["scores"] for line in runs if (line["stage"], line.get("dataset"), line["pool"]) == (
@@ -106,7 +122,6 @@ def test_every_interval_re_derives_from_the_committed_per_question_scores(done):
     assert (synfine["low"], synfine["high"]) == pytest.approx(tuple(
         crossed_interval([[scores[q] for q in queries] for scores in reader], bounds=(0.0, 1.0))[k]
         for k in ("low", "high")))
-    assert {line["step"] for line in runs if line["stage"] == "curve"} == {1, 2}
 
 
 def test_the_generators_learning_curve_answers_with_each_checkpoint(done):
