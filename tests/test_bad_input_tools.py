@@ -2,6 +2,7 @@
 the allowed range), non-finite vectors and scores, damaged files (named), shipped models the manifest cannot vouch
 for, evaluation settings that differ from training, and resumes that cannot be trusted."""
 
+import json
 import math
 import re
 import sys
@@ -584,6 +585,29 @@ def test_the_seed_table_reads_the_repositorys_committed_evaluations_from_any_fol
     assert read == [root / run for run in runs]
     with pytest.raises(SystemExit, match="2"):
         seeds.main(["docs/regions/nosuch_s0", "--corpus", "c"])
+
+
+def test_the_seed_table_pairs_two_conditions_seed_by_seed_and_question_by_question(tmp_path, capsys):
+    from hkrag.stats import crossed_interval
+    from hkrag.tasks.seeds import difference_rows, main
+
+    def seeds(name, scores):
+        return [_evaluation(tmp_path / f"{name}_s{seed}", {"q1": q1, "q2": q2}) for seed, (q1, q2) in enumerate(scores)]
+
+    runs, base = seeds("b", [(1.0, 0.5), (0.5, 0.25)]), seeds("a", [(0.5, 0.5), (0.0, 0.5)])
+    (row,) = difference_rows(runs, base)
+    assert (row["dataset"], row["pool"]) == ("synfine", "all")
+    assert row["mean"] == pytest.approx(0.1875) and row["seeds"] == pytest.approx([0.25, 0.125])
+    expected = crossed_interval([[0.5, 0.0], [0.5, -0.25]], bounds=(-1.0, 1.0))
+    assert (row["low"], row["high"]) == pytest.approx((expected["low"], expected["high"]))
+    main([*map(str, runs), "--vs", *map(str, base), "--corpus", "unused", "--out", str(tmp_path / "d")])
+    assert "| synfine | all | +18.8 [" in capsys.readouterr().out
+    assert json.loads((tmp_path / "d.json").read_text())["vs"] == [str(run) for run in base]
+    error = _usage_error(main, [*map(str, runs), "--vs", str(base[0]), "--corpus", "c"], capsys)
+    assert "--vs gives 1 folder(s) for 2 run(s)" in error
+    other = [_evaluation(tmp_path / "c_s0", {"q1": 0.5}), _evaluation(tmp_path / "c_s1", {"q1": 0.0})]
+    assert "lacks 1 (e.g. ['q2'])" in _usage_error(main, [*map(str, runs), "--vs", *map(str, other), "--corpus", "c"],
+                                                   capsys)
 
 
 # --- 8. still open: resumes, generator.top_k, undecodable questions, empty pre-training text ------------------------
