@@ -62,12 +62,12 @@ OFFLINE: tuple[tuple[str, str], ...] = (
      "the one-off comparison with the original remote code: a second venv (transformers 4.45.2) and a mirror"),
     (r" \.\.\. resume=latest", "`...` stands for the interrupted run's own overrides (tests/test_training.py "
      "resumes exactly)"),
-    (r"data/synthetic_regions|units_det_|region_ocr_det|<stitched corpus>|<region corpus|--regions data/deg"
-     r"|data/deg\w*/(units|region_ocr)",
+    (r"data/synthetic_regions|units_det(cf|ship|f0)?_|region_ocr_det|<stitched corpus>|<region corpus"
+     r"|--regions data/deg|data/deg\w*/(units|region_ocr)",
      "crops of a trained detector's boxes (and their OCR, stitched; clean or degraded pages): the test's 2-step "
      "detector selects none, which build refuses by design (tests/test_regions.py builds from detected and gold "
      "boxes)"),
-    (r"region_pairs|reader_regions|region_train|runs/(rr|test_gold|(test_)?rdet2k[\w-]*)_s",
+    (r"region_pairs|reader_regions|region_train|runs/(rr|test_gold|(test_)?rdet(2k|cf|ship)[\w-]*)_s",
      "the region reader's training set holds out whole documents for validation: the small corpus's one document a "
      "style leaves a style without one, which region_pairs refuses by design (tests/test_region_pairs.py builds one; "
      "the reader's runs and evaluations follow from it)"),
