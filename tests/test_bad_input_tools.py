@@ -610,6 +610,21 @@ def test_the_seed_table_pairs_two_conditions_seed_by_seed_and_question_by_questi
                                                    capsys)
 
 
+@pytest.mark.parametrize("report", sorted(p.name for p in (Path(__file__).parents[1] / "docs" / "regions").glob(
+    "diff_*.json")))
+def test_every_committed_paired_difference_re_derives_from_its_per_query_data(report):
+    from hkrag.tasks.seeds import difference_rows
+
+    root = Path(__file__).resolve().parents[1]
+    committed = json.loads((root / "docs" / "regions" / report).read_text())
+    rows = difference_rows([root / run for run in committed["runs"]], [root / run for run in committed["vs"]])
+    numbers = ("mean", "low", "high", "se", "df")
+    assert [(r["dataset"], r["pool"], r["method"]) for r in rows] == [
+        (r["dataset"], r["pool"], r["method"]) for r in committed["rows"]]
+    assert [v for r in rows for v in [r[k] for k in numbers] + r["seeds"]] == pytest.approx(
+        [v for r in committed["rows"] for v in [r[k] for k in numbers] + r["seeds"]])
+
+
 # --- 8. still open: resumes, generator.top_k, undecodable questions, empty pre-training text ------------------------
 
 
