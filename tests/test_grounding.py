@@ -214,21 +214,21 @@ def test_gold_evidence_of_the_built_in_corpus(tmp_path):
             assert span_box(item, (0, len(item["text"]))) == pytest.approx(item["box"], abs=1)
 
 
-def test_non_utf8_or_damaged_gold_evidence_inputs_name_the_file_and_line(tmp_path):
-    pages = tmp_path / "pages.jsonl"
-    pages.write_bytes(b'{"doc_id": "p1", "items": []}\n{"doc_id": "p2", "items": [{"text": "caf\xe9"}]}\n')
-    with pytest.raises(FileFormatError, match=r"pages.jsonl: line 2 is not UTF-8"):
-        write_evidence(tmp_path)
-    pages.write_text('{"doc_id": "p1"}\n')
-    with pytest.raises(FileFormatError, match=r"pages.jsonl: line 1: record lacks key\(s\) \['items'\]"):
-        write_evidence(tmp_path)
-    rows = tmp_path / "evidence.jsonl"
-    rows.write_bytes(b'{"query_id": "q1", "dataset": "synchart", "evidence": []}\n\x93q2\x94\n')
-    with pytest.raises(FileFormatError, match=r"evidence.jsonl: line 2 is not UTF-8"):
-        load_gold(tmp_path)
-    rows.write_text('{"query_id": "q1", "evidence": []}\n')
-    with pytest.raises(FileFormatError, match=r"evidence.jsonl: line 1: record lacks key\(s\) \['dataset'\]"):
-        load_gold(tmp_path)
+@pytest.mark.parametrize("name, reader, non_utf8, lacking, missing", [
+    ("pages.jsonl", write_evidence, b'{"doc_id": "p1", "items": []}\n{"doc_id": "p2", "items": ["caf\xe9"]}\n',
+     '{"doc_id": "p1"}\n', "items"),
+    ("evidence.jsonl", load_gold, b'{"query_id": "q1", "dataset": "synchart", "evidence": []}\n\x93q2\x94\n',
+     '{"query_id": "q1", "evidence": []}\n', "dataset"),
+])
+def test_non_utf8_or_damaged_gold_evidence_inputs_name_the_file_and_line(tmp_path, name, reader, non_utf8, lacking,
+                                                                         missing):
+    path = tmp_path / name
+    path.write_bytes(non_utf8)
+    with pytest.raises(FileFormatError, match=rf"{name}: line 2 is not UTF-8"):
+        reader(tmp_path)
+    path.write_text(lacking)
+    with pytest.raises(FileFormatError, match=rf"{name}: line 1: record lacks key\(s\) \['{missing}'\]"):
+        reader(tmp_path)
 
 
 def test_an_answer_on_none_of_the_pages_has_no_evidence_and_says_so(monkeypatch):

@@ -349,10 +349,6 @@ def fit_detector(
     lr = check_number(lr, "lr", 0, 1, open_low=True)
     threads = check_number(threads, "threads", 1, 1024, integer=True)
     out = Path(out)
-    settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "threads": threads, **record}
-    finished = finished_detector(out, [p.doc_id for p in pages], settings)
-    if finished is not None:
-        return finished
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -436,7 +432,8 @@ def train_detector(
     else:
         with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
             trained = list(pool.map(_fit_listed, [root] * len(todo), *zip(*todo)))
-    reports = [done if done is not None else trained.pop(0) for done in reports]
+    fresh = iter(trained)
+    reports = [done if done is not None else next(fresh) for done in reports]
     report = reports[0]
     if not folds:
         return report

@@ -205,13 +205,13 @@ def retrieval_rows(runs: Sequence[Path], corpus: Path, split: str = "test") -> l
             matrix = [[run[dataset][pool][query] for query in queries] for run in scores]
             chance = chance_ndcg(len(load_corpus(corpus, pools(dataset)[pool], split)))
             rows.append({"dataset": dataset, "pool": pool, "chance": chance,
-                         **_interval_row(matrix)})
+                         **interval_row(matrix)})
     return rows
 
 
-def _interval_row(matrix: Sequence[Sequence[float]]) -> dict[str, Any]:
-    """The crossed seeds × questions interval of a score matrix, bounded to [0, 1], and each seed's mean."""
-    interval = crossed_interval(matrix, bounds=(0.0, 1.0))
+def interval_row(matrix: Sequence[Sequence[float]], bounds: tuple[float, float] = (0.0, 1.0)) -> dict[str, Any]:
+    """The crossed seeds × questions interval of a score matrix, bounded to ``bounds``, and each seed's mean."""
+    interval = crossed_interval(matrix, bounds=bounds)
     return {**{k: interval[k] for k in ("mean", "low", "high", "se", "df", "method")},
             "seeds": [sum(row) / len(row) for row in matrix]}
 
@@ -235,7 +235,7 @@ def answer_rows(traces: Sequence[Sequence[QueryOutcome]], metric: str = "relaxed
         ids = [row.query_id for row in questions if member(row)]
         if ids:
             matrix = [[seed[query].metrics[metric] for query in ids] for seed in by_id]
-            rows.append({"questions": name, "n": len(ids), **_interval_row(matrix)})
+            rows.append({"questions": name, "n": len(ids), **interval_row(matrix)})
     return rows
 
 

@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hkrag.io import local_path, write_json, write_text
-from hkrag.stats import crossed_interval
-from hkrag.tasks.chain import retrieval_rows, retrieval_scores, retrieval_table
+from hkrag.tasks.chain import interval_row, retrieval_rows, retrieval_scores, retrieval_table
 
 
 def check_runs(runs: Sequence[Path]) -> None:
@@ -70,10 +69,7 @@ def difference_rows(runs: Sequence[Path], baseline: Sequence[Path]) -> list[dict
         for pool, queries in by_pool.items():
             matrix = [[mine[dataset][pool][q] - theirs[dataset][pool][q] for q in queries]
                       for mine, theirs in zip(scores, against)]
-            interval = crossed_interval(matrix, bounds=(-1.0, 1.0))
-            rows.append({"dataset": dataset, "pool": pool,
-                         **{k: interval[k] for k in ("mean", "low", "high", "se", "df", "method")},
-                         "seeds": [sum(row) / len(row) for row in matrix]})
+            rows.append({"dataset": dataset, "pool": pool, **interval_row(matrix, bounds=(-1.0, 1.0))})
     return rows
 
 
