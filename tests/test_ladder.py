@@ -45,7 +45,8 @@ def test_a_size_the_pages_cannot_fit_is_refused_naming_the_size_and_value(config
 
 def test_every_rung_fits_and_a_partial_vision_config_keeps_the_tiny_tower():
     tokens = {size.name: check_size(size, PAGE, 12, 3).tokens_per_crop for size in sizes_named(list(LADDER))}
-    assert tokens == {"w64-l2": 4, "w128-l2-t16": 16, "w128-l4-t16": 16, "w256-l4-t16": 16}
+    assert tokens == {"w64-l2": 4, "w64-l4": 4, "w128-l2": 4, "w64-l2-t16": 16, "w128-l2-t16": 16, "w128-l4-t16": 16,
+                      "w256-l4-t16": 16}
     vision = Size("v", {"vision_config": {"patch_size": 7}}).model_config()["vision_config"]
     assert vision["image_size"] == 56 and vision["hidden_size"] == 32  # not CLIP ViT-L's 336 px / 1024
     assert Size("v", {"num_hidden_layers": 4}).overrides() == ["++model.config.num_hidden_layers=4"]
@@ -179,6 +180,7 @@ def test_the_report_is_a_function_of_the_per_query_rows():
     assert (large["accuracy"]["retrieved-hkrag"]["low"], large["accuracy"]["retrieved-hkrag"]["high"]) == \
         pytest.approx((found["low"], found["high"]))
     assert report["smallest_paying_size"] == "large" and report["trains_within_default_budget"] is False
+    assert report["enough_seeds_for_default"] is False  # two seeds, below DEFAULT_SEEDS
     assert small["failing_steps"] == ["Pruner: AUROC 0.650 < 0.90 on the top 3 (all pool)",
                                       "Decoupler: notes name the code 10.0 % < 80 %",
                                       "answer: 25.0 % < single pass 50.0 % on gold pages"]
@@ -186,8 +188,19 @@ def test_the_report_is_a_function_of_the_per_query_rows():
     text = ladder.markdown({"settings": {"command": "", "training_steps": {"reader": 1, "generator": 1},
                                          "reader": "r", "generator": "g", "seeds": [0, 1]}, **report})
     assert "**The smallest size at which the agents reach the single pass on the top 3: `large`** (trains in more " \
-           "than 90 min)" in text
-    assert "| small |  | 50.0 [" in text and "- `large`: none" in text
+           "than 90 min; fewer than 3 seeds: exploratory, the shipped default changes only on a figure over 3 or " \
+           "more)" in text
+    assert "| small |  | 1 | 50.0 [" in text and "- `large`: none" in text
+
+
+def test_a_rung_reaching_on_three_seeds_is_enough_for_the_default():
+    rows = hand_rows()
+    rows += [{**row, "seed": 2} for row in rows if row["size"] == "large" and row["seed"] == 1]
+    report = summarize(rows, ["small", "large"], EXTRAS)
+    assert report["smallest_paying_size"] == "large" and report["enough_seeds_for_default"] is True
+    text = ladder.markdown({"settings": {"command": "", "training_steps": {"reader": 1, "generator": 1},
+                                         "reader": "r", "generator": "g", "seeds": [0]}, **report})
+    assert "`large`** (trains in more than 90 min).\n" in text and "exploratory" not in text
 
 
 def test_a_size_whose_single_pass_reads_nothing_does_not_reach_it():
@@ -259,7 +272,28 @@ def test_the_reranker_figures_are_means_over_seeds_of_the_per_query_ndcg(tmp_pat
                   "synchart": {"all": {"c": {"ndcg@5": chart}}, "single": {"c": {"ndcg@5": 1.0}}}}
         (config.folder("w64-l2", "rerank", seed)).mkdir(parents=True)
         (config.folder("w64-l2", "rerank", seed) / "per_query.json").write_text(json.dumps(scores))
-    found = ladder.rerank_figures(config, "w64-l2")
+    found = ladder.rerank_figures(config, "w64-l2", [0, 1])
     assert found["reranked"] == {"synfine_all": pytest.approx(0.4), "all_pool": pytest.approx((0.75 + 0.15) / 2)}
     assert found["reader"] is None  # the reader made no evaluation after training (eval_before_after=false)
-    assert ladder.rerank_figures(LadderConfig(tmp_path, sizes=["w64-l2"]), "w64-l2") is None
+    assert ladder.rerank_figures(LadderConfig(tmp_path, sizes=["w64-l2"]), "w64-l2", [0, 1]) is None
+
+
+def test_a_size_reports_every_seed_finished_in_the_folder(tmp_path):
+    """A rung run earlier with seeds 0-2 keeps them when the ladder is re-run with seed 0; a seed missing one answer
+    run (or, with rerank, its reranked retrieval) is left out; ``w64-l2-t16``'s folders are not ``w64-l2``'s."""
+    config = LadderConfig(tmp_path, sizes=["w64-l2", "w64-l2-t16"], seeds=[0], rerank=True)
+
+    def finish(size: str, seed: int, jobs) -> None:
+        for job in jobs:
+            folder = config.folder(size, job, seed)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / ("retrieval.json" if job == "rerank" else "rag.json")).write_text("{}")
+
+    for seed in (0, 1, 2, 11):
+        finish("w64-l2", seed, [*ladder.RUNS, "rerank"])
+    finish("w64-l2", 3, ladder.RUNS)  # no reranked retrieval
+    finish("w64-l2", 4, [*ladder.RUNS[:-1], "rerank"])  # an answer run unfinished
+    finish("w64-l2-t16", 5, [*ladder.RUNS, "rerank"])
+    assert ladder.finished_seeds(config, "w64-l2") == [0, 1, 2, 11]
+    assert ladder.finished_seeds(config, "w64-l2-t16") == [5]
+    assert ladder.finished_seeds(LadderConfig(tmp_path, sizes=["w64-l2"]), "w64-l2") == [0, 1, 2, 3, 11]
