@@ -86,8 +86,10 @@ LADDER: dict[str, dict[str, Any]] = {
                     "vision_config": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
                                       "patch_size": 7}},
 }
-"""The rungs, smallest first: ``w64-l2`` is the shipped tiny model (width 64, 2 layers, 4 image tokens a 56-px crop);
-``-t16``: 7-px patches, so 16 image tokens a crop (a 4x4 merged grid), with a vision tower of width 64."""
+"""The rungs, cheapest to train first: ``w64-l2`` is the shipped tiny model (width 64, 2 layers, 4 image tokens a
+56-px crop); ``w64-l4``, ``w128-l2`` and ``w64-l2-t16`` each change one thing of it (layers, width, image tokens);
+``-t16``: 7-px patches, so 16 image tokens a crop (a 4x4 merged grid), with a vision tower of width 64 on the
+``w128``/``w256`` rungs."""
 READER = "reader_tiny"
 GENERATOR = "generator_agents_tiny"
 STAGE1 = ("generator_training.pages=[gold]", "generator_training.curriculum.steps=[single_pass]")
