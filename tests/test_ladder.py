@@ -3,6 +3,7 @@ plan (each size's generator from its own reader), the report from hand-made per-
 re-runs nothing."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -297,3 +298,29 @@ def test_a_size_reports_every_seed_finished_in_the_folder(tmp_path):
     assert ladder.finished_seeds(config, "w64-l2") == [0, 1, 2, 11]
     assert ladder.finished_seeds(config, "w64-l2-t16") == [5]
     assert ladder.finished_seeds(LadderConfig(tmp_path, sizes=["w64-l2"]), "w64-l2") == [0, 1, 2, 3, 11]
+
+
+COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "ladder"
+
+
+def test_the_committed_ladder_re_derives_from_its_per_query_data():
+    """docs/ladder/ladder.json's accuracies, paired differences and nDCG@5 figures follow from the committed
+    per-query rows and per-query nDCG (a report edited by hand, or built from other runs, fails)."""
+    report = json.loads((COMMITTED / "ladder.json").read_text())
+    rows = [json.loads(line) for line in (COMMITTED / ladder.PER_QUERY).read_text().splitlines()]
+    assert {row["size"] for row in rows} == set(report["sizes"])
+    for size, row in report["sizes"].items():
+        found = ladder.size_row(rows, size)
+        assert sorted({r["seed"] for r in rows if r["size"] == size}) == row["seeds"]
+        for run in ladder.RUNS:
+            for key in ("mean", "low", "high", "rows", "seeds"):
+                assert found["accuracy"][run][key] == pytest.approx(row["accuracy"][run][key]), (size, run, key)
+        for key in ("diff", "low", "high"):
+            assert found["agents_minus_single_pass"][key] == pytest.approx(row["agents_minus_single_pass"][key])
+        for name, prefix in (("reranked", "rerank"), ("reader", "reader")):
+            scores = [{dataset: {pool: {query: r["ndcg@5"] for query, r in queries.items()}
+                                 for pool, queries in by_pool.items()}
+                       for dataset, by_pool in json.loads(
+                           (COMMITTED / f"{prefix}_{size}_s{seed}_per_query.json").read_text()).items()}
+                      for seed in row["seeds"]]
+            assert ladder.ndcg_means(scores) == pytest.approx(row["rerank"][name]), (size, name)

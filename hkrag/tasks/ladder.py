@@ -404,16 +404,18 @@ def rerank_figures(config: LadderConfig, size: str, seeds: Sequence[int]) -> dic
     found: dict[str, Any] = {}
     for name, job in (("reranked", "rerank"), ("reader", "reader")):
         try:
-            scores = [retrieval_scores(config.folder(size, job, seed)) for seed in seeds]
+            found[name] = ndcg_means([retrieval_scores(config.folder(size, job, seed)) for seed in seeds])
         except FileNotFoundError:
             found[name] = None
-            continue
-        all_pool = [float(np.mean([np.mean(list(d["all"].values())) for d in s.values() if "all" in d]))
-                    for s in scores]
-        fine = [float(np.mean(list(s["synfine"]["all"].values()))) for s in scores
-                if "all" in s.get("synfine", {})]
-        found[name] = {"synfine_all": float(np.mean(fine)) if fine else None, "all_pool": float(np.mean(all_pool))}
     return found
+
+
+def ndcg_means(scores: Sequence[Mapping[str, Mapping[str, Mapping[str, float]]]]) -> dict[str, float | None]:
+    """Means over seeds of ``{dataset: {pool: {query: ndcg@5}}}`` (one per seed): ``synfine`` in the ``all`` pool,
+    and the mean over the data sets of the ``all`` pool."""
+    all_pool = [float(np.mean([np.mean(list(d["all"].values())) for d in s.values() if "all" in d])) for s in scores]
+    fine = [float(np.mean(list(s["synfine"]["all"].values()))) for s in scores if "all" in s.get("synfine", {})]
+    return {"synfine_all": float(np.mean(fine)) if fine else None, "all_pool": float(np.mean(all_pool))}
 
 
 def training_minutes(timings: Mapping[str, float], config: LadderConfig, size: str, seeds: Sequence[int]
