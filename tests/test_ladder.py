@@ -11,6 +11,7 @@ import pytest
 import hkrag.tasks.common as common
 from hkrag.stats import cluster_bootstrap_interval, crossed_interval
 from hkrag.tasks import ladder
+from hkrag.tasks.chain import ndcg_by_query
 from hkrag.tasks.ladder import LADDER, LadderConfig, LadderError, Size, check_size, sizes_named, summarize
 
 PAGE = (224, 168)
@@ -318,9 +319,6 @@ def test_the_committed_ladder_re_derives_from_its_per_query_data():
         for key in ("diff", "low", "high"):
             assert found["agents_minus_single_pass"][key] == pytest.approx(row["agents_minus_single_pass"][key])
         for name, prefix in (("reranked", "rerank"), ("reader", "reader")):
-            scores = [{dataset: {pool: {query: r["ndcg@5"] for query, r in queries.items()}
-                                 for pool, queries in by_pool.items()}
-                       for dataset, by_pool in json.loads(
-                           (COMMITTED / f"{prefix}_{size}_s{seed}_per_query.json").read_text()).items()}
+            scores = [ndcg_by_query(json.loads((COMMITTED / f"{prefix}_{size}_s{seed}_per_query.json").read_text()))
                       for seed in row["seeds"]]
             assert ladder.ndcg_means(scores) == pytest.approx(row["rerank"][name]), (size, name)

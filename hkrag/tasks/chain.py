@@ -189,7 +189,11 @@ def retrieval_scores(run: Path) -> dict[str, dict[str, dict[str, float]]]:
     """``{dataset: {pool: {query_id: ndcg@5}}}`` of a ``train.py`` run's evaluation after training, or of an
     ``eval.py task=retrieval`` output folder (its own ``per_query.json``)."""
     trained = run / AFTER_TRAINING_DIR / PER_QUERY_FILE
-    scores = read_json(trained if trained.is_file() else run / PER_QUERY_FILE)
+    return ndcg_by_query(read_json(trained if trained.is_file() else run / PER_QUERY_FILE))
+
+
+def ndcg_by_query(scores: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """``{dataset: {pool: {query_id: ndcg@5}}}`` of a retrieval evaluation's ``per_query.json`` contents."""
     return {dataset: {pool: {query: row["ndcg@5"] for query, row in queries.items()}
                       for pool, queries in by_pool.items()}
             for dataset, by_pool in scores.items()}

@@ -576,9 +576,9 @@ def markdown(report: Mapping[str, Any]) -> str:
              f"×100 [95 %] on the test split (gold pages; the reader's top 3 in pools single and all, a question's "
              f"pools one column): with several seeds the crossed seeds × questions interval, with one the "
              f"percentile bootstrap over questions; per-query rows in `{PER_QUERY}`.\n",
-             "| size | model | seeds | single pass, gold | agents, gold | single pass, top 3 | agents, top 3 | agents − single "
-             "pass, top 3 | Pruner AUROC, top 3 (all pool) | notes name the code | nDCG@5 reranked (reader alone), "
-             "synfine, all | training min | s / query, top 3 (single pass / agents) |",
+             "| size | model | seeds | single pass, gold | agents, gold | single pass, top 3 | agents, top 3 | "
+             "agents − single pass, top 3 | Pruner AUROC, top 3 (all pool) | notes name the code | "
+             "nDCG@5 reranked (reader alone), synfine, all | training min | s / query, top 3 (single pass / agents) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for size, row in report["sizes"].items():
         accuracy, steps, rerank = row["accuracy"], row.get("steps") or {}, row.get("rerank") or {}
