@@ -71,9 +71,12 @@ def make_run(weights: Path, run: Path) -> list:
     return queries
 
 
-def rerank(queries: list, out: Path, depth: int) -> None:
-    """The reader's top ``depth`` over the training pages reordered by the generator's P(yes), for ``queries``."""
-    cfg = compose_config("eval", ["retriever=rerank", "run_dir=weights/reader_tiny", f"retriever.depth={depth}"])
+def rerank(queries: list, out: Path, depth: int, weights: Path) -> None:
+    """The reader's top ``depth`` over the training pages reordered by the P(yes) of the generator ``weights``
+    (served as ``lvlm=phi3v`` with its base and adapter, whatever ``eval.py``'s default generator), for ``queries``."""
+    cfg = compose_config("eval", ["retriever=rerank", "run_dir=weights/reader_tiny", f"retriever.depth={depth}",
+                                  "lvlm=phi3v_agents_tiny", f"lvlm.base={weights / BASE_DIR}",
+                                  f"lvlm.adapter={weights / FINAL_ADAPTER}"])
     train = cfg.data.train
     settings = RetrievalEvalConfig(qa_source=cfg.data.qa_source, corpus_source=cfg.data.corpus_source,
                                    datasets=[train.qa_config], split=train.split, pools=["single"],
@@ -100,7 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     queries = make_run(args.weights, args.out / "run")
     if not args.no_rerank:
-        rerank(queries, args.out / "rerank", args.depth)
+        rerank(queries, args.out / "rerank", args.depth, args.weights)
 
 
 if __name__ == "__main__":

@@ -335,7 +335,7 @@ def test_rag_with_the_tiny_retriever_and_generator(tmp_path, data):
     assert {len(o.retrieved) for o in trace if o.pool == "single"} == {2}  # the style's two test pages
     assert all(o.calls and not o.failed for o in trace)
     assert all(o.grounding["source"] == "text" for o in trace)  # the whole path, the evidence step included
-    shipped = "weights/generator_agents_tiny/base+weights/generator_agents_tiny/checkpoints/final/adapter"
+    shipped = "weights/generator_agents_w128/base+weights/generator_agents_w128/checkpoints/final/adapter"
     assert report["meta"]["lvlm"] == {"backend": "phi3v", "model": shipped}  # eval.yaml's default lvlm
     assert (tmp_path / "run" / "retrieval.md").is_file()
 

@@ -101,6 +101,7 @@ SLOW: tuple[tuple[str, str], ...] = (
     (r"^python train\.py -m ", "a sweep of 12 demo runs (about 10 min; tiny: 12 short runs)"),
     (r"multirun/train/<stamp>", "reads the sweep's output"),
     (r"hkrag\.tasks\.(replica|chain|table6|ladder)", "runs of runs (minutes even with their tiny flags)"),
+    (r"outputs/ladder/runs/", "serves a generator the ladder trains: runs after the ladder's command (shrunk)"),
     (r"^python eval\.py -m ", "a sweep over the Judger threshold"),
     (r"multirun/eval/<stamp>", "reads the sweep's output"),
     (r"degrade=|task=degradation", "re-OCRs every degraded page"),

@@ -22,9 +22,10 @@ from hkrag.tasks.ship import MANIFEST_FILE, ShipRefused, file_hashes, ship, ship
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "weights"
 SHIPPED, GENERATOR = WEIGHTS / "reader_tiny", WEIGHTS / "generator_tiny"
-AGENTS = WEIGHTS / "generator_agents_tiny"
+AGENTS, DEFAULT = WEIGHTS / "generator_agents_tiny", WEIGHTS / "generator_agents_w128"
 MANIFEST = json.loads((SHIPPED / MANIFEST_FILE).read_text())
-EXPERIMENTS = {SHIPPED: "reader_tiny", GENERATOR: "generator_reader_tiny", AGENTS: "generator_agents_tiny"}
+EXPERIMENTS = {SHIPPED: "reader_tiny", GENERATOR: "generator_reader_tiny", AGENTS: "generator_agents_tiny",
+               DEFAULT: "generator_agents_tiny"}
 
 
 def as_shipped(composed: dict, shipped: dict) -> dict:
@@ -67,7 +68,7 @@ def test_the_files_are_the_ones_the_manifests_name():
     assert sizes < 10 * 2**20  # issue 23: weights and adapters together within 10 MB
 
 
-@pytest.mark.parametrize("folder", [SHIPPED, GENERATOR, AGENTS], ids=lambda folder: folder.name)
+@pytest.mark.parametrize("folder", EXPERIMENTS, ids=lambda folder: folder.name)
 def test_a_shipped_adapter_names_no_base_outside_the_repository(folder):
     """PEFT reads ``base_model_name_or_path`` when it loads an adapter: a training run's own folder there (e.g. a
     stage-1 run under outputs/) is a path no user has, which PEFT warns about at every load."""
@@ -98,24 +99,48 @@ def test_the_shipped_generator_answers_as_when_it_was_shipped(tmp_path):
     assert rows["code"]["mean"] > 3 / 8  # it reads reference codes: eight codes, chance 1/8
 
 
-def test_the_agents_generator_was_trained_on_every_step_and_answers_as_when_shipped(tmp_path):
-    """weights/generator_agents_tiny (docs/training.md "The agents' curriculum"): HKRAG's agents on the gold pages,
-    served by lvlm=phi3v_agents_tiny, answer the test questions as they did when it was shipped."""
+@pytest.mark.parametrize(("shipped", "lvlm"), [(AGENTS, "phi3v_agents_tiny"), (DEFAULT, "phi3v_agents_w128")],
+                         ids=["generator_agents_tiny", "generator_agents_w128"])
+def test_an_agents_generator_was_trained_on_every_step_and_answers_as_when_shipped(tmp_path, shipped, lvlm):
+    """weights/generator_agents_tiny (docs/training.md "The agents' curriculum") and the default generator,
+    weights/generator_agents_w128 (the ladder's w128-l2, seed 0): HKRAG's agents on the gold pages, served by their
+    lvlm config, answer the test questions as they did when they were shipped."""
     from agents.steps import STEPS
     from hkrag.rag.trace import MERGED_FILE, load_trace
     from hkrag.tasks import run_eval_task
     from hkrag.tasks.chain import answer_rows
 
-    manifest = json.loads((AGENTS / MANIFEST_FILE).read_text())
+    manifest = json.loads((shipped / MANIFEST_FILE).read_text())
     assert manifest["trained_steps"] == list(STEPS) and manifest["config"]["generator_training"]["curriculum"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("eval", [f"paths.data_dir={tmp_path / 'data'}", f"paths.output_dir={tmp_path / 'eval'}",
-                               "task=generation", "generator=hkrag", "lvlm=phi3v_agents_tiny", UNGROUNDED])
-    assert cfg.lvlm.base == "weights/generator_agents_tiny/base"
+                               "task=generation", "generator=hkrag", f"lvlm={lvlm}", UNGROUNDED])
+    assert cfg.lvlm.base == f"weights/{shipped.name}/base"
     run_eval_task(cfg, tmp_path / "eval")
     rows = {r["questions"]: r for r in answer_rows([load_trace(tmp_path / "eval" / MERGED_FILE)])}
     assert {r["questions"]: r["mean"] for r in manifest["answers"]["rows"]} == {n: r["mean"] for n, r in rows.items()}
-    assert rows["code"]["mean"] > 3 / 8 and rows["label"]["mean"] > 3 / 8  # the agents read codes and colours
+    assert rows["label"]["mean"] > 3 / 8  # both read colours (eight, chance 1/8)
+
+
+def test_the_width_64_agents_generator_reads_codes_and_the_default_does_not():
+    """What the default's change costs (docs/training.md, "The shipped default generator"): on the gold pages the
+    width-64 agents generator reads reference codes, the width-128 default at chance (eight codes, 1/8)."""
+    def code(shipped: Path) -> float:
+        rows = json.loads((shipped / MANIFEST_FILE).read_text())["answers"]["rows"]
+        return next(r["mean"] for r in rows if r["questions"] == "code")
+
+    assert code(AGENTS) > 3 / 8 and code(DEFAULT) < 2 / 8
+
+
+def test_the_default_generator_is_the_ladders_w128_rung():
+    """eval.py's default lvlm serves weights/generator_agents_w128, trained by the ladder's w128-l2 recipe: the
+    agents' experiment from that rung's stage 1, on the pages that rung's reader ranks."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("eval", [])
+    assert cfg.lvlm.base == "weights/generator_agents_w128/base"
+    overrides = json.loads((DEFAULT / MANIFEST_FILE).read_text())["overrides"]
+    assert "generator_training.init_from=outputs/ladder/runs/w128-l2-stage1-s0" in overrides
+    assert json.loads((DEFAULT / "base" / "config.json").read_text())["hidden_size"] == 128
 
 
 def test_the_shipped_reader_scores_synfine_as_when_it_was_trained(tmp_path):

@@ -53,7 +53,7 @@ from hkrag.models.phi3v.image_processing_phi3v import hd_padded_size, num_image_
 from hkrag.rag.report import REPORT_FILE as RAG_REPORT
 from hkrag.rag.step_report import page_truth, query_truth, step_report
 from hkrag.rag.trace import MERGED_FILE, load_trace
-from hkrag.stats import cluster_bootstrap_interval, cluster_rows, crossed_difference, crossed_interval
+from hkrag.tasks.answers import difference, interval
 from hkrag.tasks.chain import retrieval_scores
 from hkrag.tasks.common import (
     BASE_DIR,
@@ -113,7 +113,6 @@ DEFAULT_SEEDS = 3
 with fewer is reported as measured, exploratory."""
 PER_QUERY = "per_query.jsonl"
 NOTHING_TO_REACH = "single pass: no question right on the top 3 (nothing to reach)"
-BOOTSTRAP = "one seed: 95 % percentile bootstrap over questions (2,000 resamples)"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.]*(-[A-Za-z0-9_.]+)*")
 
 
@@ -427,26 +426,6 @@ def training_minutes(timings: Mapping[str, float], config: LadderConfig, size: s
     if any(value is None for seed in parts for value in seed):
         return None
     return float(np.mean([sum(seed) for seed in parts])) / 60
-
-
-def interval(matrix: np.ndarray, questions: Sequence[Any]) -> dict[str, Any]:
-    """The mean of a ``(seeds, rows)`` score matrix with its 95 % interval: crossed seeds × questions with several
-    seeds (:func:`hkrag.stats.crossed_interval`), else the percentile bootstrap over questions
-    (:func:`hkrag.stats.cluster_bootstrap_interval`); rows of one question are one column (one cluster)."""
-    if len(matrix) > 1:
-        found = crossed_interval(cluster_rows(matrix, questions), bounds=(0.0, 1.0))
-        return {key: found[key] for key in ("mean", "low", "high", "method")}
-    low, high = cluster_bootstrap_interval(matrix[0], questions)
-    return {"mean": float(matrix[0].mean()), "low": low, "high": high, "method": BOOTSTRAP}
-
-
-def difference(better: np.ndarray, worse: np.ndarray, questions: Sequence[Any]) -> dict[str, Any]:
-    """The paired difference ``better − worse`` (same seeds, same rows) with its 95 % interval, as :func:`interval`."""
-    if len(better) > 1:
-        found = crossed_difference(better, worse, questions)
-        return {key: found[key] for key in ("diff", "low", "high", "method")}
-    low, high = cluster_bootstrap_interval(better[0] - worse[0], questions)
-    return {"diff": float((better[0] - worse[0]).mean()), "low": low, "high": high, "method": BOOTSTRAP}
 
 
 def run_matrix(rows: Sequence[Mapping[str, Any]], size: str, pages: str, generator: str,
