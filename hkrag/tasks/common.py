@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -405,31 +405,80 @@ Job = tuple[Path, list[str], str, str]
 """``run_job``'s arguments: folder, overrides, config name and the file a finished run holds."""
 
 
-def run_jobs(jobs: Sequence[Job], workers: int = 1, desc: str = "replica jobs") -> Iterator[tuple[str, float]]:
+Runner = Callable[[Path, Sequence[str], str, str], float]
+"""What runs one job (:func:`run_job`; a module-level function, as spawned workers import it)."""
+
+
+def run_jobs(jobs: Sequence[Job], workers: int = 1, desc: str = "replica jobs",
+             needs: Mapping[Path, Sequence[Path]] | None = None, runner: Runner | None = None
+             ) -> Iterator[tuple[str, float]]:
     """Run the unfinished ``jobs`` (one after the other, or ``workers`` processes side by side) and yield each one's
-    ``(folder name, seconds)`` as it finishes. A failing job stops the rest: running ones finish, queued ones are
-    dropped, and the error is raised (a rerun resumes)."""
-    todo = [job for job in jobs if not (job[0] / job[3]).is_file()]
+    ``(folder name, seconds)`` as it finishes. ``needs`` maps a job's folder to the folders of the jobs it needs
+    (a chain: a reader, then the generator trained from it): a job starts once those have finished, in this call or
+    before, so a chain's next job starts when its own previous one ends, not when a whole stage does; ready jobs
+    start in the order given. A failing job stops the rest: running ones finish, queued ones are dropped, and the
+    error is raised (a rerun resumes). ``ValueError`` for a need that names no job, or needs that form a cycle.
+    ``runner`` runs one job (default :func:`run_job`)."""
+    waits, runner = _waits(jobs, needs or {}), runner or run_job
+    todo = [job for job in jobs if not _finished(job)]
     with tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, unit="job") as progress:
-        for name, seconds in _side_by_side(todo, workers) if workers > 1 and len(todo) > 1 else _in_turn(todo):
+        schedule = _side_by_side if workers > 1 and len(todo) > 1 else _in_turn
+        for name, seconds in schedule(todo, workers, waits, runner):
             progress.update()
             yield name, seconds
 
 
-def _in_turn(jobs: Sequence[Job]) -> Iterator[tuple[str, float]]:
-    for job in jobs:
-        yield job[0].name, run_job(*job)
+def _finished(job: Job) -> bool:
+    return (job[0] / job[3]).is_file()
 
 
-def _side_by_side(jobs: Sequence[Job], workers: int) -> Iterator[tuple[str, float]]:
+def _waits(jobs: Sequence[Job], needs: Mapping[Path, Sequence[Path]]) -> dict[Path, set[Path]]:
+    """Each job's unfinished needs (a finished one is met already); refuses needs naming no job, and cycles."""
+    by_folder = {job[0]: job for job in jobs}
+    unknown = sorted(str(need) for folder in needs for need in [folder, *needs[folder]] if need not in by_folder)
+    if unknown:
+        raise ValueError(f"needs name folders that are no job's: {unknown[:3]}")
+    waits = {job[0]: {need for need in needs.get(job[0], ()) if not _finished(by_folder[need])} for job in jobs}
+    met: set[Path] = set()
+    while len(met) < len(waits):
+        ready = {folder for folder, wanted in waits.items() if folder not in met and wanted <= met}
+        if not ready:
+            raise ValueError(f"the jobs' needs form a cycle: {sorted(str(f) for f in waits if f not in met)[:3]}")
+        met |= ready
+    return waits
+
+
+def _ready(pending: Sequence[Job], waits: Mapping[Path, set[Path]], done: set[Path]) -> list[Job]:
+    return [job for job in pending if waits[job[0]] <= done]
+
+
+def _in_turn(jobs: Sequence[Job], workers: int, waits: Mapping[Path, set[Path]], runner: Runner
+             ) -> Iterator[tuple[str, float]]:
+    pending, done = list(jobs), set()
+    while pending:
+        job = _ready(pending, waits, done)[0]
+        pending.remove(job)
+        seconds = runner(*job)
+        done.add(job[0])
+        yield job[0].name, seconds
+
+
+def _side_by_side(jobs: Sequence[Job], workers: int, waits: Mapping[Path, set[Path]], runner: Runner
+                  ) -> Iterator[tuple[str, float]]:
     threads = max(1, (os.cpu_count() or 1) // workers)  # more would spin-wait on shared cores (docs/training.md)
+    pending, done, running = list(jobs), set(), {}
     with ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), torch.set_num_threads, (threads,)) as pool:
-        running = {pool.submit(run_job, *job): job[0].name for job in jobs}
         try:
-            while running:
+            while pending or running:
+                for job in _ready(pending, waits, done)[:workers - len(running)]:
+                    pending.remove(job)
+                    running[pool.submit(runner, *job)] = job[0]
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in finished:
-                    yield running.pop(future), future.result()
+                    folder = running.pop(future)
+                    seconds = future.result()
+                    done.add(folder)
+                    yield folder.name, seconds
         finally:
             pool.shutdown(cancel_futures=True)
 

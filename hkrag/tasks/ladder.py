@@ -21,6 +21,8 @@ name is refused naming the known ones. Per size and seed ``s``, each a ``train.p
    both ungrounded (:data:`hkrag.tasks.common.UNGROUNDED`);
 4. with ``--rerank``: ``task=retrieval retriever=rerank`` (the reader's top 10 reordered by the generator's P(yes)).
 
+With ``--workers`` the jobs run side by side, each once the jobs it needs have finished (:func:`needs`).
+
 The recipes are held fixed (chosen on validation at the smallest size, docs/training.md); ``--steps-scale`` or
 ``--reader-steps`` / ``--generator-steps`` shorten them for a smoke run. The report (``ladder.{json,md}``,
 ``ladder.png``, ``per_query.jsonl``; :func:`summarize`, a function of the per-query rows and the per-step figures):
@@ -331,14 +333,29 @@ def plan(config: LadderConfig, steps: Mapping[str, int]) -> dict[str, list[Job]]
     return jobs
 
 
+def needs(config: LadderConfig) -> dict[Path, list[Path]]:
+    """What each job needs finished first: a size-seed's stage 1 its reader, its generator stage 1, its answer runs
+    and reranked retrieval that generator and reader. Nothing else waits, so with several workers one chain's next
+    job starts while another's reader still trains (:func:`hkrag.tasks.common.run_jobs`)."""
+    found = {}
+    for size in config.sizes:
+        for seed in config.seeds:
+            reader, stage1, generator = (config.folder(size, job, seed) for job in ("reader", "stage1", "generator"))
+            found[stage1], found[generator] = [reader], [stage1]
+            for job in [*RUNS, *(["rerank"] if config.rerank else [])]:
+                found[config.folder(size, job, seed)] = [generator, reader]
+    return found
+
+
 def run_ladder(config: LadderConfig) -> dict[str, Any]:
-    """Check every size, run (or resume) every job stage by stage, then write the report; returns its JSON."""
+    """Check every size, run (or resume) every job, each once the jobs it needs have finished (:func:`needs`), then
+    write the report; returns its JSON."""
     models = check_sizes(config)
     steps = training_steps(config)
     timings = read_timings(config.out)
-    for stage, jobs in plan(config, steps).items():
-        for name, seconds in run_jobs(jobs, config.workers, f"ladder: {stage}"):
-            record_time(timings, config.out, name, seconds)
+    jobs = [job for stage in plan(config, steps).values() for job in stage]
+    for name, seconds in run_jobs(jobs, config.workers, "ladder", needs(config)):
+        record_time(timings, config.out, name, seconds)
     return write_report(config, models, steps, timings)
 
 

@@ -1,0 +1,77 @@
+"""hkrag.tasks.common.run_jobs with needs: a chain's next job starts when its own previous one ends (not when a
+whole stage does), finished needs are met already, needs naming no job or forming a cycle are refused. The jobs
+here sleep instead of training; side by side they run in spawned processes, as the real ones do."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from hkrag.tasks.common import run_jobs
+from hkrag.tasks.ladder import LadderConfig, needs, plan
+
+
+def sleeper(folder: Path, overrides: list[str], config: str, done: str) -> float:
+    """Sleep ``overrides[0]`` seconds; write the start and end times into the job's done file."""
+    start = time.time()
+    time.sleep(float(overrides[0]))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / done).write_text(f"{start} {time.time()}")
+    return float(overrides[0])
+
+
+def job(tmp_path: Path, name: str, seconds: float) -> tuple:
+    return tmp_path / name, [str(seconds)], "train", "done"
+
+
+def times(tmp_path: Path, name: str) -> tuple[float, float]:
+    start, end = (tmp_path / name / "done").read_text().split()
+    return float(start), float(end)
+
+
+def test_a_chains_next_job_starts_when_its_own_need_ends(tmp_path):
+    """Two chains a1 -> a2 (a1 slow) and b1 -> b2: b2 starts as soon as b1 ends, while a1 still runs; a stage
+    barrier would have held it until a1 ended."""
+    jobs = [job(tmp_path, "a1", 2.5), job(tmp_path, "b1", 0.2), job(tmp_path, "a2", 0.2), job(tmp_path, "b2", 0.2)]
+    chains = {tmp_path / "a2": [tmp_path / "a1"], tmp_path / "b2": [tmp_path / "b1"]}
+    order = [name for name, _ in run_jobs(jobs, workers=2, needs=chains, runner=sleeper)]
+    assert order.index("b1") < order.index("b2") < order.index("a1") < order.index("a2")
+    assert times(tmp_path, "b2")[0] < times(tmp_path, "a1")[1]
+    assert times(tmp_path, "a2")[0] >= times(tmp_path, "a1")[1] and times(tmp_path, "b2")[0] >= times(tmp_path, "b1")[1]
+
+
+def test_in_turn_a_job_waits_for_its_needs_whatever_the_order_given(tmp_path):
+    jobs = [job(tmp_path, "second", 0), job(tmp_path, "first", 0)]
+    order = [name for name, _ in run_jobs(jobs, needs={tmp_path / "second": [tmp_path / "first"]}, runner=sleeper)]
+    assert order == ["first", "second"]
+
+
+def test_a_finished_need_is_met_already(tmp_path):
+    (tmp_path / "first").mkdir()
+    (tmp_path / "first" / "done").write_text("0 0")
+    jobs = [job(tmp_path, "first", 0), job(tmp_path, "second", 0)]
+    assert [name for name, _ in run_jobs(jobs, needs={tmp_path / "second": [tmp_path / "first"]},
+                                         runner=sleeper)] == ["second"]
+
+
+def test_needs_naming_no_job_or_forming_a_cycle_are_refused(tmp_path):
+    jobs = [job(tmp_path, "a", 0), job(tmp_path, "b", 0)]
+    with pytest.raises(ValueError, match="needs name folders that are no job's: .*elsewhere"):
+        list(run_jobs(jobs, needs={tmp_path / "a": [tmp_path / "elsewhere"]}, runner=sleeper))
+    with pytest.raises(ValueError, match="the jobs' needs form a cycle"):
+        list(run_jobs(jobs, needs={tmp_path / "a": [tmp_path / "b"], tmp_path / "b": [tmp_path / "a"]},
+                      runner=sleeper))
+    assert not (tmp_path / "a").exists()  # refused before any job ran
+
+
+def test_the_ladders_needs_are_its_chains(tmp_path):
+    """Every ladder job but the readers needs its own size-seed's earlier jobs and nothing else: seed 1's reader
+    waits for nothing, seed 0's generator for its stage 1 only."""
+    config = LadderConfig(tmp_path, sizes=["w64-l2"], seeds=[0, 1], rerank=True)
+    found = needs(config)
+    folders = {job[0] for stage in plan(config, {"reader": 1, "generator": 1}).values() for job in stage}
+    assert set(found) | {config.folder("w64-l2", "reader", s) for s in (0, 1)} == folders
+    assert found[config.folder("w64-l2", "generator", 0)] == [config.folder("w64-l2", "stage1", 0)]
+    assert found[config.folder("w64-l2", "rerank", 1)] == [config.folder("w64-l2", "generator", 1),
+                                                            config.folder("w64-l2", "reader", 1)]
+    assert config.folder("w64-l2", "reader", 1) not in found
