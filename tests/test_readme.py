@@ -80,6 +80,9 @@ OFFLINE: tuple[tuple[str, str], ...] = (
     (r"--size full", "a full-size Phi-3-vision training step (4.2B parameters, tens of GB of memory)"),
     (r"--out weights/", "ships over the repository's own weights (tests/test_shipped.py checks them and ships a "
      "run elsewhere)"),
+    (r"outputs/ladder/runs/w128-l2-", "serves the `w128-l2` rung's generator: the ladder's commands run here shrunk "
+     "to `--sizes w64-l2`, so none trains it (tests/test_shipped.py serves the shipped one, tests/test_answers.py "
+     "compares answer runs)"),
     (r"shared/reference|bench/memory_recorded",
      "Phi-3-vision's config.json from ../shared/reference/phi3v, outside the repository"),
     (r"bench/(demo_range|reader|late_interaction|li_validation|reading|search)\.py",
@@ -101,7 +104,6 @@ SLOW: tuple[tuple[str, str], ...] = (
     (r"^python train\.py -m ", "a sweep of 12 demo runs (about 10 min; tiny: 12 short runs)"),
     (r"multirun/train/<stamp>", "reads the sweep's output"),
     (r"hkrag\.tasks\.(replica|chain|table6|ladder)", "runs of runs (minutes even with their tiny flags)"),
-    (r"outputs/ladder/runs/", "serves a generator the ladder trains: runs after the ladder's command (shrunk)"),
     (r"^python eval\.py -m ", "a sweep over the Judger threshold"),
     (r"multirun/eval/<stamp>", "reads the sweep's output"),
     (r"degrade=|task=degradation", "re-OCRs every degraded page"),
