@@ -184,7 +184,8 @@ def serve_overrides(config: Table6Config, seed: int) -> list[str]:
 
 
 def run_table6(config: Table6Config) -> dict[str, Any]:
-    """Train every seed's generator and run every configuration (skipping finished jobs), then write the report."""
+    """Train every seed's generator and run every configuration (skipping finished jobs; each job once its seed's
+    earlier ones have finished: its first stage, then its generator), then write the report."""
     out = config.out
     register_rules(config)
     timings = read_timings(out)
@@ -198,9 +199,7 @@ def run_table6(config: Table6Config) -> dict[str, Any]:
     trainings = [training(generator_folder(config, seed), seed, [
         *steps, *([f"generator_training.init_from={stage1_folder(config, seed)}"] if config.stage1 else []),
         *config.overrides]) for seed in config.seeds]
-    for jobs, desc in ((stage1, "table 6 first stages"), (trainings, "table 6 generators")):
-        for name, seconds in run_jobs(jobs, config.workers, desc):
-            record_time(timings, out, name, seconds)
+    needs = {generator_folder(config, seed): [stage1_folder(config, seed)] for seed in config.seeds if config.stage1}
     runs = []
     for seed in config.seeds:
         for pages, task in PAGES.items():
@@ -208,7 +207,9 @@ def run_table6(config: Table6Config) -> dict[str, Any]:
             runs += [(run_folder(config, pages, g, seed), [*task, f"generator={g}", *retriever,
                                                             *serve_overrides(config, seed), *config.eval_overrides],
                       "eval", RAG_REPORT) for g in config.generators]
-    for name, seconds in run_jobs(runs, config.workers, "table 6 runs"):
+            needs.update({run_folder(config, pages, g, seed): [generator_folder(config, seed)]
+                          for g in config.generators})
+    for name, seconds in run_jobs([*stage1, *trainings, *runs], config.workers, "table 6", needs):
         record_time(timings, out, name, seconds)
     return write_report(config, timings)
 
