@@ -322,3 +322,18 @@ def test_the_committed_ladder_re_derives_from_its_per_query_data():
             scores = [ndcg_by_query(json.loads((COMMITTED / f"{prefix}_{size}_s{seed}_per_query.json").read_text()))
                       for seed in row["seeds"]]
             assert ladder.ndcg_means(scores) == pytest.approx(row["rerank"][name]), (size, name)
+
+
+def test_the_reader_step_budget_check_re_derives_from_its_per_query_data():
+    """docs/ladder/budget: the w128-l2 reader at 3,000 and 6,000 steps and the w64-l2 one on the validation corpora
+    (docs/training.md, "What a larger rung needs first"): each figure is the mean of its committed per-query nDCG@5,
+    and twice the steps lift the width-128 reader on every corpus."""
+    from hkrag.tasks.chain import ndcg_by_query
+
+    report = json.loads((COMMITTED / "budget" / "budget.json").read_text())["readers"]
+    for name, figures in report.items():
+        for d, (all_pool, synfine) in enumerate(zip(figures["all_pool"], figures["synfine_all"]), start=1):
+            scores = ndcg_by_query(json.loads((COMMITTED / "budget" / f"{name}_d{d}_per_query.json").read_text()))
+            assert all_pool == pytest.approx(np.mean([v for ds in scores.values() for v in ds["all"].values()]))
+            assert synfine == pytest.approx(np.mean(list(scores["synfine"]["all"].values())))
+    assert all(a > b for a, b in zip(report["w128-l2_6000"]["all_pool"], report["w128-l2_3000"]["all_pool"]))
