@@ -101,8 +101,7 @@ def compare(runs: Sequence[Path], baseline: Sequence[Path] = ()) -> dict[str, An
     matrix, rows = score_matrix(runs)
     report: dict[str, Any] = {"metric": METRIC, "rows": len(rows), "seeds": len(runs),
                               "runs": {"folders": [str(run) for run in runs], **summary(matrix, rows)}}
-    per_query = [{"condition": "runs", "seed": i, "dataset": d, "pool": p, "query_id": q, "score": float(score)}
-                 for i, scores in enumerate(matrix) for (d, p, q), score in zip(rows, scores)]
+    per_query = query_scores("runs", matrix, rows)
     if baseline:
         if len(baseline) != len(runs):
             raise ValueError(f"--vs gives {len(baseline)} folder(s) for {len(runs)} run(s): pair each seed with one")
@@ -112,11 +111,15 @@ def compare(runs: Sequence[Path], baseline: Sequence[Path] = ()) -> dict[str, An
                              "same split, data sets and pools")
         report["baseline"] = {"folders": [str(run) for run in baseline], **summary(against, rows)}
         report["difference"] = difference(matrix, against, questions_of(rows))
-        per_query += [{"condition": "baseline", "seed": i, "dataset": d, "pool": p, "query_id": q,
-                       "score": float(score)} for i, scores in enumerate(against) for (d, p, q), score in
-                      zip(rows, scores)]
+        per_query += query_scores("baseline", against, rows)
     report["per_query"] = per_query
     return report
+
+
+def query_scores(condition: str, matrix: np.ndarray, rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """The per-query rows of one condition's ``(seeds, rows)`` matrix, as ``<out>_per_query.jsonl`` keeps them."""
+    return [{"condition": condition, "seed": i, "dataset": d, "pool": p, "query_id": q, "score": float(score)}
+            for i, scores in enumerate(matrix) for (d, p, q), score in zip(rows, scores)]
 
 
 def summary(matrix: np.ndarray, rows: Sequence[Row]) -> dict[str, Any]:

@@ -422,8 +422,9 @@ def run_jobs(jobs: Sequence[Job], workers: int = 1, desc: str = "replica jobs",
     waits, runner = _waits(jobs, needs or {}), runner or run_job
     todo = [job for job in jobs if not _finished(job)]
     with tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, unit="job") as progress:
-        schedule = _side_by_side if workers > 1 and len(todo) > 1 else _in_turn
-        for name, seconds in schedule(todo, workers, waits, runner):
+        finished = (_side_by_side(todo, workers, waits, runner) if workers > 1 and len(todo) > 1
+                    else _in_turn(todo, waits, runner))
+        for name, seconds in finished:
             progress.update()
             yield name, seconds
 
@@ -452,8 +453,7 @@ def _ready(pending: Sequence[Job], waits: Mapping[Path, set[Path]], done: set[Pa
     return [job for job in pending if waits[job[0]] <= done]
 
 
-def _in_turn(jobs: Sequence[Job], workers: int, waits: Mapping[Path, set[Path]], runner: Runner
-             ) -> Iterator[tuple[str, float]]:
+def _in_turn(jobs: Sequence[Job], waits: Mapping[Path, set[Path]], runner: Runner) -> Iterator[tuple[str, float]]:
     pending, done = list(jobs), set()
     while pending:
         job = _ready(pending, waits, done)[0]
