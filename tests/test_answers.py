@@ -13,7 +13,7 @@ from hkrag.rag.trace import MERGED_FILE, write_trace
 from hkrag.stats import cluster_bootstrap_interval, cluster_rows, crossed_difference, crossed_interval
 from hkrag.tasks.answers import compare, main, questions_of
 
-DEFAULT = Path(__file__).resolve().parents[1] / "docs" / "ladder" / "default"
+COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "ladder"
 QUESTIONS = [("synchart", "q1"), ("synchart", "q2"), ("synfine", "q3")]
 
 
@@ -91,12 +91,15 @@ def test_the_command_writes_the_report_and_its_per_query_rows(tmp_path):
     assert len(lines) == 12 and "**+16.7 [" in (tmp_path / "out" / "top3.md").read_text()
 
 
+@pytest.mark.parametrize("folder", ["default", "default_first"])
 @pytest.mark.parametrize("name", ["reader_tiny_top3", "reader_tiny_top3_s0"])
-def test_the_committed_default_generator_report_re_derives_from_its_rows(name):
-    """docs/ladder/default: the w128-l2 generators (seeds 0-2; the shipped one is seed 0) on the shipped reader's
-    top 3, agents against the single pass, re-derived from the three-seed per-query file."""
-    report = json.loads((DEFAULT / f"{name}.json").read_text())
-    rows = [json.loads(line) for line in (DEFAULT / "reader_tiny_top3_per_query.jsonl").read_text().splitlines()]
+def test_the_committed_default_generator_report_re_derives_from_its_rows(folder, name):
+    """docs/ladder/default: the w128-l2 generators on the 6,000-step reader (seeds 0-2; the shipped one is seed 0)
+    on the shipped reader's top 3, agents against the single pass, re-derived from the three-seed per-query file;
+    docs/ladder/default_first the same for the first default's rung (its 3,000-step reader)."""
+    report = json.loads((COMMITTED / folder / f"{name}.json").read_text())
+    rows = [json.loads(line) for line in
+            (COMMITTED / folder / "reader_tiny_top3_per_query.jsonl").read_text().splitlines()]
     seeds = range(report["seeds"])
 
     def matrix(condition: str) -> tuple[np.ndarray, list]:

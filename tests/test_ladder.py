@@ -304,12 +304,16 @@ def test_a_size_reports_every_seed_finished_in_the_folder(tmp_path):
 COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "ladder"
 
 
-def test_the_committed_ladder_re_derives_from_its_per_query_data():
-    """docs/ladder/ladder.json's accuracies, paired differences and nDCG@5 figures follow from the committed
-    per-query rows and per-query nDCG (a report edited by hand, or built from other runs, fails)."""
-    report = json.loads((COMMITTED / "ladder.json").read_text())
-    rows = [json.loads(line) for line in (COMMITTED / ladder.PER_QUERY).read_text().splitlines()]
+@pytest.mark.parametrize("folder", [COMMITTED, COMMITTED / "r6000"], ids=["ladder", "r6000"])
+def test_the_committed_ladder_re_derives_from_its_per_query_data(folder):
+    """docs/ladder/ladder.json (and the w128-l2 rung on a 6,000-step reader, docs/ladder/r6000): the accuracies,
+    paired differences and nDCG@5 figures follow from the committed per-query rows and per-query nDCG (a report
+    edited by hand, or built from other runs, fails)."""
+    report = json.loads((folder / "ladder.json").read_text())
+    rows = [json.loads(line) for line in (folder / ladder.PER_QUERY).read_text().splitlines()]
     assert {row["size"] for row in rows} == set(report["sizes"])
+    assert report["settings"]["training_steps"] == {"reader": 6000 if folder.name == "r6000" else 3000,
+                                                    "generator": 1500}
     for size, row in report["sizes"].items():
         found = ladder.size_row(rows, size)
         assert sorted({r["seed"] for r in rows if r["size"] == size}) == row["seeds"]
@@ -319,7 +323,7 @@ def test_the_committed_ladder_re_derives_from_its_per_query_data():
         for key in ("diff", "low", "high"):
             assert found["agents_minus_single_pass"][key] == pytest.approx(row["agents_minus_single_pass"][key])
         for name, prefix in (("reranked", "rerank"), ("reader", "reader")):
-            scores = [ndcg_by_query(json.loads((COMMITTED / f"{prefix}_{size}_s{seed}_per_query.json").read_text()))
+            scores = [ndcg_by_query(json.loads((folder / f"{prefix}_{size}_s{seed}_per_query.json").read_text()))
                       for seed in row["seeds"]]
             assert ladder.ndcg_means(scores) == pytest.approx(row["rerank"][name]), (size, name)
 

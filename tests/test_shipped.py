@@ -103,8 +103,8 @@ def test_the_shipped_generator_answers_as_when_it_was_shipped(tmp_path):
                          ids=["generator_agents_tiny", "generator_agents_w128"])
 def test_an_agents_generator_was_trained_on_every_step_and_answers_as_when_shipped(tmp_path, shipped, lvlm):
     """weights/generator_agents_tiny (docs/training.md "The agents' curriculum") and the default generator,
-    weights/generator_agents_w128 (the ladder's w128-l2, seed 0): HKRAG's agents on the gold pages, served by their
-    lvlm config, answer the test questions as they did when they were shipped."""
+    weights/generator_agents_w128 (the ladder's w128-l2 on its 6,000-step reader, seed 0): HKRAG's agents on the
+    gold pages, served by their lvlm config, answer the test questions as they did when they were shipped."""
     from agents.steps import STEPS
     from hkrag.rag.trace import MERGED_FILE, load_trace
     from hkrag.tasks import run_eval_task
@@ -133,13 +133,13 @@ def test_the_width_64_agents_generator_reads_codes_and_the_default_does_not():
 
 
 def test_the_default_generator_is_the_ladders_w128_rung():
-    """eval.py's default lvlm serves weights/generator_agents_w128, trained by the ladder's w128-l2 recipe: the
-    agents' experiment from that rung's stage 1, on the pages that rung's reader ranks."""
+    """eval.py's default lvlm serves weights/generator_agents_w128, trained by the ladder's w128-l2 recipe on its
+    6,000-step reader: the agents' experiment from that rung's stage 1, on the pages that rung's reader ranks."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("eval", [])
     assert cfg.lvlm.base == "weights/generator_agents_w128/base"
     overrides = json.loads((DEFAULT / MANIFEST_FILE).read_text())["overrides"]
-    assert "generator_training.init_from=outputs/ladder/runs/w128-l2-stage1-s0" in overrides
+    assert "generator_training.init_from=outputs/ladder_r6000/runs/w128-l2-stage1-s0" in overrides
     assert json.loads((DEFAULT / "base" / "config.json").read_text())["hidden_size"] == 128
 
 
