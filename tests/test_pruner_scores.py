@@ -8,6 +8,8 @@ at a validation threshold in the step report; ``retriever=rerank`` reordering a 
 from __future__ import annotations
 
 import functools
+import gzip
+import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -369,3 +371,20 @@ def test_the_shipped_tiny_tokenizer_spells_yes_and_no_from_y_and_n():
     assert tokenizer("yes", add_special_tokens=False)["input_ids"][0] in yes
     assert tokenizer("no", add_special_tokens=False)["input_ids"][0] in no
     assert {texts[i].strip().lower() for i in yes} <= {"y", "ye", "yes"} and not set(yes) & set(no)
+
+
+PRUNER_STAGES = Path(__file__).resolve().parents[1] / "docs" / "rerank" / "pruner_stage"
+
+
+@pytest.mark.parametrize("stage", sorted(p.name for p in PRUNER_STAGES.iterdir() if p.is_dir()))
+def test_a_committed_pruner_stage_auroc_re_derives_from_its_calls(stage):
+    """docs/rerank/pruner_stage/<stage>: the validation AUROC of P(yes) in validation_steps.json follows from the
+    committed per-call rows (one row per Pruner call of the agents on the reader's top 3)."""
+    folder = PRUNER_STAGES / stage
+    with gzip.open(folder / "validation_pruner_calls.jsonl.gz", "rt") as handle:
+        calls = [json.loads(line) for line in handle]
+    reported = json.loads((folder / "validation_steps.json").read_text())["reports"]["agents-retrieved"]["pruner"]
+    found = reported["p_yes"]["auroc"]
+    assert found["n"] == len(calls) and found["positives"] == sum(c["label"] for c in calls)
+    assert auroc([c["p_yes"] for c in calls], [c["label"] for c in calls]) == pytest.approx(found["auroc"])
+    assert reported["counts"]["tp"] + reported["counts"]["fp"] == sum(c["said_yes"] for c in calls)
