@@ -122,7 +122,8 @@ def file_sizes(*paths: Path) -> tuple:
 
     def size(path: Path) -> Any:
         if path.is_dir():
-            files = [Path(top, name) for top, _, names in os.walk(path) for name in names]  # os.walk skips vanished folders
+            # os.walk skips vanished folders
+            files = [Path(top, name) for top, _, names in os.walk(path) for name in names]
             sizes = ((str(f.relative_to(path)), stat_size(f)) for f in sorted(files))
             return tuple((name, n) for name, n in sizes if n is not None)
         return stat_size(path)

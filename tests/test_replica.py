@@ -157,7 +157,8 @@ def test_the_readmes_table_5_verdicts_are_the_committed_report():
 def test_every_interval_the_readme_quotes_for_table_5_is_in_the_committed_report():
     root = Path(__file__).resolve().parents[1]
     readme = " ".join((root / "README.md").read_text().replace("−", "-").split())
-    section = readme[readme.index("nDCG@5 ×100 in the single pools after 324 steps"):readme.index("**Table 6** in the replica")]
+    start, end = "nDCG@5 ×100 in the single pools after 324 steps", "**Table 6** in the replica"
+    section = readme[readme.index(start):readme.index(end)]
     quoted = re.findall(r"\[[-+]?\d+\.\d, [-+]?\d+\.\d\]", section)
     report = (root / "docs" / "replica" / "replica.md").read_text()
     assert len(quoted) > 20, "the README's Table 5 section moved"
