@@ -2,6 +2,7 @@
 plan (each size's generator from its own reader), the report from hand-made per-query rows, and a rerun that
 re-runs nothing."""
 
+import gzip
 import json
 from pathlib import Path
 
@@ -341,3 +342,22 @@ def test_the_reader_step_budget_check_re_derives_from_its_per_query_data():
             assert all_pool == pytest.approx(np.mean([v for ds in scores.values() for v in ds["all"].values()]))
             assert synfine == pytest.approx(np.mean(list(scores["synfine"]["all"].values())))
     assert all(a > b for a, b in zip(report["w128-l2_6000"]["all_pool"], report["w128-l2_3000"]["all_pool"]))
+
+
+@pytest.mark.parametrize("budget", ["g1500", "g3000"])
+def test_the_generator_step_budget_check_re_derives_from_its_traces(budget):
+    """docs/ladder/budget/generator: the width-128 generator's stage 2 at 1,500 (shipped) and 3,000 steps on the
+    validation questions (docs/training.md): each final-answer rate is the mean of its committed trace's relaxed
+    accuracy, and the agents' Pruner AUROC follows from the committed calls."""
+    from hkrag.rag.step_report import auroc
+
+    folder = COMMITTED / "budget" / "generator" / budget
+    reports = json.loads((folder / "steps.json").read_text())["reports"]
+    for name in ("agents-gold", "agents-retrieved", "single_pass-gold", "single_pass-retrieved"):
+        with gzip.open(folder / f"{name}.jsonl.gz", "rt") as handle:
+            scores = [json.loads(line)["metrics"]["relaxed_accuracy"] for line in handle]
+        assert len(scores) == 108 and reports[name]["answers"]["final"]["hits"] == sum(scores), name
+    with gzip.open(folder / "agents-retrieved-pruner_calls.jsonl.gz", "rt") as handle:
+        calls = [json.loads(line) for line in handle]
+    found = reports["agents-retrieved"]["pruner"]["p_yes"]["auroc"]
+    assert auroc([c["p_yes"] for c in calls], [c["label"] for c in calls]) == pytest.approx(found["auroc"])
