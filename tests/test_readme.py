@@ -80,9 +80,9 @@ OFFLINE: tuple[tuple[str, str], ...] = (
     (r"--size full", "a full-size Phi-3-vision training step (4.2B parameters, tens of GB of memory)"),
     (r"--out weights/", "ships over the repository's own weights (tests/test_shipped.py checks them and ships a "
      "run elsewhere)"),
-    (r"outputs/ladder(_r6000)?/runs/w128-l2-", "serves the `w128-l2` rung's generator: the ladder's commands run "
-     "here shrunk to `--sizes w64-l2`, so none trains it (tests/test_shipped.py serves the shipped one, "
-     "tests/test_answers.py compares answer runs)"),
+    (r"outputs/ladder(_r6000)?/runs/w128-l2-|outputs/budget/w128-l2-r6000-", "serves or trains from the `w128-l2` "
+     "rung's runs: the ladder's commands run here shrunk to `--sizes w64-l2`, so none trains it "
+     "(tests/test_shipped.py serves the shipped one, tests/test_answers.py compares answer runs)"),
     (r"shared/reference|bench/memory_recorded",
      "Phi-3-vision's config.json from ../shared/reference/phi3v, outside the repository"),
     (r"bench/(demo_range|reader|late_interaction|li_validation|reading|search)\.py",
