@@ -136,8 +136,14 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
 
 
 def _text(path: Path) -> str:
-    """``path`` decoded as UTF-8; a bad byte raises :class:`FileFormatError` naming its line and offset."""
+    """``path`` decoded as UTF-8 (gunzipped first when it ends in ``.gz``, as :func:`write_jsonl_gz` writes); a bad
+    byte raises :class:`FileFormatError` naming its line and offset, a damaged archive naming the file."""
     data = path.read_bytes()
+    if path.suffix == ".gz":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as error:
+            raise FileFormatError(path, f"not a readable gzip file (truncated or damaged: {error})") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -186,8 +192,8 @@ def read_array(path: str | Path, mmap: bool = False) -> Any:
 
 
 def read_jsonl(path: str | Path, keys: Sequence[str] = ()) -> list[Any]:
-    """The records of the JSON Lines file at ``path`` (blank lines skipped); with ``keys``, each an object holding
-    them. Raises :class:`FileFormatError` naming the file and the line."""
+    """The records of the JSON Lines file at ``path``, gzipped when it ends in ``.gz`` (blank lines skipped); with
+    ``keys``, each an object holding them. Raises :class:`FileFormatError` naming the file and the line."""
     path = Path(path)
     rows = []
     for number, line in enumerate(_text(path).splitlines(), 1):

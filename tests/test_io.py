@@ -5,7 +5,17 @@ import json
 
 import pytest
 
-from hkrag.io import WriteError, atomic_directory, atomic_write, write_bytes, write_json, write_text
+from hkrag.io import (
+    FileFormatError,
+    WriteError,
+    atomic_directory,
+    atomic_write,
+    read_jsonl,
+    write_bytes,
+    write_json,
+    write_jsonl_gz,
+    write_text,
+)
 
 
 def disk_full(f):
@@ -67,3 +77,12 @@ def test_failed_directory_build_keeps_the_previous_folder(tmp_path):
     with atomic_directory(target) as tmp:
         (tmp / "weights").write_text("v2")
     assert (target / "weights").read_text() == "v2"
+
+
+def test_read_jsonl_reads_what_write_jsonl_gz_wrote_and_names_a_damaged_archive(tmp_path):
+    rows = [{"query_id": "q1", "p_yes": 0.25}, {"query_id": "q2", "p_yes": None}]
+    path = write_jsonl_gz(tmp_path / "calls.jsonl.gz", rows)
+    assert read_jsonl(path) == rows
+    (tmp_path / "cut.jsonl.gz").write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(FileFormatError, match=r"cut\.jsonl\.gz.*not a readable gzip file"):
+        read_jsonl(tmp_path / "cut.jsonl.gz")

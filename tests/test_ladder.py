@@ -2,7 +2,6 @@
 plan (each size's generator from its own reader), the report from hand-made per-query rows, and a rerun that
 re-runs nothing."""
 
-import gzip
 import json
 from pathlib import Path
 
@@ -10,6 +9,8 @@ import numpy as np
 import pytest
 
 import hkrag.tasks.common as common
+from hkrag.io import read_jsonl
+from hkrag.rag.step_report import auroc
 from hkrag.stats import cluster_bootstrap_interval, crossed_interval
 from hkrag.tasks import ladder
 from hkrag.tasks.chain import ndcg_by_query
@@ -333,8 +334,6 @@ def test_the_reader_step_budget_check_re_derives_from_its_per_query_data():
     """docs/ladder/budget: the w128-l2 reader at 3,000 and 6,000 steps and the w64-l2 one on the validation corpora
     (docs/training.md, "What a larger rung needs first"): each figure is the mean of its committed per-query nDCG@5,
     and twice the steps lift the width-128 reader on every corpus."""
-    from hkrag.tasks.chain import ndcg_by_query
-
     report = json.loads((COMMITTED / "budget" / "budget.json").read_text())["readers"]
     for name, figures in report.items():
         for d, (all_pool, synfine) in enumerate(zip(figures["all_pool"], figures["synfine_all"]), start=1):
@@ -349,15 +348,11 @@ def test_the_generator_step_budget_check_re_derives_from_its_traces(budget):
     """docs/ladder/budget/generator: the width-128 generator's stage 2 at 1,500 (shipped) and 3,000 steps on the
     validation questions (docs/training.md): each final-answer rate is the mean of its committed trace's relaxed
     accuracy, and the agents' Pruner AUROC follows from the committed calls."""
-    from hkrag.rag.step_report import auroc
-
     folder = COMMITTED / "budget" / "generator" / budget
     reports = json.loads((folder / "steps.json").read_text())["reports"]
     for name in ("agents-gold", "agents-retrieved", "single_pass-gold", "single_pass-retrieved"):
-        with gzip.open(folder / f"{name}.jsonl.gz", "rt") as handle:
-            scores = [json.loads(line)["metrics"]["relaxed_accuracy"] for line in handle]
+        scores = [row["metrics"]["relaxed_accuracy"] for row in read_jsonl(folder / f"{name}.jsonl.gz")]
         assert len(scores) == 108 and reports[name]["answers"]["final"]["hits"] == sum(scores), name
-    with gzip.open(folder / "agents-retrieved-pruner_calls.jsonl.gz", "rt") as handle:
-        calls = [json.loads(line) for line in handle]
+    calls = read_jsonl(folder / "agents-retrieved-pruner_calls.jsonl.gz")
     found = reports["agents-retrieved"]["pruner"]["p_yes"]["auroc"]
     assert auroc([c["p_yes"] for c in calls], [c["label"] for c in calls]) == pytest.approx(found["auroc"])

@@ -8,7 +8,6 @@ at a validation threshold in the step report; ``retriever=rerank`` reordering a 
 from __future__ import annotations
 
 import functools
-import gzip
 import json
 import math
 from pathlib import Path
@@ -26,6 +25,7 @@ from agents.context import Caps
 from agents.prompts import Prompts
 from agents.pruner import PageScorer, read_yes_no
 from hkrag.data.opendocvqa import QAExample
+from hkrag.io import read_jsonl
 from hkrag.lvlm import GenerationSettings, LVLMBackend, LVLMResult, PageImage, TokenLogprob
 from hkrag.lvlm.local import token_statistics
 from hkrag.lvlm.scripted import Reply, ScriptedBackend
@@ -318,7 +318,6 @@ def test_retriever_rerank_composes_and_binds_its_first_stage_and_scorer():
 
 def test_per_query_rows_are_written_as_reproducible_gzipped_json_lines(tmp_path):
     import gzip
-    import json
 
     from hkrag.io import write_jsonl_gz
 
@@ -381,8 +380,7 @@ def test_a_committed_pruner_stage_auroc_re_derives_from_its_calls(stage):
     """docs/rerank/pruner_stage/<stage>: the validation AUROC of P(yes) in validation_steps.json follows from the
     committed per-call rows (one row per Pruner call of the agents on the reader's top 3)."""
     folder = PRUNER_STAGES / stage
-    with gzip.open(folder / "validation_pruner_calls.jsonl.gz", "rt") as handle:
-        calls = [json.loads(line) for line in handle]
+    calls = read_jsonl(folder / "validation_pruner_calls.jsonl.gz")
     reported = json.loads((folder / "validation_steps.json").read_text())["reports"]["agents-retrieved"]["pruner"]
     found = reported["p_yes"]["auroc"]
     assert found["n"] == len(calls) and found["positives"] == sum(c["label"] for c in calls)

@@ -53,7 +53,7 @@ from omegaconf import OmegaConf
 
 from agents.steps import longest_route
 from hkrag.data.opendocvqa import QAExample, load_qa
-from hkrag.io import read_json, write_bytes, write_json, write_text
+from hkrag.io import read_json, read_jsonl, write_bytes, write_json, write_text
 from hkrag.rag.records import CallRecord, QueryOutcome
 from hkrag.rag.report import REPORT_FILE as RAG_REPORT
 from hkrag.rag.report import RUN_CONFIG_FILE, metric_value
@@ -532,8 +532,7 @@ def write_rows(path: Path, rows: Sequence[Mapping[str, Any]]) -> Path:
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """The rows :func:`write_rows` wrote."""
-    with gzip.open(path, "rt", encoding="utf-8") as lines:
-        return [json.loads(line) for line in lines if line.strip()]
+    return read_jsonl(path)
 
 
 def _pct(value: float | None) -> str:
