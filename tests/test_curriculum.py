@@ -284,3 +284,22 @@ def test_the_example_mean_weighs_each_example_once():
     assert example_mean_nll(logits, labels).item() == pytest.approx(sum(per_row) / 2)
     token_mean = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 3), labels[:, 1:].reshape(-1))
     assert token_mean.item() == pytest.approx((math.log(2) + 3 * math.log(3)) / 4)  # what loss_mean=token gives
+
+
+def test_the_fit_check_samples_the_trained_questions_evenly_and_never_a_held_out_one(tmp_path):
+    cfg = OmegaConf.create({"data": {"qa_source": "data/synthetic/qa", "train": {"qa_config": "default"}}})
+    qa = agent_steps.load_qa("data/synthetic/qa", "default", "train")
+    held = [ex.query_id for ex in qa[::16]]
+    (tmp_path / "report.json").write_text(json.dumps({"validation_queries": held}))
+    validation = agent_steps.held_out_queries(tmp_path, cfg, "validation")
+    training = agent_steps.held_out_queries(tmp_path, cfg, "training")
+    trained = [ex for ex in qa if ex.query_id not in set(held)]
+    step = len(trained) // len(held)
+    assert [ex.query_id for ex in validation] == held
+    assert len(training) == len(held) and step >= 2
+    assert [ex.query_id for ex in training] == [ex.query_id for ex in trained[:step * len(held):step]]
+    with pytest.raises(ValueError, match="validation and training splits"):
+        agent_steps.page_sets(tmp_path, cfg, "test", training, "retrieved")
+    (tmp_path / "report.json").write_text(json.dumps({"validation_queries": []}))
+    with pytest.raises(ValueError, match="held out no validation queries"):
+        agent_steps.held_out_queries(tmp_path, cfg, "training")

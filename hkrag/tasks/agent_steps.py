@@ -2,11 +2,12 @@
 
     python -m hkrag.tasks.agent_steps outputs/generator_agents --out outputs/generator_agents/steps
 
-For the run's held-out validation queries (``report.json``'s ``validation_queries``: documents the run never saw)
-or, with ``--split test``, the test questions (the built-in corpus's five data sets), on each page set of
-``--pages`` (``gold``: the relevant page; ``retrieved``: the training reader's top 3 as the run ranked them,
-validation only), two evaluations, each written as a trace (``<mode>-<pages>.jsonl``) with its per-step report
-(:mod:`hkrag.rag.step_report`) in ``steps.{json,md}``:
+For the run's held-out validation queries (``report.json``'s ``validation_queries``: documents the run never saw),
+with ``--split training`` as many of the questions it trained on (a fit check: every k-th, k = ⌊training /
+validation⌋) or, with ``--split test``, the test questions (the built-in corpus's five data sets), on each page
+set of ``--pages`` (``gold``: the relevant page; ``retrieved``: the training reader's top 3 as the run ranked
+them, validation and training only), two evaluations, each written as a trace (``<mode>-<pages>.jsonl``) with
+its per-step report (:mod:`hkrag.rag.step_report`) in ``steps.{json,md}``:
 
 - ``forced``: every step asked once with the curriculum's own request (the notes steps given the ground-truth
   notes), its reply compared with the curriculum's target: each step's skill, apart from what the others do;
@@ -55,6 +56,8 @@ from hkrag.tasks.rag import answer_all, question_text
 
 logger = logging.getLogger(__name__)
 MODES = ("forced", "agents", "single_pass")
+SPLITS = ("validation", "training", "test")
+"""Held-out questions, a sample of the run's own training questions (the fit check), the test questions."""
 PAGE_SETS = ("gold", "retrieved")
 RETRIEVED_PAIRS = "generator_pairs_retrieved.jsonl"
 STEPS = ("pruner", "answer", "single_pass", "verify", "salient", "fine_print", "decouple", "integrate")
@@ -68,12 +71,17 @@ def generator_config(name: str) -> dict[str, Any]:
 
 
 def held_out_queries(run: Path, cfg: Any, split: str) -> list[QAExample]:
-    """The run's validation queries (training split, held-out documents) or the test questions."""
-    if split == "validation":
+    """The run's validation queries (training split, held-out documents), as many of the questions it trained on
+    (every k-th, k = ⌊training / validation⌋, in the QA file's order) or the test questions."""
+    if split in ("validation", "training"):
         ids = set(read_json(run / "report.json", keys=("validation_queries",))["validation_queries"])
         if not ids:
             raise ValueError(f"{run} held out no validation queries (generator_training.validation was not set)")
-        return [ex for ex in load_qa(cfg.data.qa_source, cfg.data.train.qa_config, "train") if ex.query_id in ids]
+        qa = load_qa(cfg.data.qa_source, cfg.data.train.qa_config, "train")
+        if split == "validation":
+            return [ex for ex in qa if ex.query_id in ids]
+        trained = [ex for ex in qa if ex.query_id not in ids]
+        return trained[::max(1, len(trained) // len(ids))][:len(ids)]
     return [ex for dataset in cfg.data.eval_datasets for ex in load_qa(cfg.data.qa_source, dataset, "test")]
 
 
@@ -81,9 +89,9 @@ def page_sets(run: Path, cfg: Any, split: str, queries: Sequence[QAExample], whi
     """Each query's ranked page ids: its gold page, or the training reader's top 3 (validation queries only)."""
     if which == "gold":
         return {ex.query_id: list(ex.relevant_doc_ids[:1]) for ex in queries}
-    if split != "validation":
-        raise ValueError("--pages retrieved is for the validation split; on the test split run eval.py task=rag "
-                         "and python -m hkrag.rag steps on its run directory")
+    if split == "test":
+        raise ValueError("--pages retrieved is for the validation and training splits; on the test split run "
+                         "eval.py task=rag and python -m hkrag.rag steps on its run directory")
     ranked = {pair.query_id: list(pair.doc_ids) for pair in read_pairs(run / RETRIEVED_PAIRS)}
     return {ex.query_id: ranked[ex.query_id] for ex in queries}
 
@@ -110,8 +118,8 @@ def evaluate(run: Path, out: Path, split: str, pages: Sequence[str], modes: Sequ
     P(yes) threshold is ``threshold_from``'s (a validation ``steps.json``) when given, else chosen on each report."""
     cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
     queries = held_out_queries(run, cfg, split)[:max_queries]
-    corpus_split = "train" if split == "validation" else "test"
-    corpus_configs = [cfg.data.train.corpus_config] if split == "validation" else ["all"]
+    corpus_split = "test" if split == "test" else "train"
+    corpus_configs = ["all"] if split == "test" else [cfg.data.train.corpus_config]
     corpora = [load_corpus(cfg.data.corpus_source, name, corpus_split) for name in corpus_configs]
     truths = {ex.query_id: query_truth(ex) for ex in queries}
     evidence = {ex.query_id: ex.evidence for ex in queries}
@@ -162,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, help="a train.py run of experiment=generator_agents_tiny (or a sibling)")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--split", choices=("validation", "test"), default="validation")
+    parser.add_argument("--split", choices=SPLITS, default="validation",
+                        help="validation: the run's held-out questions; training: as many it trained on (fit check)")
     parser.add_argument("--pages", nargs="+", choices=PAGE_SETS, default=["gold"])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--max-queries", type=POSITIVE.arg, default=None, help="the first N queries only")
