@@ -377,12 +377,15 @@ PRUNER_STAGES = Path(__file__).resolve().parents[1] / "docs" / "rerank" / "prune
 
 @pytest.mark.parametrize("stage", sorted(p.name for p in PRUNER_STAGES.iterdir() if p.is_dir()))
 def test_a_committed_pruner_stage_auroc_re_derives_from_its_calls(stage):
-    """docs/rerank/pruner_stage/<stage>: the validation AUROC of P(yes) in validation_steps.json follows from the
-    committed per-call rows (one row per Pruner call of the agents on the reader's top 3)."""
+    """docs/rerank/pruner_stage/<stage>: the AUROC of P(yes) in validation_steps.json (and the fit check's in
+    training_steps.json, where committed) follows from the committed per-call rows (one row per Pruner call of the
+    agents on the reader's top 3)."""
     folder = PRUNER_STAGES / stage
-    calls = read_jsonl(folder / "validation_pruner_calls.jsonl.gz")
-    reported = json.loads((folder / "validation_steps.json").read_text())["reports"]["agents-retrieved"]["pruner"]
-    found = reported["p_yes"]["auroc"]
-    assert found["n"] == len(calls) and found["positives"] == sum(c["label"] for c in calls)
-    assert auroc([c["p_yes"] for c in calls], [c["label"] for c in calls]) == pytest.approx(found["auroc"])
-    assert reported["counts"]["tp"] + reported["counts"]["fp"] == sum(c["said_yes"] for c in calls)
+    splits = ["validation"] + ["training"] * (folder / "training_steps.json").is_file()
+    for split in splits:
+        calls = read_jsonl(folder / f"{split}_pruner_calls.jsonl.gz")
+        reported = json.loads((folder / f"{split}_steps.json").read_text())["reports"]["agents-retrieved"]["pruner"]
+        found = reported["p_yes"]["auroc"]
+        assert found["n"] == len(calls) and found["positives"] == sum(c["label"] for c in calls)
+        assert auroc([c["p_yes"] for c in calls], [c["label"] for c in calls]) == pytest.approx(found["auroc"])
+        assert reported["counts"]["tp"] + reported["counts"]["fp"] == sum(c["said_yes"] for c in calls)
