@@ -10,6 +10,7 @@ import pytest
 
 import hkrag.tasks.common as common
 from hkrag.io import read_jsonl
+from hkrag.rag.records import words
 from hkrag.rag.step_report import auroc
 from hkrag.stats import cluster_bootstrap_interval, crossed_interval
 from hkrag.tasks import ladder
@@ -356,3 +357,18 @@ def test_the_generator_step_budget_check_re_derives_from_its_traces(budget):
     calls = read_jsonl(folder / "agents-retrieved-pruner_calls.jsonl.gz")
     found = reports["agents-retrieved"]["pruner"]["p_yes"]["auroc"]
     assert auroc([c["p_yes"] for c in calls], [c["label"] for c in calls]) == pytest.approx(found["auroc"])
+
+
+@pytest.mark.parametrize("split, questions", [("validation", 108), ("test", 124)])
+def test_the_notes_stage_code_rate_re_derives_from_its_traces(split, questions):
+    """docs/ladder/notes_stage: the forced fine-print notes on gold pages (each question's first iteration) name the
+    page's drawn code (as a whole word) in as many questions as the committed report says (docs/training.md, "A
+    dedicated notes stage")."""
+    folder = COMMITTED / "notes_stage"
+    codes = {row["doc_id"]: row["code"] for row in read_jsonl(Path("data/synthetic/pages.jsonl"))}
+    rows = read_jsonl(folder / f"{split}_forced_gold_trace.jsonl.gz")
+    notes = [(call["output"], codes[row["retrieved"][0]]) for row in rows for call in row["calls"]
+             if call["step"] == "fine_print" and call["iteration"] == 1]
+    reported = json.loads((folder / f"{split}_forced_steps.json").read_text())["reports"]["forced-gold"]["notes"]
+    assert len(rows) == len(notes) == questions == reported["fine_print code"]["n"]
+    assert sum(code in words(output) for output, code in notes) == reported["fine_print code"]["hits"]
