@@ -91,15 +91,17 @@ def test_the_command_writes_the_report_and_its_per_query_rows(tmp_path):
     assert len(lines) == 12 and "**+16.7 [" in (tmp_path / "out" / "top3.md").read_text()
 
 
-@pytest.mark.parametrize("folder", ["default", "default_first"])
-@pytest.mark.parametrize("name", ["reader_tiny_top3", "reader_tiny_top3_s0"])
-def test_the_committed_default_generator_report_re_derives_from_its_rows(folder, name):
+@pytest.mark.parametrize(("folder", "name", "rows_file", "answered"), [
+    *[(folder, name, "reader_tiny_top3", 248) for folder in ("default", "default_first")
+      for name in ("reader_tiny_top3", "reader_tiny_top3_s0")],
+    ("notes", "top3", "top3", 248), ("notes", "gold", "gold", 124)])
+def test_the_committed_paired_answer_reports_re_derive_from_their_rows(folder, name, rows_file, answered):
     """docs/ladder/default: the w128-l2 generators on the 6,000-step reader (seeds 0-2; the shipped one is seed 0)
     on the shipped reader's top 3, agents against the single pass, re-derived from the three-seed per-query file;
-    docs/ladder/default_first the same for the first default's rung (its 3,000-step reader)."""
+    docs/ladder/default_first the same for the first default's rung (its 3,000-step reader); docs/ladder/notes the
+    w64-l2 rung with the notes stage on its readers' top 3 and on gold pages."""
     report = json.loads((COMMITTED / folder / f"{name}.json").read_text())
-    rows = [json.loads(line) for line in
-            (COMMITTED / folder / "reader_tiny_top3_per_query.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (COMMITTED / folder / f"{rows_file}_per_query.jsonl").read_text().splitlines()]
     seeds = range(report["seeds"])
 
     def matrix(condition: str) -> tuple[np.ndarray, list]:
@@ -110,7 +112,7 @@ def test_the_committed_default_generator_report_re_derives_from_its_rows(folder,
 
     agents, questions = matrix("runs")
     single, _ = matrix("baseline")
-    assert report["rows"] == agents.shape[1] == 248
+    assert report["rows"] == agents.shape[1] == answered
     assert report["runs"]["accuracy"]["mean"] == pytest.approx(agents.mean())
     assert report["difference"]["diff"] == pytest.approx((agents - single).mean())
     if report["seeds"] > 1:
