@@ -303,3 +303,12 @@ def test_the_fit_check_samples_the_trained_questions_evenly_and_never_a_held_out
     (tmp_path / "report.json").write_text(json.dumps({"validation_queries": []}))
     with pytest.raises(ValueError, match="held out no validation queries"):
         agent_steps.held_out_queries(tmp_path, cfg, "training")
+
+
+def test_the_step_report_overrides_the_generators_keys_and_refuses_an_unknown_one():
+    from hydra.errors import ConfigCompositionException
+
+    assert agent_steps.generator_config("hkrag", ["threshold=0.35"])["threshold"] == 0.35
+    assert agent_steps.generator_config("hkrag")["threshold"] == 0.8
+    with pytest.raises(ConfigCompositionException, match="generator.thresh"):
+        agent_steps.generator_config("hkrag", ["thresh=0.35"])

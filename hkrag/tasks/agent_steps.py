@@ -64,10 +64,11 @@ STEPS = ("pruner", "answer", "single_pass", "verify", "salient", "fine_print", "
 """Every step of ``agents.steps.STEPS`` (``forced`` asks each, trained or not; tests check the two agree)."""
 
 
-def generator_config(name: str) -> dict[str, Any]:
-    """``conf/generator/<name>.yaml``, resolved."""
+def generator_config(name: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """``conf/generator/<name>.yaml`` with Hydra ``overrides`` of its keys (``threshold=0.4``), resolved."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return OmegaConf.to_container(compose(overrides=[f"+generator={name}"]).generator, resolve=True)
+        cfg = compose(overrides=[f"+generator={name}", *(f"generator.{override}" for override in overrides)])
+        return OmegaConf.to_container(cfg.generator, resolve=True)
 
 
 def held_out_queries(run: Path, cfg: Any, split: str) -> list[QAExample]:
@@ -113,9 +114,11 @@ def forced_outcome(curriculum: Any, backend: LVLMBackend, truth: QueryTruth, pag
 
 
 def evaluate(run: Path, out: Path, split: str, pages: Sequence[str], modes: Sequence[str],
-             max_queries: int | None = None, threshold_from: Path | None = None) -> dict[str, Any]:
+             max_queries: int | None = None, threshold_from: Path | None = None,
+             generator_overrides: Sequence[str] = ()) -> dict[str, Any]:
     """The traces and per-step reports of every (mode, page set); returns ``steps.json``'s content. The Pruner's
-    P(yes) threshold is ``threshold_from``'s (a validation ``steps.json``) when given, else chosen on each report."""
+    P(yes) threshold is ``threshold_from``'s (a validation ``steps.json``) when given, else chosen on each report;
+    ``generator_overrides`` change the end-to-end generators' config (e.g. the Judger's ``threshold``)."""
     cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
     queries = held_out_queries(run, cfg, split)[:max_queries]
     corpus_split = "test" if split == "test" else "train"
@@ -147,7 +150,7 @@ def evaluate(run: Path, out: Path, split: str, pages: Sequence[str], modes: Sequ
                 outcomes = [forced_outcome(curriculum, backend, truths[ex.query_id], [page(d) for d in
                             ranked[ex.query_id]], items, cfg.generator.estimator) for ex in tqdm(queries, desc=name)]
             else:
-                config = generator_config("hkrag" if mode == "agents" else "single_pass")
+                config = generator_config("hkrag" if mode == "agents" else "single_pass", generator_overrides)
                 asked = [Query(ex.query_id, question_text(ex), [page(d) for d in ranked[ex.query_id]],
                                list(ex.answers)) for ex in queries]
                 outcomes = answer_all(config, backend, tqdm(asked, desc=name))
@@ -158,7 +161,8 @@ def evaluate(run: Path, out: Path, split: str, pages: Sequence[str], modes: Sequ
             results[name] = step_report(outcomes, truths, items, final=mode != "forced", evidence=evidence,
                                         **threshold)
     backend.close()
-    report = {"run": str(run), "split": split, "queries": len(queries), "reports": results}
+    report = {"run": str(run), "split": split, "queries": len(queries),
+              "generator_overrides": list(generator_overrides), "reports": results}
     write_json(out / "steps.json", report)
     write_text(out / "steps.md", f"# Per-step report: {run}, {split} split, {len(queries)} queries\n\n"
                + summary_markdown(results) + "\n" + "\n".join(step_markdown(r, f"{name} ({split})")
@@ -177,9 +181,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-queries", type=POSITIVE.arg, default=None, help="the first N queries only")
     parser.add_argument("--threshold-from", type=Path, default=None,
                         help="a validation steps.json whose Pruner P(yes) threshold is applied")
+    parser.add_argument("--generator", nargs="+", default=[], metavar="KEY=VALUE", dest="generator_overrides",
+                        help="overrides of conf/generator's keys for the agents and the single pass (threshold=0.4)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    report = evaluate(args.run, args.out, args.split, args.pages, args.modes, args.max_queries, args.threshold_from)
+    report = evaluate(args.run, args.out, args.split, args.pages, args.modes, args.max_queries, args.threshold_from,
+                      args.generator_overrides)
     print((args.out / "steps.md").read_text())
     logger.info("%d queries; reports in %s", report["queries"], args.out)
 
