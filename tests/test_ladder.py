@@ -372,3 +372,17 @@ def test_the_notes_stage_code_rate_re_derives_from_its_traces(split, questions):
     reported = json.loads((folder / f"{split}_forced_steps.json").read_text())["reports"]["forced-gold"]["notes"]
     assert len(rows) == len(notes) == questions == reported["fine_print code"]["n"]
     assert sum(code in words(output) for output, code in notes) == reported["fine_print code"]["hits"]
+
+
+@pytest.mark.parametrize("h", ["0.25", "0.38", "0.50", "0.60"])
+def test_the_notes_stage_threshold_sweep_re_derives_from_its_traces(h):
+    """docs/ladder/notes_stage/h_sweep: the agents' final answers on the validation questions at each Judger threshold
+    h are the committed traces' relaxed accuracy, and every query above h took the notes route (HQP)."""
+    folder = COMMITTED / "notes_stage" / "h_sweep" / f"h{h}"
+    report = json.loads((folder / "steps.json").read_text())
+    assert report["generator_overrides"] == [f"threshold={h}"]
+    for name in ("agents-gold", "agents-retrieved"):
+        rows = read_jsonl(folder / f"{name}.jsonl.gz")
+        final = report["reports"][name]["answers"]["final"]
+        assert len(rows) == final["n"] == 108 and sum(r["metrics"]["relaxed_accuracy"] for r in rows) == final["hits"]
+        assert all((r["route"] == "HQP") == (r["uncertainty"] >= float(h)) for r in rows)
