@@ -24,6 +24,20 @@ def reference_phi3v() -> Path:
     return REFERENCE_PHI3V
 
 
+@pytest.fixture(scope="session")
+def builtin_data(tmp_path_factory) -> Path:
+    """The built-in synthetic corpus as ``train.py`` generates it (conf/data/synthetic.yaml), in a folder of this
+    session: what the committed runs read from ``data/synthetic``, which a fresh checkout does not hold."""
+    from hydra import compose, initialize_config_dir
+
+    from hkrag.tasks.common import CONF_DIR, prepare_data
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[f"paths.data_dir={tmp_path_factory.mktemp('data')}"])
+    prepare_data(cfg.data)
+    return Path(cfg.data.root)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def session_cache(tmp_path_factory):
     """``HKRAG_CACHE`` for every test and the commands it starts: a folder of this session, never the user's

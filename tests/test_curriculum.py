@@ -286,9 +286,10 @@ def test_the_example_mean_weighs_each_example_once():
     assert token_mean.item() == pytest.approx((math.log(2) + 3 * math.log(3)) / 4)  # what loss_mean=token gives
 
 
-def test_the_fit_check_samples_the_trained_questions_evenly_and_never_a_held_out_one(tmp_path):
-    cfg = OmegaConf.create({"data": {"qa_source": "data/synthetic/qa", "train": {"qa_config": "default"}}})
-    qa = agent_steps.load_qa("data/synthetic/qa", "default", "train")
+def test_the_fit_check_samples_the_trained_questions_evenly_and_never_a_held_out_one(tmp_path, builtin_data):
+    qa_source = str(builtin_data / "qa")
+    cfg = OmegaConf.create({"data": {"qa_source": qa_source, "train": {"qa_config": "default"}}})
+    qa = agent_steps.load_qa(qa_source, "default", "train")
     held = [ex.query_id for ex in qa[::16]]
     (tmp_path / "report.json").write_text(json.dumps({"validation_queries": held}))
     validation = agent_steps.held_out_queries(tmp_path, cfg, "validation")

@@ -360,12 +360,12 @@ def test_the_generator_step_budget_check_re_derives_from_its_traces(budget):
 
 
 @pytest.mark.parametrize("split, questions", [("validation", 108), ("test", 124)])
-def test_the_notes_stage_code_rate_re_derives_from_its_traces(split, questions):
+def test_the_notes_stage_code_rate_re_derives_from_its_traces(split, questions, builtin_data):
     """docs/ladder/notes_stage: the forced fine-print notes on gold pages (each question's first iteration) name the
     page's drawn code (as a whole word) in as many questions as the committed report says (docs/training.md, "A
     dedicated notes stage")."""
     folder = COMMITTED / "notes_stage"
-    codes = {row["doc_id"]: row["code"] for row in read_jsonl(Path("data/synthetic/pages.jsonl"))}
+    codes = {row["doc_id"]: row["code"] for row in read_jsonl(builtin_data / "pages.jsonl")}
     rows = read_jsonl(folder / f"{split}_forced_gold_trace.jsonl.gz")
     notes = [(call["output"], codes[row["retrieved"][0]]) for row in rows for call in row["calls"]
              if call["step"] == "fine_print" and call["iteration"] == 1]
