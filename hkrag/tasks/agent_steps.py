@@ -87,7 +87,8 @@ def held_out_queries(run: Path, cfg: Any, split: str) -> list[QAExample]:
 
 
 def page_sets(run: Path, cfg: Any, split: str, queries: Sequence[QAExample], which: str) -> dict[str, list[str]]:
-    """Each query's ranked page ids: its gold page, or the training reader's top 3 (validation queries only)."""
+    """Each query's ranked page ids: its gold page, or the training reader's top 3 (validation and training
+    queries only)."""
     if which == "gold":
         return {ex.query_id: list(ex.relevant_doc_ids[:1]) for ex in queries}
     if split == "test":
