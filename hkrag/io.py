@@ -53,6 +53,13 @@ def _sibling(path: Path, suffix: str) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.{suffix}")
 
 
+def with_extension(stem: str | Path, extension: str) -> Path:
+    """``stem`` with ``extension`` appended: ``top3_h0.8`` -> ``top3_h0.8.md``. A report's ``--out`` names a stem,
+    and ``Path.with_suffix`` would swap a dotted stem's last part (``top3_h0.md``), so two reports could collide."""
+    stem = Path(stem)
+    return stem.with_name(stem.name + extension)
+
+
 def atomic_write(path: str | Path, write: Callable[[IO], Any], mode: str = "w") -> Path:
     """Write ``path`` through ``write(file)`` on a temporary file, then rename it into place.
 

@@ -91,6 +91,17 @@ def test_the_command_writes_the_report_and_its_per_query_rows(tmp_path):
     assert len(lines) == 12 and "**+16.7 [" in (tmp_path / "out" / "top3.md").read_text()
 
 
+def test_a_dotted_out_name_keeps_its_dots(tmp_path):
+    """``--out top3_h0.8`` writes top3_h0.8.md / .json / _per_query.jsonl; swapping the suffix would have written
+    top3_h0.md and top3_h0.json, where a second report (top3_h0.38) overwrites the first."""
+    agents = run(tmp_path / "a", {("synchart", "all", "q1")})
+    single = run(tmp_path / "s", set())
+    for name in ("top3_h0.8", "top3_h0.38"):
+        main([str(agents), "--vs", str(single), "--out", str(tmp_path / "out" / name)])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        f"top3_h0.{h}{ext}" for h in ("38", "8") for ext in (".json", ".md", "_per_query.jsonl")]
+
+
 @pytest.mark.parametrize(("folder", "name", "rows_file", "answered"), [
     *[(folder, name, "reader_tiny_top3", 248) for folder in ("default", "default_first")
       for name in ("reader_tiny_top3", "reader_tiny_top3_s0")],

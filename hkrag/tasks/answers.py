@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from hkrag.io import write_json, write_text
+from hkrag.io import with_extension, write_json, write_text
 from hkrag.rag.report import metric_value
 from hkrag.rag.trace import MERGED_FILE, load_trace
 from hkrag.stats import cluster_bootstrap_interval, cluster_rows, crossed_difference, crossed_interval
@@ -160,10 +160,9 @@ def markdown(report: Mapping[str, Any]) -> str:
 
 def write_report(report: Mapping[str, Any], out: Path) -> None:
     """``<out>.md``, ``<out>.json`` (the figures) and ``<out>_per_query.jsonl`` (every score behind them)."""
-    out = Path(out)
-    write_text(out.with_suffix(".md"), markdown(report) + "\n")
-    write_json(out.with_suffix(".json"), {key: value for key, value in report.items() if key != "per_query"})
-    write_text(out.with_name(out.name + "_per_query.jsonl"),
+    write_text(with_extension(out, ".md"), markdown(report) + "\n")
+    write_json(with_extension(out, ".json"), {key: value for key, value in report.items() if key != "per_query"})
+    write_text(with_extension(out, "_per_query.jsonl"),
                "".join(json.dumps(row) + "\n" for row in report["per_query"]))
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hkrag.io import local_path, write_json, write_text
+from hkrag.io import local_path, with_extension, write_json, write_text
 from hkrag.tasks.chain import interval_row, retrieval_rows, retrieval_scores, retrieval_table
 
 
@@ -105,8 +105,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     table = difference_table(rows) if args.vs else retrieval_table(rows)
     print(table)
     if args.out:
-        write_text(args.out.with_suffix(".md"), table + "\n")
-        write_json(args.out.with_suffix(".json"), {"runs": [str(run) for run in args.runs],
+        write_text(with_extension(args.out, ".md"), table + "\n")
+        write_json(with_extension(args.out, ".json"), {"runs": [str(run) for run in args.runs],
                                                    **({"vs": [str(run) for run in args.vs]} if args.vs else {}),
                                                    "rows": rows})
 
