@@ -105,12 +105,14 @@ def test_a_dotted_out_name_keeps_its_dots(tmp_path):
 @pytest.mark.parametrize(("folder", "name", "rows_file", "answered"), [
     *[(folder, name, "reader_tiny_top3", 248) for folder in ("default", "default_first")
       for name in ("reader_tiny_top3", "reader_tiny_top3_s0")],
-    ("notes", "top3", "top3", 248), ("notes", "gold", "gold", 124)])
+    ("notes", "top3", "top3", 248), ("notes", "gold", "gold", 124),
+    *[("notes_h", name, name, 248) for name in ("top3", "top3_h0.8")]])
 def test_the_committed_paired_answer_reports_re_derive_from_their_rows(folder, name, rows_file, answered):
     """docs/ladder/default: the w128-l2 generators on the 6,000-step reader (seeds 0-2; the shipped one is seed 0)
     on the shipped reader's top 3, agents against the single pass, re-derived from the three-seed per-query file;
     docs/ladder/default_first the same for the first default's rung (its 3,000-step reader); docs/ladder/notes the
-    w64-l2 rung with the notes stage on its readers' top 3 and on gold pages."""
+    w64-l2 rung with the notes stage on its readers' top 3 and on gold pages; docs/ladder/notes_h the notes stage's
+    seeds 42, 0, 1 on the shipped reader's top 3 at h = 0.38 (the registered rule's) and at the paper's 0.8."""
     report = json.loads((COMMITTED / folder / f"{name}.json").read_text())
     rows = [json.loads(line) for line in (COMMITTED / folder / f"{rows_file}_per_query.jsonl").read_text().splitlines()]
     seeds = range(report["seeds"])
