@@ -587,6 +587,17 @@ def test_the_seed_table_reads_the_repositorys_committed_evaluations_from_any_fol
         seeds.main(["docs/regions/nosuch_s0", "--corpus", "c"])
 
 
+def test_the_seed_table_keeps_a_dotted_out_stem_whole(tmp_path, monkeypatch):
+    """``--out seeds_h0.8`` writes seeds_h0.8.md and seeds_h0.8.json, not seeds_h0.md / .json."""
+    from hkrag.tasks import seeds
+
+    monkeypatch.setattr(seeds, "retrieval_rows", lambda runs, corpus, split: [])
+    monkeypatch.setattr(seeds, "retrieval_table", lambda rows: "table")
+    seeds.main(["docs/regions/test_pages_s0", "--corpus", "c", "--out", str(tmp_path / "seeds_h0.8")])
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["seeds_h0.8.json", "seeds_h0.8.md"]
+    assert (tmp_path / "seeds_h0.8.md").read_text() == "table\n"
+
+
 def test_the_seed_table_pairs_two_conditions_seed_by_seed_and_question_by_question(tmp_path, capsys):
     from hkrag.stats import crossed_interval
     from hkrag.tasks.seeds import difference_rows, main
