@@ -309,7 +309,7 @@ def test_the_fit_check_samples_the_trained_questions_evenly_and_never_a_held_out
 def test_the_step_report_overrides_the_generators_keys_and_refuses_an_unknown_one():
     from hydra.errors import ConfigCompositionException
 
-    assert agent_steps.generator_config("hkrag", ["threshold=0.35"])["threshold"] == 0.35
-    assert agent_steps.generator_config("hkrag")["threshold"] == 0.8
+    assert agent_steps.generator_conf("hkrag", ["threshold=0.35"])["threshold"] == 0.35
+    assert agent_steps.generator_conf("hkrag")["threshold"] == 0.8
     with pytest.raises(ConfigCompositionException, match="generator.thresh"):
-        agent_steps.generator_config("hkrag", ["thresh=0.35"])
+        agent_steps.generator_conf("hkrag", ["thresh=0.35"])

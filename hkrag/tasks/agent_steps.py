@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
@@ -51,7 +50,7 @@ from hkrag.rag.step_report import (
 )
 from hkrag.rag.trace import write_trace
 from hkrag.ranges import POSITIVE
-from hkrag.tasks.common import BASE_DIR, CONF_DIR, FINAL_ADAPTER
+from hkrag.tasks.common import BASE_DIR, FINAL_ADAPTER, generator_conf
 from hkrag.tasks.rag import answer_all, question_text
 
 logger = logging.getLogger(__name__)
@@ -62,13 +61,6 @@ PAGE_SETS = ("gold", "retrieved")
 RETRIEVED_PAIRS = "generator_pairs_retrieved.jsonl"
 STEPS = ("pruner", "answer", "single_pass", "verify", "salient", "fine_print", "decouple", "integrate")
 """Every step of ``agents.steps.STEPS`` (``forced`` asks each, trained or not; tests check the two agree)."""
-
-
-def generator_config(name: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """``conf/generator/<name>.yaml`` with Hydra ``overrides`` of its keys (``threshold=0.4``), resolved."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(overrides=[f"+generator={name}", *(f"generator.{override}" for override in overrides)])
-        return OmegaConf.to_container(cfg.generator, resolve=True)
 
 
 def held_out_queries(run: Path, cfg: Any, split: str) -> list[QAExample]:
@@ -151,7 +143,7 @@ def evaluate(run: Path, out: Path, split: str, pages: Sequence[str], modes: Sequ
                 outcomes = [forced_outcome(curriculum, backend, truths[ex.query_id], [page(d) for d in
                             ranked[ex.query_id]], items, cfg.generator.estimator) for ex in tqdm(queries, desc=name)]
             else:
-                config = generator_config("hkrag" if mode == "agents" else "single_pass", generator_overrides)
+                config = generator_conf("hkrag" if mode == "agents" else "single_pass", generator_overrides)
                 asked = [Query(ex.query_id, question_text(ex), [page(d) for d in ranked[ex.query_id]],
                                list(ex.answers)) for ex in queries]
                 outcomes = answer_all(config, backend, tqdm(asked, desc=name))

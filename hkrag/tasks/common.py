@@ -382,6 +382,14 @@ def check_seeds(seeds: Sequence[int], overrides: Sequence[str] = ()) -> None:
                          "vary: drop them (the seeds set them per run)")
 
 
+def generator_conf(name: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """``conf/generator/<name>.yaml`` as ``eval.py generator=<name>`` composes it, with Hydra ``overrides`` of its
+    keys (``threshold=0.4``; an unknown key is refused by name), resolved."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("eval", [f"generator={name}", *(f"generator.{override}" for override in overrides)])
+    return OmegaConf.to_container(cfg.generator, resolve=True)
+
+
 def run_job(folder: Path, overrides: Sequence[str], config: str = "train", done: str = REPORT_FILE) -> float:
     """``train.py`` (``eval.py`` with ``config="eval"``) with ``overrides`` into ``folder`` unless it finished there
     (``done`` exists); returns the seconds it took (0: skipped)."""

@@ -48,8 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from agents.steps import longest_route
 from hkrag.data.opendocvqa import QAExample, load_qa
@@ -76,6 +74,7 @@ from hkrag.tasks.common import (
     UNGROUNDED,
     Job,
     check_seeds,
+    generator_conf,
     invocation,
     read_timings,
     record_time,
@@ -343,9 +342,7 @@ def generator_config(config: Table6Config, generator: str) -> dict[str, Any]:
 
 def shipped_configs(generators: Sequence[str] = GENERATORS) -> dict[str, dict[str, Any]]:
     """``conf/generator``'s config of each of ``generators``, as ``eval.py generator=<name>`` composes it."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return {name: OmegaConf.to_container(compose("eval", [f"generator={name}"]).generator, resolve=True)
-                for name in generators}
+    return {name: generator_conf(name) for name in generators}
 
 
 def pruner_buffer(config: Mapping[str, Any], rows: Iterable[Mapping[str, Any]]) -> int:
