@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from agents import build_generator
-from hkrag.data.generator_pairs import GeneratorPair, read_pairs
+from hkrag.data.generator_pairs import GeneratorPair, read_pairs, sampled_pairs
 from hkrag.data.opendocvqa import QUERY_PREFIX, Corpus, QAExample
 from hkrag.lvlm import GenerationSettings, LVLMRequest, PageImage
 from hkrag.lvlm.phi3v import Phi3VBackend
@@ -207,6 +207,47 @@ def test_training_top_k_is_ranked_by_the_retriever_and_resumes(tmp_path):
     assert again == pairs and len(calls) == 1 and read_pairs(path) == pairs
     with pytest.raises(ValueError, match="top_k"):
         build_generator_pairs(path, examples, pages_corpus, "retrieved", 2, question_text, make, identity)
+
+
+def test_sampled_page_sets_are_distinct_draws_from_the_ranked_top_depth(tmp_path):
+    retriever = Phi3VRetriever.tiny(num_crops=4, seed=0)
+    pages_corpus, examples = corpus(4), qa()
+    identity = {"model": "tiny", "adapter": None}
+    sampling = {"depth": 3, "draws": 5, "seed": 7}
+    path = tmp_path / "sampled.jsonl"
+    pairs = build_generator_pairs(path, examples, pages_corpus, "sampled", 2, question_text, lambda: retriever,
+                                  identity, sampling)
+    ranked = build_generator_pairs(tmp_path / "top3.jsonl", examples, pages_corpus, "retrieved", 3, question_text,
+                                   lambda: retriever, identity)
+    for example, top in zip(examples, ranked):
+        drawn = [p.doc_ids for p in pairs if p.query_id == example.query_id]
+        assert len(drawn) == len(set(drawn)) == 5  # 6 ordered pairs of 3 pages: 5 distinct draws
+        assert all(len(ids) == 2 and set(ids) <= set(top.doc_ids) for ids in drawn)
+    assert read_pairs(path) == pairs
+    again = build_generator_pairs(tmp_path / "again.jsonl", examples[::-1], pages_corpus, "sampled", 2, question_text,
+                                  lambda: retriever, identity, sampling)
+    assert sorted(again, key=lambda p: (p.query_id, p.doc_ids)) == sorted(pairs, key=lambda p: (p.query_id, p.doc_ids))
+    with pytest.raises(ValueError, match="sampling"):
+        build_generator_pairs(path, examples, pages_corpus, "sampled", 2, question_text, lambda: retriever, identity,
+                              {**sampling, "seed": 8})
+
+
+def test_sampled_draws_stop_at_the_orders_a_short_ranking_allows():
+    pair = GeneratorPair("q", "Q?", ("a",), ("d0", "d1"))
+    drawn = sampled_pairs([pair], top_k=3, draws=10, seed=0)
+    assert sorted(p.doc_ids for p in drawn) == [("d0", "d1"), ("d1", "d0")]
+    assert sampled_pairs([pair], 1, 1, 0) == sampled_pairs([pair], 1, 1, 0) != []
+
+
+@pytest.mark.parametrize("sampling, message", [
+    (None, r"missing \['depth', 'draws', 'seed'\]"),
+    ({"depth": 10, "draws": 4}, r"missing \['seed'\]"),
+    ({"depth": 2, "draws": 4, "seed": 0}, "sampled.depth=2 is below generator.top_k=3"),
+    ({"depth": 10, "draws": 0, "seed": 0}, "sampled.draws=0"),
+])
+def test_sampled_pages_refuse_settings_that_cannot_draw(tmp_path, sampling, message):
+    with pytest.raises(ValueError, match=message):
+        build_generator_pairs(tmp_path / "s.jsonl", qa(), corpus(4), "sampled", 3, question_text, None, {}, sampling)
 
 
 def test_gold_pages_use_the_relevant_doc_ids(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from hkrag.io import read_jsonl, write_text
 from .opendocvqa import QAExample
 
 logger = logging.getLogger(__name__)
-PAGE_SOURCES = ("retrieved", "gold")
+PAGE_SOURCES = ("retrieved", "gold", "sampled")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,25 @@ def gold_pairs(qa: Sequence[QAExample], top_k: int, question: Callable[[QAExampl
     pairs = [pair_of(ex, ex.relevant_doc_ids[:top_k], question) for ex in qa]
     warn_few_pages({pair.query_id: len(pair.doc_ids) for pair in pairs}, top_k, "generator.top_k",
                    "trained on the relevant pages they have (pages=gold)")
+    return pairs
+
+
+def sampled_pairs(ranked: Sequence[GeneratorPair], top_k: int, draws: int, seed: int) -> list[GeneratorPair]:
+    """``draws`` page sets a query, each ``top_k`` of its ranked pages drawn without replacement in random order
+    (``pages=sampled``): more distinct page sets than the one ranked top-k gives (a dedicated Pruner stage's
+    examples, docs/rerank/README.md). The draws are distinct; a query with ``top_k`` or fewer ranked pages has as
+    many as its pages' orders allow. A query's draws depend only on ``seed`` and its id."""
+    if top_k < 1 or draws < 1:
+        raise ValueError(f"sampled page sets need top_k >= 1 and draws >= 1, got top_k={top_k}, draws={draws}")
+    pairs = []
+    for pair in ranked:
+        rng, size = random.Random(f"{seed}/{pair.query_id}"), min(top_k, len(pair.doc_ids))
+        drawn: dict[tuple[str, ...], None] = {}
+        for _ in range(20 * draws):
+            if len(drawn) == draws:
+                break
+            drawn[tuple(rng.sample(pair.doc_ids, size))] = None
+        pairs += [GeneratorPair(pair.query_id, pair.question, pair.answers, doc_ids) for doc_ids in drawn]
     return pairs
 
 

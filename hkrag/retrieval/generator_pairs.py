@@ -1,7 +1,8 @@
 """The generator's training top-k from a retriever, like VDocRAG's ``create_train_generator`` (DESIGN §11).
 
 Every training query is ranked over the training corpus and its top-k page ids are kept in rank order
-(``pages=retrieved``, VDocGenerator's recipe), or its relevant pages are kept (``pages=gold``). The corpus
+(``pages=retrieved``, VDocGenerator's recipe), or its relevant pages are kept (``pages=gold``), or page sets are
+drawn from its top ``depth`` (``pages=sampled``: :func:`~hkrag.data.generator_pairs.sampled_pairs`). The corpus
 embeddings are resumable shards (:func:`hkrag.retrieval.evaluation.embed_corpus`); the pairs file is
 written once, atomically, and a rerun with the same settings reads it back (:mod:`hkrag.data.generator_pairs`).
 """
@@ -18,6 +19,7 @@ from hkrag.data.generator_pairs import (
     gold_pairs,
     pair_of,
     read_pairs,
+    sampled_pairs,
     warn_few_pages,
     write_pairs,
 )
@@ -67,23 +69,46 @@ def build_generator_pairs(
     question: Callable[[QAExample], str],
     retriever: Callable[[], Phi3VRetriever] | None = None,
     identity: Mapping[str, Any] | None = None,
+    sampling: Mapping[str, int] | None = None,
 ) -> list[GeneratorPair]:
-    """The pairs at ``path``, built first if absent (``retriever`` is then called for ``pages=retrieved``).
+    """The pairs at ``path``, built first if absent (``retriever`` is then called for ``pages=retrieved`` or
+    ``sampled``; ``sampling`` holds the latter's ``depth``, ``draws`` and ``seed``).
 
     ``identity`` names the retriever (base, adapter) and the data; it is stored with the pairs, and an
     existing file built with other settings raises rather than training on stale pages.
     """
     if pages not in PAGE_SOURCES:
         raise ValueError(f"pages must be one of {PAGE_SOURCES}, got {pages!r}")
+    sampling = check_sampling(sampling, top_k) if pages == "sampled" else None
     settings = {"pages": pages, "top_k": top_k, "queries": len(qa),
-                **({"retriever": dict(identity or {})} if pages == "retrieved" else {})}
+                **({"retriever": dict(identity or {})} if pages != "gold" else {}),
+                **({"sampling": sampling} if sampling else {})}
     if path.is_file():
         return read_pairs(path, settings)
     if pages == "gold":
         pairs = gold_pairs(qa, top_k, question)
     else:
         if retriever is None or corpus is None:
-            raise ValueError("pages=retrieved needs a retriever and the training corpus")
-        pairs = retrieved_pairs(retriever(), qa, corpus, top_k, question, path.parent, identity or {})
+            raise ValueError(f"pages={pages} needs a retriever and the training corpus")
+        depth = sampling["depth"] if sampling else top_k
+        pairs = retrieved_pairs(retriever(), qa, corpus, depth, question, path.parent, identity or {})
+        if sampling:
+            pairs = sampled_pairs(pairs, top_k, sampling["draws"], sampling["seed"])
     write_pairs(path, pairs, settings)
     return pairs
+
+
+def check_sampling(sampling: Mapping[str, int] | None, top_k: int) -> dict[str, int]:
+    """``generator_training.sampled`` (``depth``, ``draws``, ``seed``) as ints, refused (naming the value) where the
+    draws cannot be made: a depth below ``top_k`` or fewer than one draw."""
+    keys = ("depth", "draws", "seed")
+    if sampling is None or (missing := [key for key in keys if key not in sampling]):
+        raise ValueError(f"pages=sampled needs generator_training.sampled with {list(keys)}; "
+                         f"missing {list(keys) if sampling is None else missing}")
+    values = {key: int(sampling[key]) for key in keys}
+    if values["depth"] < top_k:
+        raise ValueError(f"generator_training.sampled.depth={values['depth']} is below generator.top_k={top_k}: "
+                         "each drawn set takes top_k of the retriever's top depth pages")
+    if values["draws"] < 1:
+        raise ValueError(f"generator_training.sampled.draws={values['draws']}: expected at least one page set a query")
+    return values

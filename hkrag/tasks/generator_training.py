@@ -94,8 +94,9 @@ RESUMABLE_KEYS = ("log_every", "save_every", "num_workers")
 
 
 def page_sources(gen: DictConfig) -> list[str]:
-    """``generator_training.pages``: one source (``gold`` or ``retrieved``) or a list of them (each query then
-    trains on each of its page sets: the agents' curriculum)."""
+    """``generator_training.pages``: one source (``gold``, ``retrieved`` or ``sampled``: page sets drawn from the
+    retriever's top ``generator_training.sampled.depth``) or a list of them (each query then trains on each of its
+    page sets: the agents' curriculum)."""
     return [gen.pages] if isinstance(gen.pages, str) else list(gen.pages)
 
 
@@ -108,11 +109,13 @@ def training_page_sets(cfg: DictConfig, qa: Sequence[QAExample], corpus: Corpus,
         raise ValueError(f"generator_training.pages={sources}: several page sources need generator_training.curriculum"
                          " (the single-pass recipe trains on one)")
     sets = {}
+    sampling = OmegaConf.to_container(gen.sampled, resolve=True) if gen.get("sampled") else None
     for source in sources:
-        identity = training_retriever(gen.retriever)[1] if source == "retrieved" else None
+        identity = training_retriever(gen.retriever)[1] if source != "gold" else None
         path = output_dir / (PAIRS_FILE if len(sources) == 1 else f"generator_pairs_{source}.jsonl")
         sets[source] = build_generator_pairs(path, qa, corpus, source, cfg.generator.top_k, question_text,
-                                             retriever=lambda: training_retriever(gen.retriever)[0], identity=identity)
+                                             retriever=lambda: training_retriever(gen.retriever)[0], identity=identity,
+                                             sampling=sampling)
     return sets
 
 
