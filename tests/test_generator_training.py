@@ -240,10 +240,9 @@ def test_sampled_draws_stop_at_the_orders_a_short_ranking_allows():
 
 
 @pytest.mark.parametrize("sampling, message", [
-    (None, r"missing \['depth', 'draws', 'seed'\]"),
-    ({"depth": 10, "draws": 4}, r"missing \['seed'\]"),
-    ({"depth": 2, "draws": 4, "seed": 0}, "sampled.depth=2 is below generator.top_k=3"),
-    ({"depth": 10, "draws": 0, "seed": 0}, "sampled.draws=0"),
+    ({"depth": 10, "draw": 4}, r"unknown keys \['draw'\]"),
+    ({"depth": 2}, "sampled.depth=2 is below generator.top_k=3"),
+    ({"draws": 0}, "sampled.draws=0"),
 ])
 def test_sampled_pages_refuse_settings_that_cannot_draw(tmp_path, sampling, message):
     with pytest.raises(ValueError, match=message):

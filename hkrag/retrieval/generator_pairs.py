@@ -98,14 +98,17 @@ def build_generator_pairs(
     return pairs
 
 
+SAMPLING = {"depth": 10, "draws": 16, "seed": 0}
+"""``pages=sampled``'s settings where ``generator_training.sampled`` does not set them
+(``+generator_training.sampled.draws=8``)."""
+
+
 def check_sampling(sampling: Mapping[str, int] | None, top_k: int) -> dict[str, int]:
-    """``generator_training.sampled`` (``depth``, ``draws``, ``seed``) as ints, refused (naming the value) where the
-    draws cannot be made: a depth below ``top_k`` or fewer than one draw."""
-    keys = ("depth", "draws", "seed")
-    if sampling is None or (missing := [key for key in keys if key not in sampling]):
-        raise ValueError(f"pages=sampled needs generator_training.sampled with {list(keys)}; "
-                         f"missing {list(keys) if sampling is None else missing}")
-    values = {key: int(sampling[key]) for key in keys}
+    """``generator_training.sampled`` (``depth``, ``draws``, ``seed``) over :data:`SAMPLING`, as ints, refused
+    (naming the value) where the draws cannot be made: an unknown key, a depth below ``top_k``, fewer than one draw."""
+    if unknown := sorted(set(sampling or {}) - set(SAMPLING)):
+        raise ValueError(f"generator_training.sampled has unknown keys {unknown}; expected some of {list(SAMPLING)}")
+    values = {key: int(value) for key, value in {**SAMPLING, **(sampling or {})}.items()}
     if values["depth"] < top_k:
         raise ValueError(f"generator_training.sampled.depth={values['depth']} is below generator.top_k={top_k}: "
                          "each drawn set takes top_k of the retriever's top depth pages")
