@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 import socket
 import threading
@@ -237,6 +238,12 @@ def test_sampled_draws_stop_at_the_orders_a_short_ranking_allows():
     drawn = sampled_pairs([pair], top_k=3, draws=10, seed=0)
     assert sorted(p.doc_ids for p in drawn) == [("d0", "d1"), ("d1", "d0")]
     assert sampled_pairs([pair], 1, 1, 0) == sampled_pairs([pair], 1, 1, 0) != []
+    three = GeneratorPair("r", "R?", ("b",), ("d0", "d1", "d2"))
+    every = sampled_pairs([three], top_k=3, draws=6, seed=1)  # all 3! orders, none left out or repeated
+    assert sorted(p.doc_ids for p in every) == sorted(itertools.permutations(("d0", "d1", "d2")))
+    assert sampled_pairs([GeneratorPair("e", "E?", ("c",), ())], 3, 4, 0) == []
+    with pytest.raises(ValueError, match="draws >= 1, got top_k=3, draws=0"):
+        sampled_pairs([pair], 3, 0, 0)
 
 
 @pytest.mark.parametrize("sampling, message", [

@@ -8,8 +8,10 @@ settings reuses the file and other settings are refused), written atomically.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -46,18 +48,22 @@ def gold_pairs(qa: Sequence[QAExample], top_k: int, question: Callable[[QAExampl
 def sampled_pairs(ranked: Sequence[GeneratorPair], top_k: int, draws: int, seed: int) -> list[GeneratorPair]:
     """``draws`` page sets a query, each ``top_k`` of its ranked pages drawn without replacement in random order
     (``pages=sampled``): more distinct page sets than the one ranked top-k gives (a dedicated Pruner stage's
-    examples, docs/rerank/README.md). The draws are distinct; a query with ``top_k`` or fewer ranked pages has as
-    many as its pages' orders allow. A query's draws depend only on ``seed`` and its id."""
+    examples, docs/rerank/README.md). The draws are distinct; a query whose pages allow no more than ``draws``
+    ordered sets gets every one of them (in a seeded order), a query without pages none. A query's draws depend
+    only on ``seed`` and its id."""
     if top_k < 1 or draws < 1:
         raise ValueError(f"sampled page sets need top_k >= 1 and draws >= 1, got top_k={top_k}, draws={draws}")
     pairs = []
-    for pair in ranked:
+    for pair in [pair for pair in ranked if pair.doc_ids]:
         rng, size = random.Random(f"{seed}/{pair.query_id}"), min(top_k, len(pair.doc_ids))
-        drawn: dict[tuple[str, ...], None] = {}
-        for _ in range(20 * draws):
-            if len(drawn) == draws:
-                break
-            drawn[tuple(rng.sample(pair.doc_ids, size))] = None
+        if math.perm(len(pair.doc_ids), size) <= draws:
+            drawn = list(itertools.permutations(pair.doc_ids, size))
+            rng.shuffle(drawn)
+        else:
+            found: dict[tuple[str, ...], None] = {}
+            while len(found) < draws:
+                found[tuple(rng.sample(pair.doc_ids, size))] = None
+            drawn = list(found)
         pairs += [GeneratorPair(pair.query_id, pair.question, pair.answers, doc_ids) for doc_ids in drawn]
     return pairs
 
