@@ -27,7 +27,7 @@ from hkrag.lvlm.phi3v import Phi3VBackend
 from hkrag.lvlm.scripted import ScriptedBackend
 from hkrag.models.phi3v import tiny_phi3v
 from hkrag.rag.records import Query
-from hkrag.retrieval.generator_pairs import build_generator_pairs
+from hkrag.retrieval.generator_pairs import build_generator_pairs, check_sampling
 from hkrag.retriever import LoraSettings, Phi3VRetriever
 from hkrag.run_log import RunLogger
 from hkrag.tasks.common import save_tiny_base
@@ -246,10 +246,18 @@ def test_sampled_draws_stop_at_the_orders_a_short_ranking_allows():
         sampled_pairs([pair], 3, 0, 0)
 
 
+def test_sampled_settings_default_where_unset():
+    assert check_sampling(None, 3) == {"depth": 10, "draws": 16, "seed": 0}
+    assert check_sampling({"draws": 8}, 3) == {"depth": 10, "draws": 8, "seed": 0}
+
+
 @pytest.mark.parametrize("sampling, message", [
     ({"depth": 10, "draw": 4}, r"unknown keys \['draw'\]"),
     ({"depth": 2}, "sampled.depth=2 is below generator.top_k=3"),
     ({"draws": 0}, "sampled.draws=0"),
+    ({"draws": "many"}, "sampled.draws='many': expected an integer"),
+    ({"depth": 2.5}, "sampled.depth=2.5: expected an integer"),
+    (16, "sampled=16: expected a mapping"),
 ])
 def test_sampled_pages_refuse_settings_that_cannot_draw(tmp_path, sampling, message):
     with pytest.raises(ValueError, match=message):

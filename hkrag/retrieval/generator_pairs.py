@@ -106,9 +106,13 @@ SAMPLING = {"depth": 10, "draws": 16, "seed": 0}
 def check_sampling(sampling: Mapping[str, int] | None, top_k: int) -> dict[str, int]:
     """``generator_training.sampled`` (``depth``, ``draws``, ``seed``) over :data:`SAMPLING`, as ints, refused
     (naming the value) where the draws cannot be made: an unknown key, a depth below ``top_k``, fewer than one draw."""
+    if sampling is not None and not isinstance(sampling, Mapping):
+        raise ValueError(f"generator_training.sampled={sampling!r}: expected a mapping of {list(SAMPLING)}")
     if unknown := sorted(set(sampling or {}) - set(SAMPLING)):
         raise ValueError(f"generator_training.sampled has unknown keys {unknown}; expected some of {list(SAMPLING)}")
-    values = {key: int(value) for key, value in {**SAMPLING, **(sampling or {})}.items()}
+    values = {**SAMPLING, **(sampling or {})}
+    if wrong := [key for key, value in values.items() if isinstance(value, bool) or not isinstance(value, int)]:
+        raise ValueError(f"generator_training.sampled.{wrong[0]}={values[wrong[0]]!r}: expected an integer")
     if values["depth"] < top_k:
         raise ValueError(f"generator_training.sampled.depth={values['depth']} is below generator.top_k={top_k}: "
                          "each drawn set takes top_k of the retriever's top depth pages")

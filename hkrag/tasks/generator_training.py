@@ -109,7 +109,8 @@ def training_page_sets(cfg: DictConfig, qa: Sequence[QAExample], corpus: Corpus,
         raise ValueError(f"generator_training.pages={sources}: several page sources need generator_training.curriculum"
                          " (the single-pass recipe trains on one)")
     sets = {}
-    sampling = OmegaConf.to_container(gen.sampled, resolve=True) if gen.get("sampled") else None
+    sampling = gen.get("sampled")
+    sampling = OmegaConf.to_container(sampling, resolve=True) if isinstance(sampling, DictConfig) else sampling
     for source in sources:
         identity = training_retriever(gen.retriever)[1] if source != "gold" else None
         path = output_dir / (PAIRS_FILE if len(sources) == 1 else f"generator_pairs_{source}.jsonl")
