@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -389,3 +390,40 @@ def test_a_committed_pruner_stage_auroc_re_derives_from_its_calls(stage):
         assert found["n"] == len(calls) and found["positives"] == sum(c["label"] for c in calls)
         assert auroc([c["p_yes"] for c in calls], [c["label"] for c in calls]) == pytest.approx(found["auroc"])
         assert reported["counts"]["tp"] + reported["counts"]["fp"] == sum(c["said_yes"] for c in calls)
+
+
+def test_the_readers_statistics_by_hand():
+    from hkrag.tasks.reader_on_pruner_calls import reader_statistics
+
+    found = reader_statistics(np.array([0.1, 0.9, 0.5]))
+    spread = np.sqrt((0.4 ** 2 + 0 + 0.4 ** 2) / 3)  # population std of 0.9, 0.5, 0.1 around 0.5
+    assert found == pytest.approx({"cosine": 0.9, "margin": 0.4, "z": 0.4 / spread})
+    assert reader_statistics(np.array([0.3, 0.3]))["z"] == 0.0
+    for bad in (np.array([0.9]), np.array([0.9, np.nan])):
+        with pytest.raises(ValueError, match="two or more finite scores"):
+            reader_statistics(bad)
+
+
+def test_the_readers_rows_are_the_first_calls_and_name_a_query_without_scores():
+    from hkrag.tasks.reader_on_pruner_calls import reader_rows, summarise
+
+    calls = [{"query_id": "a", "n": 1, "label": True, "p_yes": 0.4}, {"query_id": "a", "n": 2, "label": True,
+             "p_yes": 0.1}, {"query_id": "b", "n": 1, "label": False, "p_yes": 0.6}]
+    scores = {"a": np.array([0.8, 0.2, 0.1]), "b": np.array([0.5, 0.45, 0.4])}
+    rows = reader_rows(calls, scores)
+    assert [(row["query_id"], row["label"]) for row in rows] == [("a", True), ("b", False)]
+    summary = summarise(rows)
+    assert summary["margin"]["auroc"] == 1.0 and summary["p_yes"]["auroc"] == 0.0  # a: 0.6 > b: 0.05; P(yes) reversed
+    with pytest.raises(KeyError, match="no reader scores for 1 queries of the calls, e.g. 'b'"):
+        reader_rows(calls, {"a": scores["a"]})
+
+
+@pytest.mark.parametrize("folder", sorted(PRUNER_STAGES.glob("*/reader_*/")))
+def test_committed_reader_figures_re_derive_from_their_rows(folder):
+    from hkrag.tasks.reader_on_pruner_calls import summarise
+
+    rows, found = read_jsonl(folder / "reader_calls.jsonl.gz"), json.loads((folder / "reader_calls.json").read_text())
+    derived = summarise(rows)
+    assert set(found["summary"]) == {"cosine", "margin", "z", "p_yes"} and len(rows) == derived["z"]["n"]
+    for name, cell in found["summary"].items():
+        assert cell == pytest.approx(derived[name])
