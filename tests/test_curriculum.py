@@ -16,9 +16,11 @@ from PIL import Image
 from agents import build_generator
 from agents.curriculum import AgentCurriculum, holds_answer, notes
 from agents.steps import STEPS
+from hkrag.data.generator_pairs import read_pairs
 from hkrag.data.opendocvqa import QAExample
 from hkrag.data.splits import ValidationSplit, page_group
 from hkrag.data.synthetic import PageSpec, load_page_items, render_page
+from hkrag.io import read_jsonl
 from hkrag.lvlm import PageImage
 from hkrag.lvlm.phi3v import phi3_chat
 from hkrag.lvlm.scripted import ScriptedBackend
@@ -241,7 +243,10 @@ def curriculum_run(tmp_path: Path, *extra: str) -> dict:
                  "generator_training.validation.fraction=0.3", "generator_training.optim.max_steps=2",
                  "generator_training.optim.batch_size=2", "model.lora.r=4", "model.lora.alpha=4", *extra]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return run_generator_training(compose(config_name="train", overrides=overrides), run)
+        cfg = compose(config_name="train", overrides=overrides)
+    (run / ".hydra").mkdir(parents=True)
+    OmegaConf.save(cfg, run / ".hydra" / "config.yaml")  # as train.py saves it
+    return run_generator_training(cfg, run)
 
 
 def test_a_curriculum_run_records_its_trained_steps(tmp_path):
@@ -259,6 +264,28 @@ def test_a_curriculum_run_records_its_trained_steps(tmp_path):
     assert saved["trained_steps"] == ALL_STEPS
     checkpoint = json.loads((run / "checkpoints" / "final" / "state.json").read_text())
     assert checkpoint["config"]["trained_steps"] == ALL_STEPS
+
+
+def test_the_readers_scores_on_a_runs_pruner_calls_reuse_its_shards_and_rank_its_first_page(tmp_path):
+    from hkrag.index.shards import load_shards
+    from hkrag.io import write_jsonl_gz
+    from hkrag.tasks import reader_on_pruner_calls as reader
+
+    run, held = tmp_path / "run", curriculum_run(tmp_path)["validation_queries"]
+    calls = [{"query_id": query_id, "n": n, "label": i % 2 == 0, "p_yes": 0.5} for i, query_id in enumerate(held)
+             for n in (1, 2)]
+    write_jsonl_gz(tmp_path / "calls.jsonl.gz", calls)
+    shards = {path.name: path.stat().st_mtime_ns for path in (run / "embeddings-train").iterdir()}
+    reader.main([str(run), "--calls", str(tmp_path / "calls.jsonl.gz"), "--out", str(tmp_path / "out")])
+    rows = read_jsonl(tmp_path / "out" / "reader_calls.jsonl.gz")
+    assert [row["query_id"] for row in rows] == held  # the n = 1 calls, in order
+    assert {path.name: path.stat().st_mtime_ns for path in (run / "embeddings-train").iterdir()} == shards
+    ids, _ = load_shards(run / "embeddings-train")
+    scores = reader.query_scores(run, set(held))
+    first = {pair.query_id: pair.doc_ids[0] for pair in read_pairs(run / "generator_pairs_retrieved.jsonl")}
+    for row in rows:  # the top cosine is the score of the page the run's ranking put first
+        assert row["cosine"] == pytest.approx(float(scores[row["query_id"]][ids.index(first[row["query_id"]])]))
+    assert json.loads((tmp_path / "out" / "reader_calls.json").read_text())["summary"]["z"]["n"] == len(held)
 
 
 def test_a_dedicated_balanced_pruner_stage_trains_what_it_says(tmp_path):
