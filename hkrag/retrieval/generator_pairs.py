@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hkrag.data.generator_pairs import (
     PAGE_SOURCES,
     GeneratorPair,
@@ -32,6 +34,27 @@ from .evaluation import RetrievalEvalConfig, embed_corpus, shard_identity
 EMBEDDINGS_DIR = "embeddings-train"
 
 
+def encode_training(
+    retriever: Phi3VRetriever,
+    qa: Sequence[QAExample],
+    corpus: Corpus,
+    work_dir: Path,
+    identity: Mapping[str, Any],
+    batch_sizes: tuple[int, int] = (32, 8),
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """The training corpus's page ids and vectors (resumable shards in ``work_dir/embeddings-train``, reused by a
+    rerun with the same ``identity``) and the vectors of ``qa``'s queries, in eval mode."""
+    was_training = retriever.training
+    retriever.eval()
+    settings = RetrievalEvalConfig("", "", (), query_batch_size=batch_sizes[0], doc_batch_size=batch_sizes[1])
+    ids, vectors = embed_corpus(retriever, corpus, work_dir / EMBEDDINGS_DIR, settings,
+                                shard_identity(retriever, dict(identity)))
+    queries = retriever.encode_queries([ex.query for ex in qa], batch_size=batch_sizes[0],
+                                       ids=[ex.query_id for ex in qa])
+    retriever.train(was_training)
+    return ids, vectors, queries.float().numpy()
+
+
 def retrieved_pairs(
     retriever: Phi3VRetriever,
     qa: Sequence[QAExample],
@@ -45,15 +68,8 @@ def retrieved_pairs(
     """Each query's ``top_k`` pages of ``corpus`` by the retriever's cosine score (flat index), best first."""
     if top_k > len(corpus):
         raise ValueError(f"top_k={top_k} but the training corpus {corpus.name} has {len(corpus)} pages")
-    was_training = retriever.training
-    retriever.eval()
-    settings = RetrievalEvalConfig("", "", (), query_batch_size=batch_sizes[0], doc_batch_size=batch_sizes[1])
-    ids, vectors = embed_corpus(retriever, corpus, work_dir / EMBEDDINGS_DIR, settings,
-                                shard_identity(retriever, dict(identity)))
-    queries = retriever.encode_queries([ex.query for ex in qa], batch_size=batch_sizes[0],
-                                       ids=[ex.query_id for ex in qa])
-    retriever.train(was_training)
-    run = DocumentIndex.build(ids, vectors, "flat").to_run([ex.query_id for ex in qa], queries.float().numpy(), top_k)
+    ids, vectors, queries = encode_training(retriever, qa, corpus, work_dir, identity, batch_sizes)
+    run = DocumentIndex.build(ids, vectors, "flat").to_run([ex.query_id for ex in qa], queries, top_k)
     ranked = {qid: sorted(scores, key=scores.__getitem__, reverse=True) for qid, scores in run.items()}
     warn_few_pages({ex.query_id: len(ranked.get(ex.query_id, ())) for ex in qa}, top_k, "generator.top_k",
                    "the index returned fewer pages for them (e.g. a non-finite query embedding); trained on those")

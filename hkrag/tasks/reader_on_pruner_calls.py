@@ -23,8 +23,7 @@ from omegaconf import OmegaConf
 from hkrag.data.opendocvqa import load_corpus, load_qa
 from hkrag.io import read_jsonl, write_json, write_jsonl_gz, write_text
 from hkrag.rag.step_report import auroc_interval
-from hkrag.retrieval.evaluation import RetrievalEvalConfig, embed_corpus, shard_identity
-from hkrag.retrieval.generator_pairs import EMBEDDINGS_DIR
+from hkrag.retrieval.generator_pairs import encode_training
 from hkrag.tasks.generator_training import training_retriever
 
 logger = logging.getLogger(__name__)
@@ -72,13 +71,10 @@ def query_scores(run: Path, query_ids: set[str]) -> dict[str, np.ndarray]:
     """The run's reader's cosine scores of each query over the training corpus (corpus shards reused)."""
     cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
     retriever, identity = training_retriever(cfg.generator_training.retriever)
-    retriever.eval()
     corpus = load_corpus(cfg.data.corpus_source, cfg.data.train.corpus_config, cfg.data.train.split)
-    settings = RetrievalEvalConfig("", "", ())
-    _, vectors = embed_corpus(retriever, corpus, run / EMBEDDINGS_DIR, settings, shard_identity(retriever, identity))
     queries = [ex for ex in load_qa(cfg.data.qa_source, cfg.data.train.qa_config, "train") if ex.query_id in query_ids]
-    encoded = retriever.encode_queries([ex.query for ex in queries], ids=[ex.query_id for ex in queries])
-    return {ex.query_id: vectors @ row for ex, row in zip(queries, encoded.float().numpy())}
+    _, vectors, encoded = encode_training(retriever, queries, corpus, run, identity)
+    return {ex.query_id: vectors @ row for ex, row in zip(queries, encoded)}
 
 
 def evaluate(run: Path, calls_path: Path, out: Path) -> dict[str, Any]:
