@@ -3,12 +3,13 @@
     python bench/demo_range.py --out outputs/demo_range --seeds 42 0 1 2 3 --kernels native avx2 default
     python bench/demo_range.py --summarize docs/demo_range        # re-derive the table from committed per-query data
 
-Each run is ``python train.py trainer.seed=S`` under ``ATEN_CPU_CAPABILITY=K`` (``native``: unset, the CPU's best),
-one at a time; a finished run (its ``report.json``) is kept, so a rerun resumes. The summary (``demo_range.md`` /
-``.json`` in ``--report``) gives, per README demo-table cell (:func:`hkrag.tasks.training.demo_figures`), the range
-over every run, over seeds per kernel path and over kernel paths at the demo's seed 42; where the training losses of
-two kernel paths part; and the steps where the loss jumps. Each run's per-query nDCG@5 before and after training is
-copied (gzipped) beside the summary, and the summary is computed from those copies alone.
+Each run is the demo, ``python train.py``, with ``trainer.seed`` and ``ATEN_CPU_CAPABILITY`` set (``native``: unset,
+the CPU's best), one at a time; a finished run (its ``report.json``) is kept, so a rerun resumes. The summary
+(``demo_range.md`` / ``.json`` in ``--report``) gives, per README demo-table cell
+(:func:`hkrag.tasks.training.demo_figures`), the range over every run, over seeds per kernel path and over kernel
+paths at the demo's seed 42; where the training losses of two kernel paths part; and the steps where the loss jumps.
+Each run's per-query nDCG@5 before and after training is copied (gzipped) beside the summary, and the summary is
+computed from those copies alone.
 """
 
 from __future__ import annotations
@@ -114,10 +115,12 @@ def summarize(report: Path) -> dict:
 
 
 def render(summary: dict, kernels: list[str]) -> str:
+    seeds = ", ".join(str(seed) for seed in dict.fromkeys(r["seed"] for r in summary["runs"]))
     header = "| queries | " + " | ".join(DEMO_COLUMNS) + " |\n" + "|---" * (len(DEMO_COLUMNS) + 1) + "|"
     lines = ["# The CPU demo over seeds and kernel paths", "",
-             f"{len(summary['runs'])} runs of `python train.py trainer.seed=S` under `ATEN_CPU_CAPABILITY=K`; "
-             "nDCG@5 x100, min–max.", "", "## Every run", "", header]
+             f"{len(summary['runs'])} runs of the demo, `python train.py`, one per `trainer.seed` ({seeds}) and "
+             f"`ATEN_CPU_CAPABILITY` ({', '.join(kernels)}; `native`: unset); nDCG@5 x100, min–max.", "",
+             "## Every run", "", header]
     lines += [f"| {row} | " + " | ".join(summary["range_all"][f"{row} | {col}"] for col in DEMO_COLUMNS) + " |"
               for row in DEMO_ROWS]
     for kernel in kernels:

@@ -29,7 +29,6 @@ import argparse
 import itertools
 import json
 import os
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -186,20 +185,11 @@ def write_rows(path: Path, rows: Iterable[dict]) -> None:
     write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
-def unshadow_agents() -> None:
-    """Run as a script, ``bench/`` is first on the path and ``bench/agents.py`` would shadow the ``agents`` package
-    that ``hkrag.tasks.rag`` imports: put the repository there instead."""
-    bench = Path(__file__).resolve().parent
-    if Path(sys.path[0] or ".").resolve() == bench:
-        sys.path[0] = str(bench.parent)
-
-
 def text_grounded(run_dir: Path) -> list[QueryOutcome]:
     """A finished ``eval.py`` run's answers grounded again by the text source at the default settings, on the pages
     or region units each read (the run's corpora, from its saved config): the same answers, another source."""
     from omegaconf import OmegaConf
 
-    unshadow_agents()
     from hkrag.tasks.rag import PageStore
 
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
@@ -218,7 +208,6 @@ def answer_validation(root: Path, lvlm: str, work: Path, threshold: float) -> li
     keeps every finished answer, so a killed run resumes."""
     from omegaconf import OmegaConf
 
-    unshadow_agents()
     from agents import build_generator  # the bench is a composition root
     from hkrag.lvlm import build_backend
     from hkrag.tasks.fit import compose_config

@@ -102,7 +102,7 @@ def bench(kind: str, args: argparse.Namespace) -> None:
     single = LVLMRequest.user(*doc, "Question: what is the total revenue? Answer briefly.", settings=settings)
     questions = [LVLMRequest.user(*doc, f"Question {q}: which year is shown?", settings=settings)
                  for q in range(args.questions)]
-    backend.prefixes.capacity = 0  # page-feature reuse alone; bench/agents.py measures prefix reuse
+    backend.prefixes.capacity = 0  # page-feature reuse alone; bench/generator_cost.py measures prefix reuse
     backend.features.capacity = 0
     backend(single)  # warm-up
     latencies, rates = [], []

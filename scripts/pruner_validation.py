@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from hkrag.data.opendocvqa import load_corpus, load_qa
 from hkrag.data.splits import ValidationSplit
-from hkrag.io import write_json, write_text
+from hkrag.io import local_path, write_json, write_text
 from hkrag.retrieval.evaluation import RetrievalEvalConfig, evaluate_ranker
 from hkrag.retrieval.generator_pairs import build_generator_pairs
 from hkrag.tasks.agent_steps import RETRIEVED_PAIRS
@@ -51,6 +51,17 @@ def validation_queries(cfg) -> list:
     return ValidationSplit(**cfg.generator_training.validation).split(qa)[1]
 
 
+def link_to(link: Path, target: Path) -> None:
+    """``link`` pointing at ``target``, replacing a link to anything else (a second run over the same ``--out``)."""
+    if not target.exists():
+        raise FileNotFoundError(f"{target}: no such folder (the generator's weights: --weights)")
+    if link.is_symlink() and Path(os.readlink(link)) == target:
+        return
+    if link.is_symlink():
+        link.unlink()
+    os.symlink(target, link)
+
+
 def make_run(weights: Path, run: Path) -> list:
     """A run folder of the shipped generator ``weights`` that ``hkrag.tasks.agent_steps`` reads; its questions."""
     cfg = compose_config("train", [f"experiment={EXPERIMENT}"])
@@ -58,8 +69,7 @@ def make_run(weights: Path, run: Path) -> list:
     queries = validation_queries(cfg)
     (run / FINAL_ADAPTER).parent.mkdir(parents=True, exist_ok=True)
     for link, target in ((run / BASE_DIR, weights / BASE_DIR), (run / FINAL_ADAPTER, weights / FINAL_ADAPTER)):
-        if not link.exists():
-            os.symlink(target.resolve(), link)
+        link_to(link, target.resolve())
     write_text(run / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg))
     write_json(run / "report.json", {"validation_queries": [ex.query_id for ex in queries],
                                      "made_from": str(weights)})
@@ -95,7 +105,9 @@ def rerank(queries: list, out: Path, depth: int, weights: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--weights", type=Path, default=Path("weights") / EXPERIMENT)
+    parser.add_argument("--weights", type=local_path, default=f"weights/{EXPERIMENT}",
+                        help="a shipped generator (default %(default)s; a relative path is also looked for in the "
+                        "repository)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--depth", type=int, default=10)
     parser.add_argument("--no-rerank", action="store_true", help="only the run folder (the Pruner's AUROC), not the "

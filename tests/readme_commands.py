@@ -1,9 +1,10 @@
-"""The shell commands of README.md and docs/*.md, read from their fenced code blocks and from the prose's inline
-code spans (`python ...`, `eval.py ...`, `bench/x.py --flag ...`), and the checks that each still parses: Hydra
-overrides compose (sweeps expanded), ``python -m`` arguments pass the module's own argparse parser, ``accelerate
-launch`` accepts its options and config file, pip names extras and constraint files that exist, pytest names
-registered markers and existing paths. A prose span that elides part of an argparse command (``…``) has its flags
-checked against the parser; one that only names a program (``python -m hkrag.data.ocr``) has the program checked.
+"""The shell commands of README.md and every docs/**/*.md (hand-written and generated reports alike), read from their
+fenced code blocks and from the prose's inline code spans (`python ...`, `eval.py ...`, `bench/x.py --flag ...`),
+and the checks that each still parses: Hydra overrides compose (sweeps expanded), ``python -m`` arguments pass the
+module's own argparse parser, ``accelerate launch`` accepts its options and config file, pip names extras and
+constraint files that exist, pytest names registered markers and existing paths. A prose span that elides part of an
+argparse command (``…``) has its flags checked against the parser; one that only names a program (``python -m
+hkrag.data.ocr``) has the program checked.
 tests/test_readme.py runs them."""
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+DOCUMENTS = (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")))
 SHELL_BLOCKS = ("bash", "sh", "shell", "console", "")
 """Fence languages whose lines are shell commands ("" is a plain fence: only lines starting with a program)."""
 PROGRAMS = ("python", "python3", "pip", "accelerate", "pytest", "vllm", "mkdir", "git")
@@ -297,12 +298,24 @@ def check_flags(main: Callable[..., object], args: list[str], takes_argv: bool =
     return f"{parser.prog}'s parser has the flags {flags} (the rest is elided)"
 
 
+def unchecked_inputs(parser: argparse.ArgumentParser) -> None:
+    """Make ``parser`` (and its subcommands) take its input paths as they are: a document names run folders that an
+    earlier command writes, so the parse check reads :func:`hkrag.io.existing`'s arguments as plain paths."""
+    for action in parser._actions:
+        if getattr(action.type, "__qualname__", "").startswith("existing."):
+            action.type = Path
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                unchecked_inputs(sub)
+
+
 def parse_with_argparse(main: Callable[..., object], args: list[str], takes_argv: bool = True) -> argparse.Namespace:
     """Call ``main`` with ``args`` but stop right after its argparse parser accepted them (``--help`` counts as
     accepted); raises AssertionError with argparse's message when it rejects them."""
     original = argparse.ArgumentParser.parse_args
 
     def parse_only(self, args=None, namespace=None):
+        unchecked_inputs(self)
         raise Parsed(original(self, args, namespace))
 
     stderr = io.StringIO()

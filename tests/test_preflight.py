@@ -560,7 +560,7 @@ def test_one_hkrag_query_through_the_local_backend_at_full_width(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not REFERENCE.is_dir(), reason=f"needs Phi-3-vision's config and tokenizer in {REFERENCE}")
 def test_one_hkrag_query_routed_hqp_through_the_local_backend_at_full_width(tmp_path):
-    """``--path query`` with h = 0 (bench/agents.py's ``hkrag-h0``): the Judger routes every query to HQP, the
+    """``--path query`` with h = 0 (bench/generator_cost.py's ``hkrag-h0``): the Judger routes every query to HQP, the
     Decoupler's salient and fine-print notes then the Summarizer (random weights never stop a note early, so
     every Decoupler iteration runs; notes and answers capped at 8 tokens)."""
     row = measured_path(["generator=hkrag", "lvlm=phi3v", "lvlm.num_crops=1", "generator.threshold=0",

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,9 +81,17 @@ OFFLINE: tuple[tuple[str, str], ...] = (
     (r"--size full", "a full-size Phi-3-vision training step (4.2B parameters, tens of GB of memory)"),
     (r"--out weights/", "ships over the repository's own weights (tests/test_shipped.py checks them and ships a "
      "run elsewhere)"),
-    (r"outputs/ladder(_r6000)?/runs/w128-l2-|outputs/budget/w128-l2-r6000-", "serves or trains from the `w128-l2` "
-     "rung's runs: the ladder's commands run here shrunk to `--sizes w64-l2`, so none trains it "
-     "(tests/test_shipped.py serves the shipped one, tests/test_answers.py compares answer runs)"),
+    (r"outputs/ladder(_r6000)?/runs/w128-l2-|outputs/budget/w128-l2-r6000-|outputs/pruner_stage_w128/",
+     "serves or trains from the `w128-l2` rung's runs (or reads a stage trained from them): the ladder's commands "
+     "run here shrunk to `--sizes w64-l2`, so none trains it (tests/test_shipped.py serves the shipped one, "
+     "tests/test_answers.py compares answer runs)"),
+    (r"outputs/pruner_stage/long_w64", "a balanced Pruner stage on the ladder's reader, which runs here shrunk to 2 "
+     "steps: it ranks no relevant page first for the few training questions kept, so the stage has no 'yes' label to "
+     "balance and is refused by design (docs/errors.md; the same stage on the shipped reader, pruner_stage/v1, runs "
+     "here, and tests/test_curriculum.py balances one)"),
+    (r"reader_on_pruner_calls .*--calls docs/", "pairs the committed Pruner calls of a full stage's 108 validation "
+     "questions with that stage's run, which runs here shrunk to a few other questions (refused: no reader scores "
+     "for them); tests/test_curriculum.py runs the command end to end on a tiny run's own calls"),
     (r"shared/reference|bench/memory_recorded",
      "Phi-3-vision's config.json from ../shared/reference/phi3v, outside the repository"),
     (r"bench/(demo_range|reader|late_interaction|li_validation|reading|search)\.py",
@@ -155,10 +164,13 @@ SMALL_CORPUS_OVERRIDES = tuple(f"++data.synthetic.{key}={value}" for key, value 
 OCR_CORPUS = "python -m hkrag.data.ocr data/synthetic/corpus --out data/synthetic_ocr --column ocr_text"
 """Writes the OCR'd copy that commands with ``data.corpus_source=data/synthetic_ocr`` read (the README's OCR line)."""
 SMALL_WORKSPACE = re.compile(r"hkrag\.data\.(ocr|degrade|pdf|layout|region_corpus)|ocr_text|degrade=|task=degradation"
-                             r"|bench/grounding\.py|corpus_source=data/deg")
+                             r"|bench/grounding\.py(?!.*--reuse-test)|corpus_source=data/deg")
 """Commands that run in the workspace with the small corpus (they read every page of data/synthetic/corpus, or,
-bench/grounding.py, OCR every test question's page three times and training pages at nine settings), and those that
-read what one of them wrote (a degraded corpus)."""
+bench/grounding.py, OCR every test question's page three times and training pages at nine settings, unless it reuses
+the committed test rows), and those that read what one of them wrote (a degraded corpus)."""
+REREAD = re.compile(r"--out (docs/[\w/.-]+).*--reuse-test")
+"""A command that reads its ``--out`` report folder back (bench/grounding.py ``--reuse-test``): it runs on a copy of the
+committed folder, in the demo's workspace (the built-in corpus those rows are of)."""
 
 
 def first_match(table: tuple[tuple[str, str], ...], text: str) -> str | None:
@@ -334,9 +346,10 @@ def override_keys(args: list[str]) -> set[str]:
     return {arg.split("=", 1)[0].lstrip("+~") for arg in args if "=" in arg and not arg.startswith("-")}
 
 
-def shrink(argv: list[str], slug: str) -> list[str]:
+def shrink(argv: list[str], slug: str, env: dict[str, str] | None = None) -> list[str]:
     """Overrides appended to a train.py / eval.py command: those of :data:`TRAIN_SHRINK` / :data:`EVAL_SHRINK`
-    whose key its config has and it does not set, and its own run folder (so `latest` stays the demo)."""
+    whose key its config has and it does not set, and its own run folder (so `latest` stays the demo) unless it
+    names one (``hydra.run.dir=``, or ``HKRAG_RUN_DIR=`` in its environment ``env``)."""
     script, args = argv[1], argv[2:]
     multirun = any(arg in rc.HYDRA_FLAGS for arg in args)
     plain = [arg for arg in args if arg not in rc.HYDRA_FLAGS]
@@ -347,7 +360,7 @@ def shrink(argv: list[str], slug: str) -> list[str]:
         candidates = tuple(o for o in candidates if o not in SMALL_DATA)
     extra = [o for o in candidates
              if o.split("=")[0] not in given and OmegaConf.select(cfg, o.split("=")[0], default="?") != "?"]
-    if {"hydra.run.dir", "hydra.sweep.dir"} & given:
+    if {"hydra.run.dir", "hydra.sweep.dir"} & given or "HKRAG_RUN_DIR" in (env or {}):
         return extra
     folder = f"hydra.sweep.dir=multirun/{cfg.run_name}/readme-{slug}" if multirun else \
         f"hydra.run.dir=outputs/readme/{slug}"
@@ -387,7 +400,7 @@ def tiny(text: str, slug: str, small: bool = False) -> str:
         if command[1] == "train.py" and any(arg.split("=")[0] in forced for arg in command):
             command = [forced.get(arg.split("=")[0], arg) for arg in command]
             text = shlex.join([*(f"{name}={value}" for name, value in env.items()), *command])
-        appended += shrink(command, slug) + list(SMALL_CORPUS_OVERRIDES if small else ())
+        appended += shrink(command, slug, env) + list(SMALL_CORPUS_OVERRIDES if small else ())
     return " ".join([text, *map(shlex.quote, appended)])
 
 
@@ -460,6 +473,8 @@ def run_command(command: rc.Command, request) -> None:
         if small and not (cwd / "outputs" / "train").exists():  # the small corpus's pages, the demo's model
             (cwd / "outputs").mkdir(exist_ok=True)
             (cwd / "outputs" / "train").symlink_to(runs)
+    for folder in REREAD.findall(command.text):
+        shutil.copytree(ROOT / folder, cwd / folder, dirs_exist_ok=True)
     if "=data/synthetic_ocr" in command.text and not (cwd / "data" / "synthetic_ocr").is_dir():
         run_shell(OCR_CORPUS, cwd)
     slug = f"c{COMMANDS.index(command):03d}"
@@ -581,6 +596,14 @@ def test_tiny_replaces_a_commands_own_step_count():
     assert 'data.field_queries=["{title}"]' in argv and argv.count("trainer.max_steps=2") == 1
 
 
+def test_tiny_keeps_the_run_folder_a_command_names_in_its_environment():
+    """``HKRAG_RUN_DIR=outputs/x python eval.py ...`` writes outputs/x, where the next command reads it: the shrunk run
+    gets no folder of its own (docs/rerank/README.md's `rag steps outputs/pruner_test_rag` found no run there)."""
+    named = tiny("HKRAG_RUN_DIR=outputs/x python eval.py task=rag run_dir=weights/reader_tiny", "c001")
+    assert named.startswith("HKRAG_RUN_DIR=outputs/x ") and "hydra.run.dir" not in named
+    assert "hydra.run.dir=outputs/readme/c001" in tiny("python eval.py task=rag run_dir=weights/reader_tiny", "c001")
+
+
 def test_tiny_keeps_an_options_override_value_with_it():
     """An override that is an option's value (table6's ``--stage1``) stays after its option; the tiny flags and the
     runs' shrinking overrides follow (a value moved to the positionals left ``--stage1`` without one)."""
@@ -696,3 +719,23 @@ def test_a_changed_flag_fails_the_parse_check(text: str, message: str):
     """What a README command that changed its flags (or names a missing file, extra or marker) meets."""
     with pytest.raises((AssertionError, ValueError), match=re.escape(message)):
         rc.check_parses(text)
+
+
+def test_no_script_folder_shadows_a_package():
+    """``python bench/x.py`` puts bench/ first on the path, so a bench/ or scripts/ module named as one of the
+    project's packages hides it: bench/agents.py made ``python bench/demo_range.py`` fail to import (``hkrag.tasks``
+    imports ``agents``), which the in-process parse check, where ``agents`` was already imported, did not see."""
+    packages = {path.parent.name for path in ROOT.glob("*/__init__.py")}
+    assert {"hkrag", "agents"} <= packages
+    shadows = [str(path.relative_to(ROOT)) for folder in ("bench", "scripts") for path in (ROOT / folder).iterdir()
+               if path.stem in packages]
+    assert not shadows, f"{shadows} hide the packages of the same name from a script run in that folder"
+
+
+def test_a_bench_script_that_imports_the_agents_runs_as_a_script():
+    """bench/demo_range.py, run as ``python bench/demo_range.py --help`` (a fresh interpreter, bench/ first on the
+    path), imports hkrag.tasks and the agents it composes."""
+    result = subprocess.run([sys.executable, "bench/demo_range.py", "--help"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--summarize" in result.stdout

@@ -1,10 +1,10 @@
 """The generator's cost per query: HKRAG's agents against the single-pass baseline, with and without reuse.
 
-    python bench/agents.py                         # tiny Phi3V on the CPU
-    python bench/agents.py --answer-tokens 8       # answers capped as a real model's short answers end
-    python bench/agents.py --reuse all features none
-    python bench/agents.py --configs single hkrag  # skip the slow all-HQP row
-    python bench/agents.py --device cuda --full --answer-tokens 8 --queries 20   # Phi-3-vision size, random bf16
+    python bench/generator_cost.py                         # tiny Phi3V on the CPU
+    python bench/generator_cost.py --answer-tokens 8       # answers capped as a real model's short answers end
+    python bench/generator_cost.py --reuse all features none
+    python bench/generator_cost.py --configs single hkrag  # skip the slow all-HQP row
+    python bench/generator_cost.py --device cuda --full --answer-tokens 8 --queries 20  # Phi-3-vision size, random bf16
 
 Every generator answers the same ``--queries`` questions over 3 synthetic pages each (the paper's top-3)
 on a local backend. HKRAG runs twice: with the Judger's threshold h = 0.8 (the paper's) and with h = 0
@@ -35,24 +35,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from common import machine
 from hydra import compose, initialize_config_dir
+from lvlm import full_backend
 from omegaconf import OmegaConf
 from PIL import Image
 from tqdm import tqdm
 
+from agents import build_generator
+from hkrag.lvlm import PageImage
+from hkrag.lvlm.phi3v import Phi3VBackend
+from hkrag.rag.records import Query
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # not bench/: this file's name would shadow the agents package
-from agents import build_generator  # noqa: E402
-from bench.common import machine  # noqa: E402
-from bench.lvlm import full_backend  # noqa: E402
-from hkrag.lvlm import PageImage  # noqa: E402
-from hkrag.lvlm.phi3v import Phi3VBackend  # noqa: E402
-from hkrag.rag.records import Query  # noqa: E402
 
 CONFIGURATIONS = {  # --configs id -> (printed name, generator config, overrides)
     "single": ("single-pass", "single_pass", {}),
