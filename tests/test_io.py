@@ -1,7 +1,9 @@
 """hkrag.io: a failed write leaves the previous file or folder intact and names the path."""
 
+import argparse
 import errno
 import json
+import re
 
 import pytest
 
@@ -10,6 +12,7 @@ from hkrag.io import (
     WriteError,
     atomic_directory,
     atomic_write,
+    existing,
     read_jsonl,
     write_bytes,
     write_json,
@@ -86,3 +89,49 @@ def test_read_jsonl_reads_what_write_jsonl_gz_wrote_and_names_a_damaged_archive(
     (tmp_path / "cut.jsonl.gz").write_bytes(path.read_bytes()[:-8])
     with pytest.raises(FileFormatError, match=r"cut\.jsonl\.gz.*not a readable gzip file"):
         read_jsonl(tmp_path / "cut.jsonl.gz")
+
+
+def test_an_input_path_is_checked_as_argparse_parses_it(tmp_path):
+    """:func:`existing`: the path back when it is there (a folder with what it must hold), else argparse's usage
+    error naming the path and what is missing."""
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("a: 1\n")
+    (tmp_path / "calls.jsonl.gz").write_bytes(b"")
+    assert existing("dir", (".hydra/config.yaml",))(str(run)) == run
+    assert existing()(str(tmp_path / "calls.jsonl.gz")) == tmp_path / "calls.jsonl.gz"
+    for check, path, message in [
+        (existing(), tmp_path / "nosuch.json", "nosuch.json: no such file"),
+        (existing("dir"), tmp_path / "nosuch", "nosuch: no such folder"),
+        (existing(), run, "run: a folder, not a file"),
+        (existing("dir"), tmp_path / "calls.jsonl.gz", "calls.jsonl.gz: not a folder"),
+        (existing("dir", ("rag_config.json", ".hydra/config.yaml"), "an eval.py run"), run,
+         "run has no rag_config.json (is it an eval.py run?)"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+            check(str(path))
+    with pytest.raises(ValueError, match="kind='folder'"):
+        existing("folder")
+
+
+@pytest.mark.parametrize(("module", "argv", "message"), [
+    ("hkrag.tasks.agent_steps", ["{missing}", "--out", "{out}"], "argument run: {missing}: no such folder"),
+    ("hkrag.tasks.agent_steps", ["{tmp}", "--out", "{out}"], "argument run: {tmp} has no .hydra/config.yaml"),
+    ("hkrag.tasks.reader_on_pruner_calls", ["{missing}", "--calls", "x", "--out", "{out}"],
+     "argument run: {missing}: no such folder"),
+    ("hkrag.retrieval.rerank_report", ["{missing}", "--qa-source", "q", "--datasets", "d", "--out", "{out}"],
+     "argument trace: {missing}: no such file"),
+    ("hkrag.rag.__main__", ["steps", "{tmp}"], "argument run_dir: {tmp} has no rag_config.json, trace.jsonl"),
+    ("hkrag.rag.__main__", ["compare", "{missing}"], "argument run_dirs: {missing}: no such folder"),
+])
+def test_a_report_command_refuses_a_missing_input_before_any_work(tmp_path, capsys, module, argv, message):
+    """The report commands name the argument and the path (a usage error, exit 2), not a traceback from deep in the
+    run (``FileNotFoundError`` on ``.hydra/config.yaml`` after the imports)."""
+    import importlib
+
+    values = {"missing": str(tmp_path / "nosuch"), "tmp": str(tmp_path), "out": str(tmp_path / "out")}
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(module).main([arg.format(**values) for arg in argv])
+    assert exit_.value.code == 2
+    assert message.format(**values) in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

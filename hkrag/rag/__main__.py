@@ -11,9 +11,13 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
+from hkrag.io import existing
 from hkrag.rag.metrics import METRICS
-from hkrag.rag.report import compare_runs, sweep_summary
+from hkrag.rag.report import REPORT_FILE, RUN_CONFIG_FILE, compare_runs, sweep_summary
 from hkrag.rag.step_report import report_run
+from hkrag.rag.trace import MERGED_FILE
+
+FINISHED = "a finished eval.py task=rag|generation run"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -22,16 +26,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     sweep = commands.add_parser("sweep", help="accuracy, routes and cost per Judger threshold of a multirun folder "
                                 "(eval.py -m ... generator.threshold=0.2,0.5,0.8); writes sweep.{json,md,png}")
-    sweep.add_argument("folder", type=Path)
+    sweep.add_argument("folder", type=existing("dir"))
     sweep.add_argument("--key", default="generator.threshold", help="the swept setting (default %(default)s)")
     sweep.add_argument("--out", type=Path, default=None, help="where to write (default: the folder)")
     compare = commands.add_parser("compare", help="one table with a row per run directory (Tables 3, 4, 6)")
-    compare.add_argument("run_dirs", type=Path, nargs="+")
+    compare.add_argument("run_dirs", type=existing("dir", (REPORT_FILE,), FINISHED), nargs="+")
     compare.add_argument("--metric", default="accuracy", choices=["accuracy", *METRICS])
     steps = commands.add_parser("steps", help="the per-step report (Pruner, notes, answers per step, calibration "
                                 "of H') of an eval.py run on the built-in corpus; writes steps.{json,md} into it")
-    steps.add_argument("run_dir", type=Path)
-    steps.add_argument("--threshold-from", type=Path, default=None, help="a validation run's steps.json: its "
+    steps.add_argument("run_dir", type=existing("dir", (RUN_CONFIG_FILE, MERGED_FILE), FINISHED))
+    steps.add_argument("--threshold-from", type=existing(), default=None, help="a validation run's steps.json: its "
                        "Pruner P(yes) threshold is applied here (default: one chosen on this run, labelled so)")
     args = parser.parse_args(argv)
     if args.command == "steps":

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hkrag.data.opendocvqa import ALL_POOL, QAExample, load_qa, qrels
-from hkrag.io import read_json, write_json, write_jsonl_gz, write_text
+from hkrag.io import existing, read_json, write_json, write_jsonl_gz, write_text
 from hkrag.retrieval.metrics import evaluate_run, expected_name
 from hkrag.stats import bootstrap_interval, paired_bootstrap
 
@@ -125,11 +125,11 @@ def report(trace_file: Path, qa_source: str, split: str, datasets: Sequence[str]
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trace", type=Path, help="a reranked evaluation's rerank.json")
+    parser.add_argument("trace", type=existing(), help="a reranked evaluation's rerank.json")
     parser.add_argument("--qa-source", required=True)
     parser.add_argument("--split", default="test")
     parser.add_argument("--datasets", nargs="+", required=True)
-    parser.add_argument("--queries", type=Path, default=None, help="a JSON list of query ids to keep")
+    parser.add_argument("--queries", type=existing(), default=None, help="a JSON list of query ids to keep")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     queries = set(read_json(args.queries)) if args.queries else None

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from hkrag.data.generator_pairs import read_pairs
 from hkrag.data.opendocvqa import QAExample, load_corpus, load_qa
-from hkrag.io import read_json, write_json, write_jsonl_gz, write_text
+from hkrag.io import existing, read_json, write_json, write_jsonl_gz, write_text
 from hkrag.lvlm import LVLMBackend, PageImage
 from hkrag.lvlm.phi3v import Phi3VBackend
 from hkrag.lvlm.uncertainty import uncertainty
@@ -165,14 +165,15 @@ def evaluate(run: Path, out: Path, split: str, pages: Sequence[str], modes: Sequ
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run", type=Path, help="a train.py run of experiment=generator_agents_tiny (or a sibling)")
+    parser.add_argument("run", type=existing("dir", (".hydra/config.yaml",), "a train.py run"),
+                        help="a train.py run of experiment=generator_agents_tiny (or a sibling)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--split", choices=SPLITS, default="validation",
                         help="validation: the run's held-out questions; training: as many it trained on (fit check)")
     parser.add_argument("--pages", nargs="+", choices=PAGE_SETS, default=["gold"])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--max-queries", type=POSITIVE.arg, default=None, help="the first N queries only")
-    parser.add_argument("--threshold-from", type=Path, default=None,
+    parser.add_argument("--threshold-from", type=existing(), default=None,
                         help="a validation steps.json whose Pruner P(yes) threshold is applied")
     parser.add_argument("--generator", nargs="+", default=[], metavar="KEY=VALUE", dest="generator_overrides",
                         help="overrides of conf/generator's keys for the agents and the single pass (threshold=0.4)")

@@ -21,7 +21,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from hkrag.data.opendocvqa import load_corpus, load_qa
-from hkrag.io import read_jsonl, write_json, write_jsonl_gz, write_text
+from hkrag.io import existing, read_jsonl, write_json, write_jsonl_gz, write_text
 from hkrag.rag.step_report import auroc_interval
 from hkrag.retrieval.generator_pairs import encode_training
 from hkrag.tasks.generator_training import training_retriever
@@ -90,8 +90,10 @@ def evaluate(run: Path, calls_path: Path, out: Path) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run", type=Path, help="the generator-training run whose agent_steps wrote the calls")
-    parser.add_argument("--calls", type=Path, required=True, help="an agent_steps <mode>-retrieved-pruner_calls file")
+    parser.add_argument("run", type=existing("dir", (".hydra/config.yaml",), "a train.py run"),
+                        help="the generator-training run whose agent_steps wrote the calls")
+    parser.add_argument("--calls", type=existing(), required=True,
+                        help="an agent_steps <mode>-retrieved-pruner_calls file")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
