@@ -69,3 +69,21 @@ def test_a_trace_without_answers_is_an_error_naming_it(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         correct_pruner.main([str(trace), "--out", str(tmp_path / "out")])
     assert exit_.value.code == 2 and "no query with an answer step (1 queries)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("generator", ["w128", "w64"])
+def test_the_committed_report_re_derives_from_its_traces(tmp_path, generator):
+    """docs/rerank/correct_pruner/<generator>: the rows follow from the committed forced trace, the summary from the
+    rows (docs/rerank/README.md, "What a correct Pruner's pages would give")."""
+    import gzip
+    import json
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "docs" / "rerank" / "correct_pruner" / generator
+    trace = tmp_path / "forced-retrieved.jsonl"
+    trace.write_bytes(gzip.decompress((folder / "forced-retrieved.jsonl.gz").read_bytes()))
+    summary = correct_pruner.evaluate(trace, tmp_path / "out")
+    rows = [json.loads(line) for line in gzip.open(folder / correct_pruner.ROWS_FILE, "rt")]
+    assert [json.loads(line) for line in gzip.open(tmp_path / "out" / correct_pruner.ROWS_FILE, "rt")] == rows
+    assert json.loads((folder / correct_pruner.SUMMARY_FILE).read_text())["summary"] == json.loads(json.dumps(summary))
+    assert summary["every question"]["n"] == 108 and summary["pruned"]["n"] == 42
