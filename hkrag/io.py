@@ -193,19 +193,19 @@ def existing(kind: str = "file", holding: Sequence[str] = (), what: str = "") ->
     if kind not in ("file", "dir"):
         raise ValueError(f"kind={kind!r}: expected 'file' or 'dir'")
 
-    def check(text: str) -> Path:
-        path = local_path(text)
-        if not path.exists():
+    def path(text: str) -> Path:
+        found = local_path(text)
+        if not found.exists():
             raise argparse.ArgumentTypeError(f"{text}: no such {'folder' if kind == 'dir' else 'file'}")
-        if (kind == "dir") != path.is_dir():
+        if (kind == "dir") != found.is_dir():
             raise argparse.ArgumentTypeError(f"{text}: {'not a folder' if kind == 'dir' else 'a folder, not a file'}")
-        missing = [name for name in holding if not (path / name).exists()]
+        missing = [str(name) for name in holding if not (found / name).exists()]
         if missing:
             role = f" (is it {what}?)" if what else ""
             raise argparse.ArgumentTypeError(f"{text} has no {', '.join(missing)}{role}")
-        return path
+        return found
 
-    return check
+    return path
 
 
 def read_array(path: str | Path, mmap: bool = False) -> Any:

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from hkrag.data.opendocvqa import load_corpus, load_qa
 from hkrag.data.splits import ValidationSplit
-from hkrag.io import local_path, write_json, write_text
+from hkrag.io import existing, write_json, write_text
 from hkrag.retrieval.evaluation import RetrievalEvalConfig, evaluate_ranker
 from hkrag.retrieval.generator_pairs import build_generator_pairs
 from hkrag.tasks.agent_steps import RETRIEVED_PAIRS
@@ -53,8 +53,6 @@ def validation_queries(cfg) -> list:
 
 def link_to(link: Path, target: Path) -> None:
     """``link`` pointing at ``target``, replacing a link to anything else (a second run over the same ``--out``)."""
-    if not target.exists():
-        raise FileNotFoundError(f"{target}: no such folder (the generator's weights: --weights)")
     if link.is_symlink() and Path(os.readlink(link)) == target:
         return
     if link.is_symlink():
@@ -105,9 +103,9 @@ def rerank(queries: list, out: Path, depth: int, weights: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--weights", type=local_path, default=f"weights/{EXPERIMENT}",
-                        help="a shipped generator (default %(default)s; a relative path is also looked for in the "
-                        "repository)")
+    parser.add_argument("--weights", type=existing("dir", (BASE_DIR, FINAL_ADAPTER), "a shipped generator"),
+                        default=f"weights/{EXPERIMENT}", help="a shipped generator (default %(default)s; a relative "
+                        "path is also looked for in the repository)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--depth", type=int, default=10)
     parser.add_argument("--no-rerank", action="store_true", help="only the run folder (the Pruner's AUROC), not the "

@@ -4,6 +4,7 @@ import argparse
 import errno
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -107,6 +108,8 @@ def test_an_input_path_is_checked_as_argparse_parses_it(tmp_path):
         (existing("dir"), tmp_path / "calls.jsonl.gz", "calls.jsonl.gz: not a folder"),
         (existing("dir", ("rag_config.json", ".hydra/config.yaml"), "an eval.py run"), run,
          "run has no rag_config.json (is it an eval.py run?)"),
+        (existing("dir", (Path("checkpoints") / "final" / "adapter",), "a shipped generator"), run,
+         "run has no checkpoints/final/adapter (is it a shipped generator?)"),  # holding given as Paths
     ]:
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
             check(str(path))
