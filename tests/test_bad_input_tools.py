@@ -77,6 +77,8 @@ def test_the_tuner_refuses_numbers_out_of_range(argv, named, capsys):
 def test_the_agent_step_report_refuses_a_query_cap_that_is_not_positive(value, tmp_path, capsys):
     from hkrag.tasks.agent_steps import main
 
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("{}\n")  # a run folder: only the cap is wrong
     error = _usage_error(main, [str(tmp_path), "--out", str(tmp_path / "o"), "--max-queries", value], capsys)
     assert f"argument --max-queries: {value!r}: expected an integer >= 1" in error
 

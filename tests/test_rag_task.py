@@ -358,8 +358,9 @@ def test_threshold_sweep_and_comparison_commands_read_finished_runs(tmp_path, da
     assert re.search(r"\| 0 \| 100\.0 \| 100\.0 \| 100\.0 \|", table) and re.search(r"\| 1 \| 66\.7 \|", table)
     with pytest.raises(ValueError, match="no run was judged"):
         main(["compare", str(tmp_path / "multirun" / "0")])
-    with pytest.raises(FileNotFoundError, match="no rag.json"):
+    with pytest.raises(SystemExit):  # refused as the arguments are parsed, naming the folder and its missing report
         main(["compare", str(tmp_path)])
+    assert f"argument run_dirs: {tmp_path} has no rag.json (is it a finished eval.py" in capsys.readouterr().err
 
 
 def test_concurrent_queries_fill_the_trace_once_each_and_local_backends_refuse(tmp_path, data, backends):
