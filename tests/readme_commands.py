@@ -32,6 +32,8 @@ except ImportError:  # Python 3.10
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")))
+RECORDS = (ROOT / "bench" / "RESULTS.md",)
+"""The benchmark record: how each measured figure was made (full-size runs, GPUs, 10^6 vectors), parsed, not run."""
 SHELL_BLOCKS = ("bash", "sh", "shell", "console", "")
 """Fence languages whose lines are shell commands ("" is a plain fence: only lines starting with a program)."""
 PROGRAMS = ("python", "python3", "pip", "accelerate", "pytest", "vllm", "mkdir", "git")
@@ -61,6 +63,8 @@ PLACEHOLDERS: tuple[tuple[str, str], ...] = (
     (r"<that run>|<the demo run>|<train\.py run>|<run>|(?<![\w.-])RUN(?![\w.-])", "train_run"),
     (r"<stitched corpus>", "stitched_corpus"),
     (r"<region corpus of detected boxes>", "detected_units"),
+    (r"<phi3v config \+ tokenizer>", "phi3v_config"),
+    (r"<name>\.json", "row_file"),
 )
 """The documents' placeholders (regex) and the name of the value that replaces each: parse checks use
 :data:`PARSE_VALUES`, runs a fixture's value (tests/test_readme.py)."""
@@ -71,7 +75,8 @@ PARSE_VALUES = {
     "adapter": "runs/adapter", "hub_adapter": "model.adapter=NTT-hil-insight/VDocRetriever-Phi3-vision",
     "mirror": "/tmp/mirror", "out_dir": "--out outputs/replica", "rag_run": "outputs/eval/a",
     "stitched_corpus": "data/units_ocr_all-box", "detected_units": "data/units_det_all-box",
-    "val_steps": "outputs/eval/b/steps.json",
+    "val_steps": "outputs/eval/b/steps.json", "phi3v_config": "../shared/reference/phi3v",
+    "row_file": "outputs/row.json",
 }
 LEFTOVER = re.compile(r"<[^<>\s][^<>]*>|(?<![\w.-])(DIR|FILE|RUN_DIR|RUN|\.\.\.|…)(?![\w.-])")
 """A placeholder no rule replaced: a new one in a document needs a row in :data:`PLACEHOLDERS`."""
@@ -238,11 +243,14 @@ def needed_values(text: str) -> list[str]:
 
 
 def split_env(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """Leading ``NAME=value`` environment assignments, and the command after them."""
+    """Leading ``NAME=value`` environment assignments, and the command after them (after ``nice [-n N]``, which
+    only lowers its priority)."""
     env = {}
     while argv and ENV_ASSIGNMENT.match(argv[0]):
         name, value = argv.pop(0).split("=", 1)
         env[name] = value
+    if argv[:1] == ["nice"]:
+        argv = argv[3:] if argv[1:2] == ["-n"] else argv[1:]
     return env, argv
 
 

@@ -417,6 +417,16 @@ def test_command_parses(command: rc.Command):
         pytest.fail(f"{command.source}: `{command.text}` does not parse: {error}")
 
 
+@pytest.mark.parametrize("command", [parse_param(c) for c in rc.commands(rc.RECORDS)])
+def test_recorded_command_parses(command: rc.Command):
+    """Every command bench/RESULTS.md records a figure with still parses (they are full-size measurements: none
+    runs here); a renamed script or flag would leave the record naming a command that no longer exists."""
+    try:
+        rc.check_parses(command.text)
+    except (AssertionError, ValueError) as error:
+        pytest.fail(f"{command.source}: `{command.text}` does not parse: {error}")
+
+
 @pytest.mark.parametrize("name", [pytest.param(c, id=c.text) for c in rc.program_names()])
 def test_named_program_exists(name: rc.Command):
     """A prose span that names a program without arguments (`python -m hkrag.data.ocr`) names one that exists."""
@@ -714,6 +724,8 @@ def test_prose_commands_are_found():
     ("accelerate launch --nosuch-option 2", "--nosuch-option"),
     ("pip install 'hkrag[nosuch]'", "nosuch"),
     ("python tests/test_interval_coverage.py 5", "takes no command-line arguments"),
+    ("OMP_NUM_THREADS=1 nice -n 10 python bench/multivector.py --nosuch-flag 3", "--nosuch-flag"),
+    ("nice python -m hkrag.tasks.chain --out x --worker-count 2", "--worker-count"),
 ])
 def test_a_changed_flag_fails_the_parse_check(text: str, message: str):
     """What a README command that changed its flags (or names a missing file, extra or marker) meets."""
