@@ -293,6 +293,12 @@ def test_the_rerank_report_scores_both_stages_per_query():
     assert row["calls"] == 2 and row["dataset"] == "q1"
 
 
+def test_a_rerank_trace_of_other_questions_is_refused_naming_them():
+    trace = [{"pool": "all", "query_id": "q9", "seconds": 0.5, "pages": []}]
+    with pytest.raises(ValueError, match=r"1 reranked queries have no question in the given QA sets, e.g. \['q9'\]"):
+        per_query_rows(trace, {"q1": example()})
+
+
 def test_baselines_table_gives_a_reranked_rows_calls_and_seconds_per_query():
     results = {"all": {name: 0.5 for metric in REPORTED_METRICS for name in (metric, expected_name(metric))},
                "num_queries": 2}
@@ -414,7 +420,7 @@ def test_the_readers_rows_are_the_first_calls_and_name_a_query_without_scores():
     assert [(row["query_id"], row["label"]) for row in rows] == [("a", True), ("b", False)]
     summary = summarise(rows)
     assert summary["margin"]["auroc"] == 1.0 and summary["p_yes"]["auroc"] == 0.0  # a: 0.6 > b: 0.05; P(yes) reversed
-    with pytest.raises(KeyError, match="no reader scores for 1 queries of the calls, e.g. 'b'"):
+    with pytest.raises(ValueError, match="no reader scores for 1 queries of the calls, e.g. 'b': are the calls"):
         reader_rows(calls, {"a": scores["a"]})
 
 

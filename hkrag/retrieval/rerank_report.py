@@ -49,7 +49,8 @@ def per_query_rows(trace: Sequence[Mapping[str, Any]], examples: Mapping[str, QA
     its group labels, cost, and nDCG@5 before and after reranking."""
     missing = sorted({entry["query_id"] for entry in trace} - set(examples))
     if missing:
-        raise KeyError(f"{len(missing)} reranked queries have no question in the given QA sets, e.g. {missing[:3]}")
+        raise ValueError(f"{len(missing)} reranked queries have no question in the given QA sets, e.g. {missing[:3]} "
+                         "(--qa-source, --split and --datasets name the questions the evaluation ranked)")
     rows = []
     for entry in trace:
         example = examples[entry["query_id"]]
@@ -133,7 +134,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     queries = set(read_json(args.queries)) if args.queries else None
-    report(args.trace, args.qa_source, args.split, args.datasets, args.out, queries)
+    try:
+        report(args.trace, args.qa_source, args.split, args.datasets, args.out, queries)
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     print((args.out / "summary.md").read_text())
 
 

@@ -47,7 +47,8 @@ def reader_rows(calls: Sequence[Mapping[str, Any]], scores: Mapping[str, np.ndar
     -> the reader's scores over the corpus)."""
     first = [call for call in calls if call["n"] == 1]
     if missing := sorted({call["query_id"] for call in first} - set(scores)):
-        raise KeyError(f"no reader scores for {len(missing)} queries of the calls, e.g. {missing[0]!r}")
+        raise ValueError(f"no reader scores for {len(missing)} queries of the calls, e.g. {missing[0]!r}: are the "
+                         "calls agent_steps' on this run's questions?")
     return [{"query_id": call["query_id"], "evidence": call.get("evidence", ""), "label": bool(call["label"]),
              "p_yes": call["p_yes"], **reader_statistics(scores[call["query_id"]])} for call in first]
 
@@ -97,7 +98,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    evaluate(args.run, args.calls, args.out)
+    try:
+        evaluate(args.run, args.calls, args.out)
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     print((args.out / "reader_calls.md").read_text())
 
 
