@@ -34,6 +34,8 @@ def test_a_query_with_nothing_to_prune_scores_its_one_page_set_twice():
 
 def test_no_answer_step_gives_no_row_and_a_live_trace_is_refused():
     assert query_row(forced("q3", 3, {})) is None
+    with pytest.raises(ValueError, match=r"q5: the forced trace has a single pass but no answer or verify call"):
+        query_row(forced("q5", 3, {("single_pass", 3): "42"}))
     live = forced("q4", 3, {("single_pass", 3): "42"})
     live.route = "lqp"
     with pytest.raises(ValueError, match=r"q4: route 'lqp', not a forced trace"):

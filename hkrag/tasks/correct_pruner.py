@@ -51,6 +51,9 @@ def query_row(outcome: QueryOutcome) -> dict[str, Any] | None:
             calls.setdefault(call.step, {})[len(call.page_ids)] = call.output.strip()
     if "single_pass" not in calls:
         return None
+    if lacking := [step for step in ("answer", "verify") if step not in calls]:
+        raise ValueError(f"{outcome.query_id}: the forced trace has a single pass but no {' or '.join(lacking)} call "
+                         "(agent_steps asks every step of the curriculum)")
     kept = min(calls["verify"])
     right = {f"{step}_{which}": relaxed_accuracy(calls[step][n], outcome.gold) == 1.0
              for step in ("answer", "verify") for which, n in (("kept", kept), ("all", max(calls[step])))}
