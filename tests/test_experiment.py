@@ -206,6 +206,27 @@ def test_a_relative_run_dir_missing_here_is_looked_up_in_the_repository(tmp_path
         trained_model_config(OmegaConf.create({"kind": "tiny"}), "no/run")
 
 
+def test_the_weights_folder_is_the_repositorys_from_any_working_folder(tmp_path, monkeypatch):
+    """``paths.weights_dir`` (the `lvlm=` configs' weights, eval.py's default generator): HKRAG_WEIGHTS_DIR, else
+    weights/ under the working folder, else the repository's; eval.py from another folder failed on
+    `weights/generator_agents_w128/base` (read as a hub id) while its `run_dir=weights/reader_tiny` was found."""
+    def weights_dir() -> tuple[str, str]:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("eval", [])
+        return cfg.paths.weights_dir, cfg.lvlm.base
+
+    monkeypatch.delenv("HKRAG_WEIGHTS_DIR", raising=False)
+    monkeypatch.chdir(ROOT)
+    assert weights_dir()[0] == "weights"
+    monkeypatch.chdir(tmp_path)
+    found, base = weights_dir()
+    assert found == str(ROOT / "weights") and Path(base).is_dir()
+    (tmp_path / "weights").mkdir()
+    assert weights_dir()[0] == "weights"
+    monkeypatch.setenv("HKRAG_WEIGHTS_DIR", "/srv/weights")
+    assert weights_dir()[0] == "/srv/weights"
+
+
 def test_evaluation_saves_queries_and_qrels_for_the_storage_budget(tmp_path):
     import json
 
