@@ -1,16 +1,17 @@
-"""The README runs: every command in the shell blocks of README.md and docs/*.md parses, runs at tiny scale where it
+"""The README runs: every command in the shell blocks of README.md and docs/**/*.md parses, runs at tiny scale where it
 can offline, and `python train.py` (the quick start) runs verbatim and lands in the README's demo table.
 
 The commands are read from the documents at collection time (tests/readme_commands.py), so a new one is tested
 without editing this file; one that cannot run here must be listed in OFFLINE (or EXTERNAL) with the reason, one too
 long for the default suite in SLOW (`python -m pytest -m slow tests/test_readme.py` runs those, and the commands of
-docs/*.md, which the default suite only parses). Runs happen in a temporary working directory (symlinks to
-train.py, eval.py, conf/), never in the repository's data/ or outputs/: the demo's run serves `run_dir=latest` and
-`outputs/train/<stamp>`; commands reading `data/synthetic/corpus` directly (OCR, degradation, PDFs) run in a second
-directory with a small corpus. Shrinking overrides are appended unless the command sets the key itself. Slow
-commands that read an earlier command's output (the sweeps, the mining steps) run in document order. With
-HKRAG_README_WORKSPACE set, the two working directories live there and are kept between pytest runs, so the slow
-commands can run in batches (in document order: a later batch reads an earlier one's output, and the demo runs once).
+docs/**/*.md, which the default suite only parses; bench/RESULTS.md's are parsed, never run). Runs happen in a
+temporary working directory (symlinks to train.py, eval.py, conf/), never in the repository's data/ or outputs/: the
+demo's run serves `run_dir=latest` and `outputs/train/<stamp>`; commands reading `data/synthetic/corpus` directly
+(OCR, degradation, PDFs) run in a second directory with a small corpus. Shrinking overrides are appended unless the
+command sets the key itself. Slow commands that read an earlier command's output (the sweeps, the mining steps) run
+in document order. With HKRAG_README_WORKSPACE set, the two working directories live there and are kept between
+pytest runs, so the slow commands can run in batches (in document order: a later batch reads an earlier one's
+output, and the demo runs once).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ SLOW: tuple[tuple[str, str], ...] = (
     (r"eval\.split=train|hkrag\.index\.mine|negatives_file=", "hard-negative mining: encodes the training corpus"),
 )
 """Commands too long for the default suite (they run under ``-m slow``), with the reason. Every command of
-docs/*.md also runs under ``-m slow`` only (the default suite parses them and runs the README's)."""
+docs/**/*.md also runs under ``-m slow`` only (the default suite parses them and runs the README's)."""
 
 TINY_FLAGS: tuple[tuple[str, str], ...] = (
     (r"hkrag\.tasks\.replica", "--quick --steps 2 --eval-every 2 --generator-steps 2 --eval rag.max_queries=2"),
