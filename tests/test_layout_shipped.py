@@ -65,10 +65,11 @@ def test_the_documented_relative_path_loads_it_from_any_folder(tmp_path, monkeyp
 @pytest.mark.slow
 def test_its_evaluation_re_derives_from_the_repository(tmp_path):
     """The demo corpus drawn again (python -m hkrag.data.synthetic's defaults) and the shipped detector evaluated on
-    its test split: the very figures the manifest holds."""
+    its test split: the figures the manifest holds, to float32 rounding (the manifest's are an AMD EPYC's; an Intel
+    Xeon's IoUs differ in the eighth digit), the counts exactly."""
     root = generate(tmp_path / "synthetic", DEMO).root
     shipped = json.loads((SHIPPED / "evaluation.json").read_text())
     result = evaluate_detector(root, SHIPPED / "model", shipped["split"])
-    assert result["selected"] == shipped["selected"]
+    assert result["selected"] == pytest.approx(shipped["selected"], rel=1e-6)
     assert result["class_agreement"] == shipped["class_agreement"]
     assert result["boxes_per_page"] == shipped["boxes_per_page"]
