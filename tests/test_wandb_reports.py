@@ -69,13 +69,18 @@ def log_records(path: Path) -> list[bytes]:
 
 
 def run_records(path: Path) -> list[Any]:
-    """The log's records as wandb's protobuf ``Record`` messages."""
+    """The log's records as wandb's protobuf ``Record`` messages; none while a record is only partly written (wandb's
+    service writes the log after ``finish()`` returns: a torn record does not parse yet)."""
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2
 
     records = []
     for serialized in log_records(path):
         records.append(wandb_internal_pb2.Record())
-        records[-1].ParseFromString(serialized)
+        try:
+            records[-1].ParseFromString(serialized)
+        except DecodeError:
+            return []
     return records
 
 
