@@ -18,7 +18,6 @@ a user runs it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gzip
 import io
@@ -183,29 +182,6 @@ def read_json(path: str | Path, keys: Sequence[str] = (), what: str = "") -> Any
         found = sorted(value) if isinstance(value, dict) else type(value).__name__
         raise FileFormatError(path, f"{what + ' ' if what else ''}lacks key(s) {missing} (found {found})")
     return value
-
-
-def existing(kind: str = "file", holding: Sequence[str] = (), what: str = "") -> Callable[[str], Path]:
-    """An argparse ``type`` for an input path: the ``Path`` (found by :func:`local_path`, so a repository path such
-    as ``docs/...`` works from any folder), once it is an existing ``kind`` (``"file"`` or ``"dir"``) that holds each
-    of ``holding`` (paths inside a folder); otherwise argparse's usage error naming the argument, the path and what
-    is missing (``what`` says what the folder should be), before any work starts."""
-    if kind not in ("file", "dir"):
-        raise ValueError(f"kind={kind!r}: expected 'file' or 'dir'")
-
-    def path(text: str) -> Path:
-        found = local_path(text)
-        if not found.exists():
-            raise argparse.ArgumentTypeError(f"{text}: no such {'folder' if kind == 'dir' else 'file'}")
-        if (kind == "dir") != found.is_dir():
-            raise argparse.ArgumentTypeError(f"{text}: {'not a folder' if kind == 'dir' else 'a folder, not a file'}")
-        missing = [str(name) for name in holding if not (found / name).exists()]
-        if missing:
-            role = f" (is it {what}?)" if what else ""
-            raise argparse.ArgumentTypeError(f"{text} has no {', '.join(missing)}{role}")
-        return found
-
-    return path
 
 
 def read_array(path: str | Path, mmap: bool = False) -> Any:

@@ -25,9 +25,10 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from hkrag.cli import existing
 from hkrag.data.opendocvqa import load_corpus, load_qa
 from hkrag.data.splits import ValidationSplit
-from hkrag.io import existing, write_json, write_text
+from hkrag.io import write_json, write_text
 from hkrag.retrieval.evaluation import RetrievalEvalConfig, evaluate_ranker
 from hkrag.retrieval.generator_pairs import build_generator_pairs
 from hkrag.tasks.agent_steps import RETRIEVED_PAIRS

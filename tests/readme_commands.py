@@ -308,7 +308,7 @@ def check_flags(main: Callable[..., object], args: list[str], takes_argv: bool =
 
 def unchecked_inputs(parser: argparse.ArgumentParser) -> None:
     """Make ``parser`` (and its subcommands) take its input paths as they are: a document names run folders that an
-    earlier command writes, so the parse check reads :func:`hkrag.io.existing`'s arguments as plain paths."""
+    earlier command writes, so the parse check reads :func:`hkrag.cli.existing`'s arguments as plain paths."""
     for action in parser._actions:
         if getattr(action.type, "__qualname__", "").startswith("existing."):
             action.type = Path

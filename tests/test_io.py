@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from hkrag.cli import existing
 from hkrag.io import (
     FileFormatError,
     WriteError,
     atomic_directory,
     atomic_write,
-    existing,
     read_jsonl,
     write_bytes,
     write_json,

@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from hkrag.io import existing
+from hkrag.cli import existing
 from hkrag.rag.metrics import METRICS
 from hkrag.rag.report import REPORT_FILE, RUN_CONFIG_FILE, compare_runs, sweep_summary
 from hkrag.rag.step_report import report_run

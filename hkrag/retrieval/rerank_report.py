@@ -21,8 +21,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hkrag.cli import existing, usage_errors
 from hkrag.data.opendocvqa import ALL_POOL, QAExample, load_qa, qrels
-from hkrag.io import existing, read_json, write_json, write_jsonl_gz, write_text
+from hkrag.io import read_json, write_json, write_jsonl_gz, write_text
 from hkrag.retrieval.metrics import evaluate_run, expected_name
 from hkrag.stats import bootstrap_interval, paired_bootstrap
 
@@ -134,10 +135,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     queries = set(read_json(args.queries)) if args.queries else None
-    try:
+    with usage_errors(parser):
         report(args.trace, args.qa_source, args.split, args.datasets, args.out, queries)
-    except ValueError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
     print((args.out / "summary.md").read_text())
 
 

@@ -30,6 +30,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from hkrag.cli import usage_errors
 from hkrag.data.opendocvqa import ALL_POOL, check_pool_pages, load_corpus, pools
 from hkrag.data.synthetic import CONFIG_FILE, SyntheticConfig, generate
 from hkrag.io import (
@@ -521,9 +522,7 @@ def run_report_command(parser: argparse.ArgumentParser, make_config: Callable[[]
         config = make_config()
     except ValueError as error:
         parser.error(str(error))
-    try:
+    with usage_errors(parser, refused):
         report = run(config)
-    except refused as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
     print(markdown(config).read_text())
     return report

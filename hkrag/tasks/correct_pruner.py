@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hkrag.io import existing, write_json, write_jsonl_gz, write_text
+from hkrag.cli import existing, usage_errors
+from hkrag.io import write_json, write_jsonl_gz, write_text
 from hkrag.rag.metrics import relaxed_accuracy
 from hkrag.rag.records import QueryOutcome
 from hkrag.rag.trace import load_trace
@@ -118,10 +119,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    with usage_errors(parser):
         evaluate(args.trace, args.out)
-    except ValueError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
     print((args.out / "correct_pruner.md").read_text())
 
 

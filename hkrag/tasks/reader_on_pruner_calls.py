@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
+from hkrag.cli import existing, usage_errors
 from hkrag.data.opendocvqa import load_corpus, load_qa
-from hkrag.io import existing, read_jsonl, write_json, write_jsonl_gz, write_text
+from hkrag.io import read_jsonl, write_json, write_jsonl_gz, write_text
 from hkrag.rag.step_report import auroc_interval
 from hkrag.retrieval.generator_pairs import encode_training
 from hkrag.tasks.generator_training import training_retriever
@@ -98,10 +99,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    with usage_errors(parser):
         evaluate(args.run, args.calls, args.out)
-    except ValueError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
     print((args.out / "reader_calls.md").read_text())
 
 
