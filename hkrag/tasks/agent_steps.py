@@ -51,7 +51,7 @@ from hkrag.rag.step_report import (
 )
 from hkrag.rag.trace import write_trace
 from hkrag.ranges import POSITIVE
-from hkrag.tasks.common import BASE_DIR, FINAL_ADAPTER, generator_conf
+from hkrag.tasks.common import BASE_DIR, FINAL_ADAPTER, RUN_CONFIG, TRAIN_RUN, generator_conf
 from hkrag.tasks.rag import answer_all, question_text
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def evaluate(run: Path, out: Path, split: str, pages: Sequence[str], modes: Sequ
     """The traces and per-step reports of every (mode, page set); returns ``steps.json``'s content. The Pruner's
     P(yes) threshold is ``threshold_from``'s (a validation ``steps.json``) when given, else chosen on each report;
     ``generator_overrides`` change the end-to-end generators' config (e.g. the Judger's ``threshold``)."""
-    cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
+    cfg = OmegaConf.load(run / RUN_CONFIG)
     queries = held_out_queries(run, cfg, split)[:max_queries]
     corpus_split = "test" if split == "test" else "train"
     corpus_configs = ["all"] if split == "test" else [cfg.data.train.corpus_config]
@@ -166,8 +166,7 @@ def evaluate(run: Path, out: Path, split: str, pages: Sequence[str], modes: Sequ
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run", type=existing("dir", (".hydra/config.yaml",), "a train.py run"),
-                        help="a train.py run of experiment=generator_agents_tiny (or a sibling)")
+    parser.add_argument("run", type=TRAIN_RUN, help="a train.py run of experiment=generator_agents_tiny (or a sibling)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--split", choices=SPLITS, default="validation",
                         help="validation: the run's held-out questions; training: as many it trained on (fit check)")

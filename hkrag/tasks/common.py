@@ -30,7 +30,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from hkrag.cli import usage_errors
+from hkrag.cli import existing, usage_errors
 from hkrag.data.opendocvqa import ALL_POOL, check_pool_pages, load_corpus, pools
 from hkrag.data.synthetic import CONFIG_FILE, SyntheticConfig, generate
 from hkrag.io import (
@@ -181,6 +181,10 @@ def check_pools(cfg: RetrievalEvalConfig) -> None:
 
 FINAL_ADAPTER = Path(CHECKPOINTS_DIR, FINAL_CHECKPOINT, ADAPTER_DIR)
 BASE_DIR = "base"
+RUN_CONFIG = Path(".hydra", "config.yaml")
+"""Where a ``train.py`` (Hydra) run saves the config it ran with."""
+TRAIN_RUN = existing("dir", (RUN_CONFIG,), "a train.py run")
+"""The argparse ``type`` of a command's ``train.py`` run folder argument."""
 """A tiny-model training run's saved base model (the adapter's base)."""
 TRAIN_RUNS = Path("outputs", "train")
 UNGROUNDED = "rag.grounding.source=none"

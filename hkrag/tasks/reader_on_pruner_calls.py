@@ -25,6 +25,7 @@ from hkrag.data.opendocvqa import load_corpus, load_qa
 from hkrag.io import read_jsonl, write_json, write_jsonl_gz, write_text
 from hkrag.rag.step_report import auroc_interval
 from hkrag.retrieval.generator_pairs import encode_training
+from hkrag.tasks.common import RUN_CONFIG, TRAIN_RUN
 from hkrag.tasks.generator_training import training_retriever
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def markdown(summary: Mapping[str, Any], calls: Path) -> str:
 
 def query_scores(run: Path, query_ids: set[str]) -> dict[str, np.ndarray]:
     """The run's reader's cosine scores of each query over the training corpus (corpus shards reused)."""
-    cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
+    cfg = OmegaConf.load(run / RUN_CONFIG)
     retriever, identity = training_retriever(cfg.generator_training.retriever)
     corpus = load_corpus(cfg.data.corpus_source, cfg.data.train.corpus_config, cfg.data.train.split)
     queries = [ex for ex in load_qa(cfg.data.qa_source, cfg.data.train.qa_config, "train") if ex.query_id in query_ids]
@@ -92,8 +93,7 @@ def evaluate(run: Path, calls_path: Path, out: Path) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run", type=existing("dir", (".hydra/config.yaml",), "a train.py run"),
-                        help="the generator-training run whose agent_steps wrote the calls")
+    parser.add_argument("run", type=TRAIN_RUN, help="the generator-training run whose agent_steps wrote the calls")
     parser.add_argument("--calls", type=existing(), required=True,
                         help="an agent_steps <mode>-retrieved-pruner_calls file")
     parser.add_argument("--out", type=Path, required=True)

@@ -37,12 +37,11 @@ from hkrag.io import atomic_directory, read_json, write_json
 from hkrag.models.phi3v.loading import SHIPPED_MANIFEST, file_sha256, shipped_manifest
 from hkrag.rag.trace import MERGED_FILE, load_trace
 from hkrag.tasks.chain import answer_rows
-from hkrag.tasks.common import BASE_DIR, CONF_DIR, FINAL_ADAPTER
+from hkrag.tasks.common import BASE_DIR, CONF_DIR, FINAL_ADAPTER, RUN_CONFIG
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_FILE = SHIPPED_MANIFEST
-RUN_CONFIG = Path(".hydra", "config.yaml")
 """The config the run itself used, as Hydra (or the replica's ``run_job``) saved it."""
 CONFIG_KEYS = ("model", "loss", "optim", "trainer", "data.synthetic", "data.train")
 """The settings that decide a retriever's weights (where the data lives and where the run wrote do not)."""
