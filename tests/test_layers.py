@@ -28,7 +28,7 @@ PACKAGES = ("hkrag", *GENERATORS)
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("hkrag.io", "hkrag.stats", "hkrag.run_log", "hkrag.distributed", "hkrag.environment", "hkrag.import_hook",
      "hkrag.ranges"),
-    ("hkrag", "hkrag.models"),
+    ("hkrag", "hkrag.models", "hkrag.cli"),
     ("hkrag.data",),
     ("hkrag.lvlm", "hkrag.losses", "hkrag.late_interaction", "hkrag.retriever", "hkrag.index"),
     ("hkrag.training",),
