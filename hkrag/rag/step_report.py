@@ -139,16 +139,23 @@ def count_notes(notes: dict[str, list[int]], call: CallRecord, relevant: Sequenc
     """Add one notes call to the tallies: does its reply hold the relevant pages' code / every string of its kind."""
     if not relevant:
         return
-    said = words(call.output)
-    if call.step == "fine_print":
-        codes = [page.fields["code"] for page in relevant if page.fields.get("code")]
-        if codes:
-            notes["fine_print code"][0] += all(code in said for code in codes)
-            notes["fine_print code"][1] += 1
+    if call.step == "fine_print" and (named := names_code(call, relevant)) is not None:
+        notes["fine_print code"][0] += named
+        notes["fine_print code"][1] += 1
     strings = [text for page in relevant for text in getattr(page, call.step)]
     if strings:
         notes[f"{call.step} strings"][0] += all(text in call.output for text in strings)
         notes[f"{call.step} strings"][1] += 1
+
+
+def names_code(call: CallRecord, relevant: Sequence[PageTruth]) -> bool | None:
+    """Whether a note names the reference code of every relevant page (``fields["code"]``) among its whole words;
+    ``None`` when no relevant page has a code."""
+    codes = [page.fields["code"] for page in relevant if page.fields.get("code")]
+    if not codes:
+        return None
+    said = words(call.output)
+    return all(code in said for code in codes)
 
 
 def calibration(judged: Sequence[tuple[float, bool]], bins: Sequence[float] = BINS) -> dict[str, Any]:
