@@ -18,7 +18,7 @@ p-values are floored at 1/B (B resamples): a bootstrap never shows p = 0.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
@@ -154,6 +154,22 @@ def _seed_query_matrix(scores: Sequence[Sequence[float]] | np.ndarray, name: str
         raise ValueError(f"{name} must be a finite (seeds, queries) matrix with at least one of each, got shape "
                          f"{array.shape}")
     return array
+
+
+def seed_matrix(by_seed: Mapping[Any, Mapping[Any, float]]) -> tuple[list[Any], list[Any], np.ndarray]:
+    """The sorted seeds, the sorted questions and the ``(seeds, questions)`` matrix of per-seed scores; every seed
+    must have scored the same questions (the crossed interval pairs each column across seeds): otherwise a
+    ValueError naming the first seed that differs and some of the questions."""
+    if not by_seed:
+        raise ValueError("no seed scored any question")
+    seeds = sorted(by_seed)
+    questions = sorted(by_seed[seeds[0]])
+    for seed in seeds[1:]:
+        if set(by_seed[seed]) != set(questions):
+            differ = sorted(set(by_seed[seed]) ^ set(questions))
+            raise ValueError(f"seed {seed} scored other questions than seed {seeds[0]} ({len(differ)} differ, e.g. "
+                             f"{differ[:3]}): every seed must answer the same questions")
+    return seeds, questions, np.array([[by_seed[s][q] for q in questions] for s in seeds], dtype=float)
 
 
 def _draw_counts(rng: np.random.Generator, n: int, size: int) -> np.ndarray:

@@ -20,6 +20,7 @@ from hkrag.stats import (
     holm,
     interval_at,
     paired_bootstrap,
+    seed_matrix,
     variance_components,
     verdict,
     wilson_interval,
@@ -160,6 +161,16 @@ def test_variance_components_by_hand():
     # sigma2_seed = (MS_seed - MS_res)/Q = (23/3)/4 = 23/12; sigma2_question = (MS_q - MS_res)/S = 13/3
     assert (components["seed"], components["question"], components["residual"]) == pytest.approx(
         (23 / 12, 13 / 3, 5 / 3))
+
+
+def test_seed_matrix_orders_seeds_and_questions_and_refuses_misaligned_seeds():
+    seeds, questions, matrix = seed_matrix({2: {"b": 1, "a": 0}, 0: {"a": 0.5, "b": 0.25}})
+    assert (seeds, questions) == ([0, 2], ["a", "b"])
+    assert matrix.tolist() == [[0.5, 0.25], [0.0, 1.0]]
+    with pytest.raises(ValueError, match=r"seed 1 scored other questions than seed 0 \(2 differ, e.g. \['b', 'c'\]\)"):
+        seed_matrix({0: {"a": 1, "b": 1}, 1: {"a": 1, "c": 0}})
+    with pytest.raises(ValueError, match="no seed scored any question"):
+        seed_matrix({})
 
 
 def test_crossed_interval_by_hand():

@@ -55,6 +55,7 @@ from hkrag.models.phi3v.image_processing_phi3v import hd_padded_size, num_image_
 from hkrag.rag.report import REPORT_FILE as RAG_REPORT
 from hkrag.rag.step_report import page_truth, query_truth, step_report
 from hkrag.rag.trace import MERGED_FILE, load_trace
+from hkrag.stats import seed_matrix
 from hkrag.tasks.answers import difference, interval
 from hkrag.tasks.chain import retrieval_scores
 from hkrag.tasks.common import (
@@ -455,10 +456,12 @@ def run_matrix(rows: Sequence[Mapping[str, Any]], size: str, pages: str, generat
             by_seed.setdefault(row["seed"], {})[row["dataset"], row["pool"], row["query_id"]] = float(row[value])
     if not by_seed:
         raise ValueError(f"no rows of size {size!r}, pages {pages!r}, generator {generator!r}")
-    keys = sorted(next(iter(by_seed.values())))
-    if any(sorted(found) != keys for found in by_seed.values()):
-        raise ValueError(f"size {size!r}, {pages}-{generator}: the seeds answered different queries")
-    return np.array([[by_seed[seed][key] for key in keys] for seed in sorted(by_seed)]), [(d, q) for d, _, q in keys]
+    try:
+        _, keys, matrix = seed_matrix(by_seed)
+    except ValueError as error:
+        raise ValueError(f"size {size!r}, {pages}-{generator}: the seeds answered different queries "
+                         f"({error})") from None
+    return matrix, [(d, q) for d, _, q in keys]
 
 
 def size_row(rows: Sequence[Mapping[str, Any]], size: str) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from hkrag.cli import existing, usage_errors
 from hkrag.io import read_json, write_json, write_jsonl_gz, write_text
 from hkrag.rag.step_report import names_code, page_truth, query_truth
 from hkrag.rag.trace import load_trace
-from hkrag.stats import crossed_interval
+from hkrag.stats import crossed_interval, seed_matrix
 from hkrag.tasks.agent_steps import held_out_queries
 from hkrag.tasks.chain import Target
 from hkrag.tasks.common import RUN_CONFIG
@@ -69,8 +69,8 @@ def seed_rows(steps: Path) -> list[dict[str, Any]]:
 
 
 def matrix(rows: Sequence[dict[str, Any]]) -> tuple[list[int], list[str], np.ndarray]:
-    """The seeds, the questions and the ``(seeds, questions)`` 0/1 matrix of ``rows``; every seed must have scored
-    the same questions once each (ValueError naming the seed and the difference otherwise)."""
+    """The seeds, the questions and the ``(seeds, questions)`` 0/1 matrix of ``rows``
+    (:func:`hkrag.stats.seed_matrix`); a question scored twice by one seed is a ValueError naming both."""
     by_seed: dict[int, dict[str, int]] = {}
     for row in rows:
         scored = by_seed.setdefault(row["seed"], {})
@@ -79,14 +79,7 @@ def matrix(rows: Sequence[dict[str, Any]]) -> tuple[list[int], list[str], np.nda
         scored[row["query_id"]] = row["names_code"]
     if not by_seed:
         raise ValueError("no scored question: no fine-print note on a page with a reference code")
-    seeds = sorted(by_seed)
-    questions = sorted(by_seed[seeds[0]])
-    for seed in seeds[1:]:
-        if set(by_seed[seed]) != set(questions):
-            differ = sorted(set(by_seed[seed]) ^ set(questions))
-            raise ValueError(f"seed {seed} scored other questions than seed {seeds[0]} ({len(differ)} differ, e.g. "
-                             f"{differ[:3]}): every seed must answer the same split")
-    return seeds, questions, np.array([[by_seed[s][q] for q in questions] for s in seeds], dtype=float)
+    return seed_matrix(by_seed)
 
 
 def summarise(rows: Sequence[dict[str, Any]], confidence: float = 0.95, bound: float | None = None) -> dict[str, Any]:
