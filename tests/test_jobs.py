@@ -12,16 +12,19 @@ from hkrag.tasks.ladder import LadderConfig, needs, plan
 
 
 def sleeper(folder: Path, overrides: list[str], config: str, done: str) -> float:
-    """Sleep ``overrides[0]`` seconds; write the start and end times into the job's done file."""
+    """Sleep ``overrides[0]`` seconds, then until the file ``overrides[1]`` (if given) exists, for at most a minute;
+    write the start and end times into the job's done file."""
     start = time.time()
     time.sleep(float(overrides[0]))
+    while overrides[1:] and not Path(overrides[1]).exists() and time.time() < start + 60:
+        time.sleep(0.05)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / done).write_text(f"{start} {time.time()}")
     return float(overrides[0])
 
 
-def job(tmp_path: Path, name: str, seconds: float) -> tuple:
-    return tmp_path / name, [str(seconds)], "train", "done"
+def job(tmp_path: Path, name: str, seconds: float, until: Path | None = None) -> tuple:
+    return tmp_path / name, [str(seconds)] + ([str(until)] if until else []), "train", "done"
 
 
 def times(tmp_path: Path, name: str) -> tuple[float, float]:
@@ -30,13 +33,15 @@ def times(tmp_path: Path, name: str) -> tuple[float, float]:
 
 
 def test_a_chains_next_job_starts_when_its_own_need_ends(tmp_path):
-    """Two chains a1 -> a2 (a1 slow) and b1 -> b2: b2 starts as soon as b1 ends, while a1 still runs; a stage
-    barrier would have held it until a1 ended."""
-    jobs = [job(tmp_path, "a1", 2.5), job(tmp_path, "b1", 0.2), job(tmp_path, "a2", 0.2), job(tmp_path, "b2", 0.2)]
+    """Two chains a1 -> a2 and b1 -> b2, a1 running until b2 has finished: b2 starts as soon as b1 ends, while a1
+    still runs; a stage barrier would have held it until a1 ended (a1 would then wait its full minute). No fixed
+    sleep races the spawned workers' start-up, which a loaded machine can stretch to seconds."""
+    jobs = [job(tmp_path, "a1", 0, until=tmp_path / "b2" / "done"), job(tmp_path, "b1", 0.2),
+            job(tmp_path, "a2", 0.2), job(tmp_path, "b2", 0.2)]
     chains = {tmp_path / "a2": [tmp_path / "a1"], tmp_path / "b2": [tmp_path / "b1"]}
     order = [name for name, _ in run_jobs(jobs, workers=2, needs=chains, runner=sleeper)]
-    assert order.index("b1") < order.index("b2") < order.index("a1") < order.index("a2")
-    assert times(tmp_path, "b2")[0] < times(tmp_path, "a1")[1]
+    assert order.index("b1") < order.index("b2") and order.index("a1") < order.index("a2")
+    assert times(tmp_path, "b2")[1] < times(tmp_path, "a1")[1] < times(tmp_path, "a1")[0] + 60
     assert times(tmp_path, "a2")[0] >= times(tmp_path, "a1")[1] and times(tmp_path, "b2")[0] >= times(tmp_path, "b1")[1]
 
 
