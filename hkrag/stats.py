@@ -24,6 +24,7 @@ from statistics import NormalDist
 from typing import Any
 
 import numpy as np
+from scipy import special
 from scipy import stats as scipy_stats
 
 CHUNK = 256
@@ -388,6 +389,61 @@ def crossed_interval(
         low, high = max(low, bounds[0]), min(high, bounds[1])
     return {"mean": mean, "low": low, "high": high, "p_value": t_p_value(mean, se, df), "df": df, "se": se,
             "seeds": n_seeds, "questions": n_questions, "method": method}
+
+
+SHARE_PIVOT = ("seed shares' logits normal: generalized pivot over seeds (chi-square and normal draws), plus the "
+               "question term; share_interval")
+PIVOT_DRAWS = 20_000
+"""Draws of :func:`share_interval`'s pivot: the Monte-Carlo error of its 2.5 % quantile is about 0.1 % of a share."""
+_NODES, _WEIGHTS = np.polynomial.hermite_e.hermegauss(40)
+
+
+def share_interval(
+    scores: Sequence[Sequence[float]] | np.ndarray, confidence: float = 0.95, draws: int = PIVOT_DRAWS, seed: int = 0
+) -> dict[str, Any]:
+    """Mean of a ``(seeds, questions)`` matrix of shares in [0, 1] (a 0/1 score per question) and an interval
+    that holds its level near 0 or 1, where :func:`crossed_interval` does not.
+
+    Near a ceiling, seed effects that are normal on the logit scale make the seeds' shares skewed, and the t interval
+    over a few of them falls short (0.83–0.90 at a nominal 0.95, docs/statistics.md). Here each seed's share p_s is
+    taken to its logit ℓ_s = logit((Q·p_s + ½)/(Q + 1)), and the ℓ_s are modelled as normal, N(m, τ²). The mean share
+    is then E[sigmoid(m + τ_a·Z)], where τ_a² = τ² − v is the seed effects' own spread (v, the within-seed noise of
+    ℓ_s, is MS_residual/(Q·p_s²(1 − p_s)²) by the delta method, averaged over seeds). Its interval is the generalized
+    confidence interval (Weerahandi 1993; as Krishnamoorthy & Mathew 2003 do for a lognormal mean): ``draws`` draws
+    of τ² = (S − 1)·s²/χ²_{S−1} and m = ℓ̄ − Z·τ/√S give draws of the mean share (Gauss–Hermite, 40 nodes), to which
+    the question term N(0, σ²_q/Q) of the crossed model (σ²_q from :func:`variance_components`) is added; the
+    interval is their central ``confidence`` quantiles, within [0, 1]. Seeded (``seed``): the same matrix gives the
+    same interval. Over the simulated grid of docs/statistics.md (shares 50–93 %, logit seed sd 0–1.5, 3 and 5
+    seeds, 124 questions) it covers 0.93–0.97 at a nominal 0.95.
+
+    With one seed the seed variance cannot be estimated: :func:`crossed_interval` over questions (:data:`ONE_SEED`);
+    with one question, :func:`crossed_interval` over seeds. Returns ``{"mean", "low", "high", "df", "se", "seeds",
+    "questions", "method"}``; ``df`` is S − 1, ``se`` the draws' standard deviation. ``ValueError`` for a score
+    outside [0, 1]."""
+    _z(confidence)
+    array = _seed_query_matrix(scores, "scores")
+    if array.min() < 0 or array.max() > 1:
+        raise ValueError(f"share_interval needs shares in [0, 1] (a 0/1 score per question), got values in "
+                         f"[{array.min():g}, {array.max():g}]; use crossed_interval for other scores")
+    n_seeds, n_questions = array.shape
+    if min(n_seeds, n_questions) < 2:
+        return crossed_interval(array, confidence, bounds=(0.0, 1.0))
+    squares = _mean_squares(array)
+    shares = (n_questions * array.mean(axis=1) + 0.5) / (n_questions + 1)
+    logits = np.log(shares / (1 - shares))
+    noise = float(np.mean(squares["residual"][0] / (n_questions * (shares * (1 - shares)) ** 2)))
+    rng = np.random.default_rng(seed)
+    spread = logits.var(ddof=1) * (n_seeds - 1) / rng.chisquare(n_seeds - 1, draws)
+    centre = logits.mean() - rng.standard_normal(draws) * np.sqrt(spread / n_seeds)
+    seed_spread = np.sqrt(np.maximum(spread - noise, 0.0))
+    means = special.expit(centre[:, None] + seed_spread[:, None] * _NODES) @ (_WEIGHTS / _WEIGHTS.sum())
+    question_term = max(squares["question"][0] - squares["residual"][0], 0.0) / (n_seeds * n_questions)
+    means = means + rng.standard_normal(draws) * math.sqrt(question_term)
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(means, [alpha, 1 - alpha])
+    return {"mean": float(array.mean()), "low": float(max(low, 0.0)), "high": float(min(high, 1.0)),
+            "df": float(n_seeds - 1), "se": float(means.std()), "seeds": n_seeds, "questions": n_questions,
+            "method": SHARE_PIVOT}
 
 
 def crossed_difference(

@@ -1,6 +1,6 @@
 """hkrag.tasks.notes_seeds: the forced fine-print notes naming the gold page's code, over training seeds, with the
-crossed seeds × questions interval and the target's verdict (issue 40; docs/training.md, "The notes target over
-five seeds")."""
+share interval, the crossed seeds × questions interval and the target's verdicts (issue 40; docs/training.md, "The
+notes target over five seeds")."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import yaml
 from hkrag.io import read_jsonl
 from hkrag.rag.records import CallRecord, PageTruth, words
 from hkrag.rag.step_report import names_code
-from hkrag.stats import crossed_interval
+from hkrag.stats import crossed_interval, share_interval
 from hkrag.tasks import notes_seeds
 from hkrag.tasks.common import RUN_CONFIG
 
@@ -40,18 +40,19 @@ def test_names_code_reads_whole_words_of_every_relevant_page():
     assert names_code(note, [PageTruth("d3", (), ())]) is None
 
 
-def test_summary_is_the_matrix_mean_with_its_crossed_interval():
+def test_summary_is_the_matrix_mean_with_its_share_and_crossed_intervals():
     matrix = [[1, 1, 0, 1], [1, 0, 0, 1], [1, 1, 1, 1]]
     summary = notes_seeds.summarise(rows(matrix, [4, 0, 2]), confidence=0.975)
     assert summary["seeds"] == [0, 2, 4] and summary["questions"] == 4
     assert summary["per_seed"] == {"0": 0.5, "2": 1.0, "4": 0.75}
     assert summary["interval"]["mean"] == pytest.approx(9 / 12)
     ordered = np.array([matrix[1], matrix[2], matrix[0]], dtype=float)
-    assert summary["interval"] == crossed_interval(ordered, 0.975, bounds=(0.0, 1.0))
-    assert summary["interval_95"] == crossed_interval(ordered, 0.95, bounds=(0.0, 1.0))
+    assert summary["interval"] == share_interval(ordered, 0.975)
+    assert summary["interval_95"] == share_interval(ordered, 0.95)
+    assert summary["crossed"] == crossed_interval(ordered, 0.975, bounds=(0.0, 1.0))
     assert summary["interval"]["low"] <= summary["interval_95"]["low"] <= summary["interval_95"]["high"] \
         <= summary["interval"]["high"]
-    assert "verdict" not in summary
+    assert "verdict" not in summary and "crossed_verdict" not in summary
 
 
 def test_the_verdict_is_the_targets_rule_on_the_chosen_interval():
@@ -62,6 +63,11 @@ def test_the_verdict_is_the_targets_rule_on_the_chosen_interval():
     assert notes_seeds.summarise(rows(low), 0.975, bound=0.8)["verdict"] == "not met"
     near = notes_seeds.summarise(rows(high), 0.975, bound=0.95)
     assert near["interval"]["low"] < 0.95 <= near["interval"]["high"] and near["verdict"] == "not shown"
+    # seed shares spread near the ceiling: the crossed interval clears the bound, the share interval does not
+    skewed = (rng.random((5, 124)) < np.array([[0.8], [0.97], [0.97], [0.93], [0.99]])).astype(int).tolist()
+    spread = notes_seeds.summarise(rows(skewed), 0.975, bound=0.85)
+    assert spread["crossed"]["low"] >= 0.85 > spread["interval"]["low"]
+    assert (spread["crossed_verdict"], spread["verdict"]) == ("met", "not shown")
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -117,7 +123,7 @@ def test_the_command_writes_rows_that_re_derive_the_summary(tmp_path, builtin_da
     summary = json.loads((tmp_path / "out" / notes_seeds.SUMMARY_FILE).read_text())["summary"]
     assert summary == json.loads(json.dumps(notes_seeds.summarise(written, 0.975, 0.8)))
     assert summary["per_seed"] == {"0": pytest.approx(107 / 124), "1": pytest.approx(107 / 124)}
-    assert "Target ≥ 80 % on the 97.5 % interval" in capsys.readouterr().out
+    assert "Target ≥ 80 % on the 97.5 % share_interval" in capsys.readouterr().out
 
 
 def test_a_missing_or_wrong_folder_is_a_usage_error(tmp_path, capsys):
@@ -149,4 +155,5 @@ def test_the_committed_figure_re_derives_from_its_traces(split, questions, built
         assert saved["per_seed"][str(seed)] == pytest.approx(sum(mine.values()) / questions)
     assert saved == json.loads(json.dumps(notes_seeds.summarise(rows, saved["confidence"], saved.get("bound"))))
     if split == "test":
-        assert (saved["confidence"], saved["bound"], saved["verdict"]) == (0.975, 0.8, "not shown")
+        assert (saved["confidence"], saved["bound"], saved["verdict"], saved["crossed_verdict"]) == (
+            0.975, 0.8, "not shown", "not shown")

@@ -9,6 +9,7 @@ from hkrag.stats import (
     ONE_SEED,
     ONE_VALUE,
     P_FLOOR,
+    SHARE_PIVOT,
     bootstrap_interval,
     cluster_rows,
     corrected_verdicts,
@@ -21,6 +22,7 @@ from hkrag.stats import (
     interval_at,
     paired_bootstrap,
     seed_matrix,
+    share_interval,
     variance_components,
     verdict,
     wilson_interval,
@@ -218,6 +220,35 @@ def test_crossed_interval_of_identical_runs_is_a_point_and_never_p_zero():
     single = crossed_interval([[0.5]])  # one seed, one question: no interval at all
     assert (single["low"], single["high"], single["p_value"], single["method"]) == (-np.inf, np.inf, 1.0, ONE_VALUE)
     assert verdict(single["low"], single["high"], 0.01) == "inconclusive"
+
+
+def test_share_interval_of_identical_seeds_is_the_question_term_by_hand():
+    # two identical seeds, 60 of 100 right: no seed spread and no residual, so the interval is the adjusted share
+    # (60 + 0.5)/101 plus N(0, sigma_q^2/Q): MS_question = 2 x (60 x 0.4^2 + 40 x 0.6^2)/99, term = MS_q/(2 x 100)
+    row = [1.0] * 60 + [0.0] * 40
+    result = share_interval([row, row])
+    centre, sd = 60.5 / 101, (2 * 24 / 99 / 200) ** 0.5
+    half = scipy_stats.norm.ppf(0.975) * sd
+    assert (result["low"], result["high"]) == pytest.approx((centre - half, centre + half), abs=0.003)
+    assert result["mean"] == 0.6 and result["df"] == 1.0 and result["method"] == SHARE_PIVOT
+
+
+def test_share_interval_near_a_ceiling_reaches_further_down_than_the_crossed_one():
+    # the notes stage's seed shares (72.6-99.2 %): the weak seed drags the logit-normal mean's lower end down
+    rng = np.random.default_rng(0)
+    scores = (rng.random((5, 124)) < np.array([[0.73], [0.93], [0.94], [0.85], [0.99]])).astype(float)
+    share, crossed = share_interval(scores, 0.975), crossed_interval(scores, 0.975, bounds=(0.0, 1.0))
+    assert share["mean"] == crossed["mean"]
+    assert share["low"] < crossed["low"] - 0.05 and share["high"] < 1.0
+    assert share == share_interval(scores, 0.975)  # seeded: the same matrix, the same interval
+    narrower = share_interval(scores, 0.95)
+    assert share["low"] < narrower["low"] < narrower["high"] < share["high"]
+
+
+def test_share_interval_falls_back_with_one_seed_and_refuses_scores_outside_0_1():
+    assert share_interval([[1.0, 0.0, 1.0, 1.0]]) == crossed_interval([[1.0, 0.0, 1.0, 1.0]], bounds=(0.0, 1.0))
+    with pytest.raises(ValueError, match=r"shares in \[0, 1\].*values in \[0, 2\]; use crossed_interval"):
+        share_interval([[1.0, 2.0], [0.0, 1.0]])
 
 
 def test_cluster_rows_averages_a_questions_rows_before_the_interval():

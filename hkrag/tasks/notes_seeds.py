@@ -6,10 +6,12 @@ Each input is the ``--out`` folder of one training seed's ``python -m hkrag.task
 --pages gold`` (the same split and questions for every seed). Per seed and question: 1 when the first fine-print
 note on the gold page names the page's reference code (:func:`hkrag.rag.step_report.names_code`, the per-step
 report's count), 0 when it does not or the call failed. The figure is the mean of that ``(seeds, questions)``
-matrix with the crossed seeds × questions interval (:func:`hkrag.stats.crossed_interval`, bounded to [0, 1]) at
-``--confidence`` (a level below 95 % is refused: a family's correction widens intervals) and at 95 %; with
-``--bound``, the targets' verdict on the ``--confidence`` interval (:class:`hkrag.tasks.chain.Target`: *met*,
-*not met*, *not shown*). Writes ``per_query.jsonl.gz`` (seed, question, page, 0/1: the figure re-derives from it),
+matrix with :func:`hkrag.stats.share_interval` (a share near its ceiling: the crossed t interval falls short of its
+level there, docs/statistics.md) at ``--confidence`` (a level below 95 % is refused: a family's correction widens
+intervals) and at 95 %, beside the crossed seeds × questions interval (:func:`hkrag.stats.crossed_interval`,
+bounded to [0, 1]) at ``--confidence``, the one the target's attempts were registered with; with ``--bound``, the
+targets' verdict on each ``--confidence`` interval (:class:`hkrag.tasks.chain.Target`: *met*, *not met*, *not
+shown*). Writes ``per_query.jsonl.gz`` (seed, question, page, 0/1: the figure re-derives from it),
 ``notes_seeds.json`` and ``notes_seeds.md``.
 """
 
@@ -28,7 +30,7 @@ from hkrag.cli import existing, usage_errors
 from hkrag.io import read_json, write_json, write_jsonl_gz, write_text
 from hkrag.rag.step_report import names_code, page_truth, query_truth
 from hkrag.rag.trace import load_trace
-from hkrag.stats import crossed_interval, seed_matrix
+from hkrag.stats import crossed_interval, seed_matrix, share_interval
 from hkrag.tasks.agent_steps import held_out_queries
 from hkrag.tasks.chain import Target
 from hkrag.tasks.common import RUN_CONFIG
@@ -83,8 +85,9 @@ def matrix(rows: Sequence[dict[str, Any]]) -> tuple[list[int], list[str], np.nda
 
 
 def summarise(rows: Sequence[dict[str, Any]], confidence: float = 0.95, bound: float | None = None) -> dict[str, Any]:
-    """The share of notes naming the code (×1), per seed and over all, with its crossed seeds × questions interval
-    at ``confidence`` and at 95 %, and, given ``bound``, the target's verdict on the ``confidence`` interval."""
+    """The share of notes naming the code (×1), per seed and over all, with its :func:`hkrag.stats.share_interval` at
+    ``confidence`` and at 95 % and its crossed seeds × questions interval at ``confidence`` (``"crossed"``), and,
+    given ``bound``, the target's verdict on each ``confidence`` interval (``"verdict"``, ``"crossed_verdict"``)."""
     if not 0.95 <= confidence < 1:
         raise ValueError(f"confidence={confidence}: expected at least 0.95 (a family's level is 1 - 0.05/m) and "
                          "below 1")
@@ -95,32 +98,35 @@ def summarise(rows: Sequence[dict[str, Any]], confidence: float = 0.95, bound: f
         "seeds": seeds, "questions": len(questions),
         "per_seed": {str(s): float(row.mean()) for s, row in zip(seeds, scores)},
         "confidence": confidence,
-        "interval": crossed_interval(scores, confidence, bounds=(0.0, 1.0)),
-        "interval_95": crossed_interval(scores, 0.95, bounds=(0.0, 1.0)),
+        "interval": share_interval(scores, confidence),
+        "interval_95": share_interval(scores, 0.95),
+        "crossed": crossed_interval(scores, confidence, bounds=(0.0, 1.0)),
     }
     if bound is not None:
-        summary["bound"] = bound
-        summary["verdict"] = Target("notes name the asked code", bound).verdict(summary["interval"])
+        target = Target("notes name the asked code", bound)
+        summary |= {"bound": bound, "verdict": target.verdict(summary["interval"]),
+                    "crossed_verdict": target.verdict(summary["crossed"])}
     return summary
 
 
 def markdown(summary: dict[str, Any], inputs: Sequence[Path]) -> str:
     """The summary as Markdown (×100)."""
     level = f"{100 * summary['confidence']:g} %"
-    intervals = {level: summary["interval"], "95 %": summary["interval_95"]}
+    intervals = {f"{level} (share_interval)": summary["interval"], "95 % (share_interval)": summary["interval_95"],
+                 f"{level} (crossed seeds × questions)": summary["crossed"]}
     lines = ["# The forced fine-print notes name the gold page's code", "",
              f"{len(summary['seeds'])} seeds × {summary['questions']} questions; inputs: "
              + ", ".join(f"`{path}`" for path in inputs), "",
-             "| seeds | share ×100 | " + " | ".join(f"{name} (crossed seeds × questions)" for name in intervals)
-             + " | df |", "|---|---|" + "---|" * len(intervals) + "---|",
+             "| seeds | share ×100 | " + " | ".join(intervals) + " |", "|---|---|" + "---|" * len(intervals),
              f"| {', '.join(map(str, summary['seeds']))} | {100 * summary['interval']['mean']:.1f} | "
-             + " | ".join(f"[{100 * i['low']:.1f}, {100 * i['high']:.1f}]" for i in intervals.values())
-             + f" | {summary['interval']['df']:.1f} |", "",
-             "Per seed: " + ", ".join(f"{seed}: {100 * rate:.1f}" for seed, rate in summary["per_seed"].items())]
+             + " | ".join(f"[{100 * i['low']:.1f}, {100 * i['high']:.1f}]" for i in intervals.values()) + " |", "",
+             "Per seed: " + ", ".join(f"{seed}: {100 * rate:.1f}" for seed, rate in summary["per_seed"].items()), "",
+             "share_interval: seed shares' logits normal, a generalized pivot over seeds (`hkrag.stats.share_interval`;"
+             " the crossed t interval falls short of its level near a ceiling, docs/statistics.md)."]
     if "bound" in summary:
-        lines += ["", f"Target ≥ {100 * summary['bound']:g} % on the {level} interval: **{summary['verdict']}** "
-                  "(*met*: the whole interval at or above the bound; *not met*: wholly below; *not shown*: it holds "
-                  "the bound)."]
+        lines += ["", f"Target ≥ {100 * summary['bound']:g} % on the {level} share_interval: **{summary['verdict']}**; "
+                  f"on the {level} crossed interval: **{summary['crossed_verdict']}** (*met*: the whole interval at "
+                  "or above the bound; *not met*: wholly below; *not shown*: it holds the bound)."]
     return "\n".join(lines) + "\n"
 
 
