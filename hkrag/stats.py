@@ -406,9 +406,10 @@ def share_interval(
 
     Near a ceiling, seed effects that are normal on the logit scale make the seeds' shares skewed, and the t interval
     over a few of them falls short (0.83–0.90 at a nominal 0.95, docs/statistics.md). Here each seed's share p_s is
-    taken to its logit ℓ_s = logit((Q·p_s + ½)/(Q + 1)), and the ℓ_s are modelled as normal, N(m, τ²). The mean share
-    is then E[sigmoid(m + τ_a·Z)], where τ_a² = τ² − v is the seed effects' own spread (v, the within-seed noise of
-    ℓ_s, is MS_residual/(Q·p_s²(1 − p_s)²) by the delta method, averaged over seeds). Its interval is the generalized
+    taken to its logit ℓ_s = logit(p̃_s), p̃_s = (Q·p_s + ½)/(Q + 1), and the ℓ_s are modelled as normal, N(m, τ²).
+    The mean p̃ is then E[sigmoid(m + τ_a·Z)], where τ_a² = τ² − v is the seed effects' own spread (v, the
+    within-seed noise of ℓ_s, is MS_residual/(Q·p̃_s²(1 − p̃_s)²) by the delta method, averaged over seeds), and the
+    mean share ((Q + 1)·p̃ − ½)/Q (so every seed at 1 gives 1). Its interval is the generalized
     confidence interval (Weerahandi 1993; as Krishnamoorthy & Mathew 2003 do for a lognormal mean): ``draws`` draws
     of τ² = (S − 1)·s²/χ²_{S−1} and m = ℓ̄ − Z·τ/√S give draws of the mean share (Gauss–Hermite, 40 nodes), to which
     the question term N(0, σ²_q/Q) of the crossed model (σ²_q from :func:`variance_components`) is added; the
@@ -436,7 +437,8 @@ def share_interval(
     spread = logits.var(ddof=1) * (n_seeds - 1) / rng.chisquare(n_seeds - 1, draws)
     centre = logits.mean() - rng.standard_normal(draws) * np.sqrt(spread / n_seeds)
     seed_spread = np.sqrt(np.maximum(spread - noise, 0.0))
-    means = special.expit(centre[:, None] + seed_spread[:, None] * _NODES) @ (_WEIGHTS / _WEIGHTS.sum())
+    adjusted = special.expit(centre[:, None] + seed_spread[:, None] * _NODES) @ (_WEIGHTS / _WEIGHTS.sum())
+    means = (adjusted * (n_questions + 1) - 0.5) / n_questions
     question_term = max(squares["question"][0] - squares["residual"][0], 0.0) / (n_seeds * n_questions)
     means = means + rng.standard_normal(draws) * math.sqrt(question_term)
     alpha = (1 - confidence) / 2

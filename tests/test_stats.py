@@ -223,11 +223,12 @@ def test_crossed_interval_of_identical_runs_is_a_point_and_never_p_zero():
 
 
 def test_share_interval_of_identical_seeds_is_the_question_term_by_hand():
-    # two identical seeds, 60 of 100 right: no seed spread and no residual, so the interval is the adjusted share
-    # (60 + 0.5)/101 plus N(0, sigma_q^2/Q): MS_question = 2 x (60 x 0.4^2 + 40 x 0.6^2)/99, term = MS_q/(2 x 100)
+    # two identical seeds, 60 of 100 right: no seed spread and no residual, so the interval is the share 0.6 (the
+    # adjusted share 60.5/101 taken back) plus N(0, sigma_q^2/Q): MS_question = 2 x (60 x 0.4^2 + 40 x 0.6^2)/99,
+    # term = MS_q/(2 x 100)
     row = [1.0] * 60 + [0.0] * 40
     result = share_interval([row, row])
-    centre, sd = 60.5 / 101, (2 * 24 / 99 / 200) ** 0.5
+    centre, sd = 0.6, (2 * 24 / 99 / 200) ** 0.5
     half = scipy_stats.norm.ppf(0.975) * sd
     assert (result["low"], result["high"]) == pytest.approx((centre - half, centre + half), abs=0.003)
     assert result["mean"] == 0.6 and result["df"] == 1.0 and result["method"] == SHARE_PIVOT
@@ -243,6 +244,11 @@ def test_share_interval_near_a_ceiling_reaches_further_down_than_the_crossed_one
     assert share == share_interval(scores, 0.975)  # seeded: the same matrix, the same interval
     narrower = share_interval(scores, 0.95)
     assert share["low"] < narrower["low"] < narrower["high"] < share["high"]
+
+
+def test_share_interval_of_seeds_that_all_score_everything_is_the_point_1():
+    result = share_interval(np.ones((3, 40)))
+    assert (result["mean"], result["low"], result["high"]) == pytest.approx((1.0, 1.0, 1.0))
 
 
 def test_share_interval_falls_back_with_one_seed_and_refuses_scores_outside_0_1():
