@@ -398,6 +398,16 @@ PIVOT_DRAWS = 20_000
 _NODES, _WEIGHTS = np.polynomial.hermite_e.hermegauss(40)
 
 
+def _logit_normal_means(logits: np.ndarray, noise: float, draws: int, rng: np.random.Generator) -> np.ndarray:
+    """``draws`` generalized-pivot draws of E[sigmoid(m + τ_a·Z)] from the seeds' ``logits`` ~ N(m, τ²):
+    τ² = (S − 1)·s²/χ²_{S−1}, m = ℓ̄ − Z·τ/√S, τ_a² = τ² − ``noise`` (at least 0); the expectation by Gauss–Hermite."""
+    n_seeds = len(logits)
+    spread = logits.var(ddof=1) * (n_seeds - 1) / rng.chisquare(n_seeds - 1, draws)
+    centre = logits.mean() - rng.standard_normal(draws) * np.sqrt(spread / n_seeds)
+    seed_spread = np.sqrt(np.maximum(spread - noise, 0.0))
+    return special.expit(centre[:, None] + seed_spread[:, None] * _NODES) @ (_WEIGHTS / _WEIGHTS.sum())
+
+
 def share_interval(
     scores: Sequence[Sequence[float]] | np.ndarray, confidence: float = 0.95, draws: int = PIVOT_DRAWS, seed: int = 0
 ) -> dict[str, Any]:
@@ -434,11 +444,7 @@ def share_interval(
     logits = np.log(shares / (1 - shares))
     noise = float(np.mean(squares["residual"][0] / (n_questions * (shares * (1 - shares)) ** 2)))
     rng = np.random.default_rng(seed)
-    spread = logits.var(ddof=1) * (n_seeds - 1) / rng.chisquare(n_seeds - 1, draws)
-    centre = logits.mean() - rng.standard_normal(draws) * np.sqrt(spread / n_seeds)
-    seed_spread = np.sqrt(np.maximum(spread - noise, 0.0))
-    adjusted = special.expit(centre[:, None] + seed_spread[:, None] * _NODES) @ (_WEIGHTS / _WEIGHTS.sum())
-    means = (adjusted * (n_questions + 1) - 0.5) / n_questions
+    means = (_logit_normal_means(logits, noise, draws, rng) * (n_questions + 1) - 0.5) / n_questions
     question_term = max(squares["question"][0] - squares["residual"][0], 0.0) / (n_seeds * n_questions)
     means = means + rng.standard_normal(draws) * math.sqrt(question_term)
     alpha = (1 - confidence) / 2
