@@ -10,7 +10,9 @@ p-values are floored at 1/B (B resamples): a bootstrap never shows p = 0.
 - Several training seeds on the same questions (a crossed seeds × questions design): :func:`crossed_interval`,
   a t interval from the two-way random-effects ANOVA, which holds its coverage with 3–5 seeds where the crossed
   percentile bootstrap (:func:`hierarchical_bootstrap`) does not (tests/test_interval_coverage.py). Rows that
-  share a question are first averaged into one column (:func:`cluster_rows`).
+  share a question are first averaged into one column (:func:`cluster_rows`). A 0/1 share near its ceiling:
+  :func:`share_interval` (logit-normal seed shares, a generalized pivot), which holds its level where the t interval
+  falls short.
 - A family of claims: :func:`holm` adjusts their p-values, :func:`corrected_verdicts` gives Bonferroni-level
   intervals and the :func:`verdict` of each.
 """
@@ -439,14 +441,13 @@ def share_interval(
     n_seeds, n_questions = array.shape
     if min(n_seeds, n_questions) < 2:
         return crossed_interval(array, confidence, bounds=(0.0, 1.0))
-    squares = _mean_squares(array)
+    components = variance_components(array)
     shares = (n_questions * array.mean(axis=1) + 0.5) / (n_questions + 1)
     logits = np.log(shares / (1 - shares))
-    noise = float(np.mean(squares["residual"][0] / (n_questions * (shares * (1 - shares)) ** 2)))
+    noise = float(np.mean(components["residual"] / (n_questions * (shares * (1 - shares)) ** 2)))
     rng = np.random.default_rng(seed)
     means = (_logit_normal_means(logits, noise, draws, rng) * (n_questions + 1) - 0.5) / n_questions
-    question_term = max(squares["question"][0] - squares["residual"][0], 0.0) / (n_seeds * n_questions)
-    means = means + rng.standard_normal(draws) * math.sqrt(question_term)
+    means = means + rng.standard_normal(draws) * math.sqrt(components["question"] / n_questions)
     alpha = (1 - confidence) / 2
     low, high = np.quantile(means, [alpha, 1 - alpha])
     return {"mean": float(array.mean()), "low": float(max(low, 0.0)), "high": float(min(high, 1.0)),

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 TRACE, STEPS = "forced-gold.jsonl", "steps.json"
 """What one seed's ``agent_steps --modes forced --pages gold`` folder holds."""
-ROWS_FILE, SUMMARY_FILE = "per_query.jsonl.gz", "notes_seeds.json"
+ROWS_FILE, SUMMARY_FILE, MARKDOWN_FILE = "per_query.jsonl.gz", "notes_seeds.json", "notes_seeds.md"
 
 
 def seed_rows(steps: Path) -> list[dict[str, Any]]:
@@ -137,7 +137,7 @@ def evaluate(inputs: Sequence[Path], out: Path, confidence: float = 0.95, bound:
     summary = summarise(rows, confidence, bound)
     write_jsonl_gz(out / ROWS_FILE, rows)
     write_json(out / SUMMARY_FILE, {"inputs": [str(path) for path in inputs], "summary": summary})
-    write_text(out / "notes_seeds.md", markdown(summary, inputs))
+    write_text(out / MARKDOWN_FILE, markdown(summary, inputs))
     return summary
 
 
@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with usage_errors(parser):
         evaluate(args.steps, args.out, args.confidence, args.bound)
-    print((args.out / "notes_seeds.md").read_text())
+    print((args.out / MARKDOWN_FILE).read_text())
 
 
 if __name__ == "__main__":
