@@ -2,10 +2,13 @@
 whole stage does), finished needs are met already, needs naming no job or forming a cycle are refused. The jobs
 here sleep instead of training; side by side they run in spawned processes, as the real ones do."""
 
+import json
+import shutil
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from hkrag.tasks.common import run_jobs
 from hkrag.tasks.ladder import LadderConfig, needs, plan
@@ -80,3 +83,37 @@ def test_the_ladders_needs_are_its_chains(tmp_path):
     assert found[config.folder("w64-l2", "rerank", 1)] == [config.folder("w64-l2", "generator", 1),
                                                             config.folder("w64-l2", "reader", 1)]
     assert config.folder("w64-l2", "reader", 1) not in found
+
+
+def test_an_interrupted_training_run_continues_from_its_latest_checkpoint(tmp_path):
+    """run_job continues an unfinished train.py run of the same overrides from its latest checkpoint, to the
+    weights of an uninterrupted run, and counts both pieces' seconds; other overrides start it again."""
+    from safetensors.torch import load_file
+
+    from hkrag.tasks.common import PIECES_FILE, run_job
+
+    overrides = ["experiment=reader_tiny", f"paths.data_dir={tmp_path / 'data'}", "data.synthetic.n_train=16",
+                 "data.synthetic.n_test=8", "data.synthetic.train_groups_per_style=1",
+                 "data.synthetic.test_groups_per_style=1", "+data.synthetic.group_size=2", "model.num_crops=4",
+                 "trainer.global_batch_size=8", "trainer.max_steps=4", "trainer.save_every=2",
+                 "eval_before_after=false"]
+
+    def weights(run: Path) -> dict:
+        return load_file(run / "checkpoints" / "final" / "trainable.safetensors")
+
+    run_job(tmp_path / "whole", overrides)
+    split = tmp_path / "split"
+    first = run_job(split, overrides)
+    for done in ("report.json", "checkpoints/step-4", "checkpoints/final"):  # killed after step 3
+        shutil.rmtree(split / done) if (split / done).is_dir() else (split / done).unlink()
+    total = run_job(split, overrides)
+    pieces = json.loads((split / PIECES_FILE).read_text())
+    assert len(pieces) == 2 and pieces[0] == pytest.approx(first) and total == pytest.approx(sum(pieces))
+    assert "resume: latest" in (split / ".hydra" / "config.yaml").read_text()
+    whole = weights(tmp_path / "whole")
+    assert whole.keys() == weights(split).keys()
+    assert all(torch.equal(whole[name], tensor) for name, tensor in weights(split).items())
+
+    (split / "report.json").unlink()
+    run_job(split, [*overrides[:-1], "trainer.log_every=1", "eval_before_after=false"])  # other overrides: anew
+    assert len(json.loads((split / PIECES_FILE).read_text())) == 1

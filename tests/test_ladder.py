@@ -112,6 +112,22 @@ def test_the_plan_trains_each_sizes_generator_from_its_own_reader(tmp_path):
     assert ladder.plan(LadderConfig(tmp_path, sizes=["w64-l2"]), {"reader": 1, "generator": 1})["rerank"] == []
 
 
+def test_training_runs_checkpoint_every_save_every_steps_so_an_interrupted_one_continues(tmp_path):
+    """Every training job saves a checkpoint every ``save_every`` steps (what run_job continues from), none with
+    0; a negative interval is refused naming it."""
+    def trained(config: LadderConfig) -> list[list[str]]:
+        jobs = ladder.plan(config, {"reader": 30, "generator": 15})
+        return [job[1] for stage in ("reader", "stage1", "generator") for job in jobs[stage]]
+
+    reader, stage1, generator = trained(LadderConfig(tmp_path, sizes=["w64-l2"], save_every=7))
+    assert "trainer.save_every=7" in reader
+    assert all("generator_training.optim.save_every=7" in job for job in (stage1, generator))
+    assert not any("save_every" in item for job in trained(LadderConfig(tmp_path, sizes=["w64-l2"], save_every=0))
+                   for item in job)
+    with pytest.raises(ValueError, match="save_every=-1"):
+        LadderConfig(tmp_path, sizes=["w64-l2"], save_every=-1)
+
+
 def test_steps_are_the_recipes_scaled_unless_given():
     assert ladder.training_steps(LadderConfig("o", steps_scale=0.01)) == {"reader": 30, "generator": 15}
     assert ladder.training_steps(LadderConfig("o", steps_scale=0.01, generator_steps=2)) == {"reader": 30,
@@ -307,16 +323,16 @@ def test_a_size_reports_every_seed_finished_in_the_folder(tmp_path):
 COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "ladder"
 
 
-@pytest.mark.parametrize("folder", [COMMITTED, COMMITTED / "r6000"], ids=["ladder", "r6000"])
-def test_the_committed_ladder_re_derives_from_its_per_query_data(folder):
-    """docs/ladder/ladder.json (and the w128-l2 rung on a 6,000-step reader, docs/ladder/r6000): the accuracies,
-    paired differences and nDCG@5 figures follow from the committed per-query rows and per-query nDCG (a report
-    edited by hand, or built from other runs, fails)."""
+@pytest.mark.parametrize("folder, reader_steps", [(COMMITTED, 3000), (COMMITTED / "r6000", 6000)],
+                         ids=["ladder", "r6000"])
+def test_the_committed_ladder_re_derives_from_its_per_query_data(folder, reader_steps):
+    """docs/ladder/ladder.json (the w128-l2 rung on a 6,000-step reader, docs/ladder/r6000, and the w128-l2-t16 rung,
+    docs/ladder/t16): the accuracies, paired differences and nDCG@5 figures follow from the committed per-query rows
+    and per-query nDCG (a report edited by hand, or built from other runs, fails)."""
     report = json.loads((folder / "ladder.json").read_text())
     rows = [json.loads(line) for line in (folder / ladder.PER_QUERY).read_text().splitlines()]
     assert {row["size"] for row in rows} == set(report["sizes"])
-    assert report["settings"]["training_steps"] == {"reader": 6000 if folder.name == "r6000" else 3000,
-                                                    "generator": 1500}
+    assert report["settings"]["training_steps"] == {"reader": reader_steps, "generator": 1500}
     for size, row in report["sizes"].items():
         found = ladder.size_row(rows, size)
         assert sorted({r["seed"] for r in rows if r["size"] == size}) == row["seeds"]

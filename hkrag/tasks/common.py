@@ -56,6 +56,7 @@ from hkrag.training.checkpoint import (
     STATE_FILE,
     CheckpointError,
     checkpoint_state,
+    latest_checkpoint,
 )
 
 logger = logging.getLogger(__name__)
@@ -395,23 +396,46 @@ def generator_conf(name: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
     return OmegaConf.to_container(cfg.generator, resolve=True)
 
 
+PIECES_FILE = "pieces.json"
+"""A job's pieces: the seconds of each sitting that ran it (:func:`run_job`)."""
+
+
 def run_job(folder: Path, overrides: Sequence[str], config: str = "train", done: str = REPORT_FILE) -> float:
     """``train.py`` (``eval.py`` with ``config="eval"``) with ``overrides`` into ``folder`` unless it finished there
-    (``done`` exists); returns the seconds it took (0: skipped)."""
+    (``done`` exists); returns the seconds it took (0: skipped). An unfinished ``train.py`` run of the same
+    overrides with a finished checkpoint continues from its latest one (``resume=latest``, exact: the trainers'
+    resume tests), so a run too long for one sitting trains in pieces; anything else unfinished starts again. The
+    seconds are every piece's (a piece stopped by an exception, Ctrl-C included, counts up to its stop), kept in
+    the folder's :data:`PIECES_FILE`."""
     if (folder / done).is_file():
         return 0.0
-    shutil.rmtree(folder, ignore_errors=True)
+    resume = config == "train" and resumable(folder, overrides)
+    if not resume:
+        shutil.rmtree(folder, ignore_errors=True)
+    pieces = read_json(folder / PIECES_FILE) if resume and (folder / PIECES_FILE).is_file() else []
     start = time.perf_counter()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config, [*overrides, f"paths.output_dir={folder}"])
-    (folder / ".hydra").mkdir(parents=True)
-    write_text(folder / ".hydra" / "overrides.yaml", yaml.safe_dump(list(overrides)))
-    write_text(folder / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg))  # as Hydra saves it (what ship records)
-    if config == "train":
-        instantiate(cfg.run)(cfg, folder)  # what train.py does: the retriever's or the generator's training
-    else:
-        run_eval_task(cfg, folder)
-    return time.perf_counter() - start
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config, [*overrides, *(["resume=latest"] if resume else []), f"paths.output_dir={folder}"])
+        (folder / ".hydra").mkdir(parents=True, exist_ok=True)
+        write_text(folder / ".hydra" / "overrides.yaml", yaml.safe_dump(list(overrides)))
+        write_text(folder / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg))  # as Hydra saves it (ship records it)
+        if config == "train":
+            instantiate(cfg.run)(cfg, folder)  # what train.py does: the retriever's or the generator's training
+        else:
+            run_eval_task(cfg, folder)
+    finally:
+        pieces.append(time.perf_counter() - start)
+        if folder.is_dir():
+            write_json(folder / PIECES_FILE, pieces)
+    return sum(pieces)
+
+
+def resumable(folder: Path, overrides: Sequence[str]) -> bool:
+    """Whether ``folder`` holds an unfinished ``train.py`` run of these ``overrides`` with a finished checkpoint."""
+    started = folder / ".hydra" / "overrides.yaml"
+    return (started.is_file() and yaml.safe_load(started.read_text()) == list(overrides)
+            and latest_checkpoint(folder) is not None)
 
 
 Job = tuple[Path, list[str], str, str]

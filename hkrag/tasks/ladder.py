@@ -9,7 +9,8 @@ A size (a rung, :data:`LADDER`) is a named set of overrides of :func:`hkrag.mode
 Every size is checked before any training (:func:`check_size`: heads dividing the width, whole crops of patches,
 the pages drawn whole at their own resolution and the reader's top k of them within the context); an unknown size
 name is refused naming the known ones. Per size and seed ``s``, each a ``train.py`` / ``eval.py`` run in
-``<out>/runs/<size>-<job>-s<s>`` (a finished run is kept, :func:`hkrag.tasks.common.run_jobs`):
+``<out>/runs/<size>-<job>-s<s>`` (a finished run is kept, an interrupted training run continues from its latest
+checkpoint, ``--save-every``; :func:`hkrag.tasks.common.run_job`):
 
 1. ``reader``: ``experiment=reader_tiny`` with the size's ``model.config`` (``trainer.seed=s``);
 2. ``stage1`` and ``generator``: the shipped agents generator's two stages (docs/training.md "The agents'
@@ -259,13 +260,18 @@ class LadderConfig:
     overrides: Sequence[str] = ()
     eval_overrides: Sequence[str] = ()
     command: str = ""
+    save_every: int = 500
+    """Each training run's checkpoint interval in optimizer steps (0: none): an interrupted run continues from its
+    latest checkpoint when the ladder is run again (:func:`hkrag.tasks.common.run_job`)."""
 
     def __post_init__(self) -> None:
         steps = [s for s in (self.reader_steps, self.generator_steps) if s is not None]
-        if not self.seeds or self.workers < 1 or not self.steps_scale > 0 or any(s < 1 for s in steps):
-            raise ValueError(f"the ladder needs seeds, workers >= 1, steps_scale > 0 and steps >= 1: got seeds="
-                             f"{list(self.seeds)}, workers={self.workers}, steps_scale={self.steps_scale}, "
-                             f"reader_steps={self.reader_steps}, generator_steps={self.generator_steps}")
+        if (not self.seeds or self.workers < 1 or not self.steps_scale > 0 or any(s < 1 for s in steps)
+                or self.save_every < 0):
+            raise ValueError(f"the ladder needs seeds, workers >= 1, steps_scale > 0, steps >= 1 and save_every >= 0: "
+                             f"got seeds={list(self.seeds)}, workers={self.workers}, steps_scale={self.steps_scale}, "
+                             f"reader_steps={self.reader_steps}, generator_steps={self.generator_steps}, "
+                             f"save_every={self.save_every}")
         check_seeds(self.seeds, self.overrides)
         sizes_named(self.sizes)
         self.out = Path(self.out)
@@ -307,8 +313,10 @@ def plan(config: LadderConfig, steps: Mapping[str, int]) -> dict[str, list[Job]]
     """Every job, stage by stage (:data:`STAGES`): each size's reader, its generator's two stages from that reader,
     the answer runs served by that generator, and (``rerank``) the reranked retrieval."""
     jobs: dict[str, list[Job]] = {stage: [] for stage in STAGES}
-    reader_steps = [f"trainer.max_steps={steps['reader']}"]
-    generator_steps = [f"generator_training.optim.max_steps={steps['generator']}"]
+    every = config.save_every
+    reader_steps = [f"trainer.max_steps={steps['reader']}", *([f"trainer.save_every={every}"] if every else [])]
+    generator_steps = [f"generator_training.optim.max_steps={steps['generator']}",
+                       *([f"generator_training.optim.save_every={every}"] if every else [])]
     for size in sizes_named(config.sizes):
         for seed in config.seeds:
             reader, stage1 = config.folder(size.name, "reader", seed), config.folder(size.name, "stage1", seed)
@@ -540,7 +548,8 @@ def write_report(config: LadderConfig, models: Mapping[str, Phi3VConfig], steps:
     settings = {"command": config.command, "sizes": list(config.sizes), "seeds": list(config.seeds),
                 "training_steps": dict(steps), "reader": READER, "generator": GENERATOR, "stage1": list(STAGE1),
                 "stage2": list(STAGE2), "overrides": list(config.overrides),
-                "eval_overrides": list(config.eval_overrides), "rerank": config.rerank}
+                "eval_overrides": list(config.eval_overrides), "rerank": config.rerank,
+                "save_every": config.save_every}
     report = {"settings": settings, "timings": dict(timings), **summary}
     write_text(config.out / PER_QUERY, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     write_json(config.out / "ladder.json", report)
@@ -642,7 +651,8 @@ def plot(report: Mapping[str, Any]) -> bytes:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="Resumable: a rerun skips every finished run.")
+                                     epilog="Resumable: a rerun skips every finished run and continues an interrupted "
+                                            "training run from its latest checkpoint.")
     parser.add_argument("--out", type=Path, required=True, help="folder of the runs and reports (resumed if present)")
     parser.add_argument("--sizes", nargs="+", default=list(LADDER), metavar="SIZE",
                         help=f"rungs by name, smallest first (default: all: {' '.join(LADDER)})")
@@ -656,6 +666,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rerank", action="store_true",
                         help="also the reranker: the reader's top 10 reordered by the Pruner's P(yes) (costly: 10 "
                         "LVLM calls a query)")
+    parser.add_argument("--save-every", type=int, default=500, metavar="STEPS",
+                        help="each training run's checkpoint interval (0: none); an interrupted run continues from "
+                        "its latest checkpoint when the command is run again (default: 500)")
     parser.add_argument("--eval", action="append", default=[], dest="eval_overrides", metavar="OVERRIDE",
                         help="an eval.py override for every evaluation (repeat), e.g. --eval rag.max_queries=10")
     parser.add_argument("overrides", nargs="*", help="train.py overrides for every training run (e.g. data)")
@@ -665,7 +678,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return run_report_command(  # bad arguments or an unknown size: a usage error, not a traceback
         parser, lambda: LadderConfig(args.out, args.sizes, args.seeds, args.workers, args.steps_scale,
                                      args.reader_steps, args.generator_steps, args.rerank, args.overrides,
-                                     args.eval_overrides, command),
+                                     args.eval_overrides, command, args.save_every),
         run_ladder, LadderError, lambda config: config.out / "ladder.md")
 
 

@@ -23,7 +23,8 @@
    learning curves; for Table 6 :mod:`hkrag.tasks.table6`'s report (crossed seeds x questions intervals, routes,
    cost per query, verdicts with *not testable* read from the traces); the compute each part took.
 
-A finished job (its ``report.json`` written) is skipped by a rerun; an unfinished one is started again from scratch.
+A finished job (its ``report.json`` written) is skipped by a rerun; an unfinished one continues from its latest
+checkpoint where it saved one under the same overrides, else starts again from scratch (:func:`run_job`).
 Jobs run in this process, one after the other (``python train.py`` semantics, Hydra's composition included), or
 with ``--workers N`` N at a time in spawned processes (:func:`run_jobs`); docs/training.md gives the committed
 run's compute.

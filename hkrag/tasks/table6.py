@@ -31,8 +31,9 @@
    from the configs the runs were made with, never from their answers), else the stats' rule with the margin, raw
    and Holm-corrected over the table's one family (:data:`FAMILY`, :func:`hkrag.stats.corrected_verdicts`).
 
-Finished jobs (``report.json`` / ``rag.json`` written) are skipped by a rerun, unfinished ones started again
-(:func:`hkrag.tasks.common.run_jobs`); every report file is written atomically.
+Finished jobs (``report.json`` / ``rag.json`` written) are skipped by a rerun, unfinished ones started again or,
+where a training run saved a checkpoint under the same overrides, continued from it
+(:func:`hkrag.tasks.common.run_job`); every report file is written atomically.
 """
 
 from __future__ import annotations
