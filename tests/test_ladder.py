@@ -323,8 +323,8 @@ def test_a_size_reports_every_seed_finished_in_the_folder(tmp_path):
 COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "ladder"
 
 
-@pytest.mark.parametrize("folder, reader_steps", [(COMMITTED, 3000), (COMMITTED / "r6000", 6000)],
-                         ids=["ladder", "r6000"])
+@pytest.mark.parametrize("folder, reader_steps", [(COMMITTED, 3000), (COMMITTED / "r6000", 6000),
+                                                  (COMMITTED / "t16", 6000)], ids=["ladder", "r6000", "t16"])
 def test_the_committed_ladder_re_derives_from_its_per_query_data(folder, reader_steps):
     """docs/ladder/ladder.json (the w128-l2 rung on a 6,000-step reader, docs/ladder/r6000, and the w128-l2-t16 rung,
     docs/ladder/t16): the accuracies, paired differences and nDCG@5 figures follow from the committed per-query rows
