@@ -214,6 +214,22 @@ def test_the_report_is_a_function_of_the_per_query_rows():
     assert "| small |  | 1 | 50.0 [" in text and "- `large`: none" in text
 
 
+def test_training_minutes_are_each_seeds_reader_and_stages_and_missing_time_is_none(tmp_path):
+    config = LadderConfig(tmp_path, sizes=["w64-l2"], seeds=[0, 1])
+    timings = {f"w64-l2-{job}-s{seed}": seconds * (seed + 1)
+               for seed in (0, 1) for job, seconds in (("reader", 600.0), ("stage1", 60.0), ("generator", 540.0))}
+    timings["w64-l2-gold-hkrag-s0"] = 9000.0  # an answer run is not training
+    assert ladder.training_minutes(timings, config, "w64-l2", [0, 1]) == [20.0, 40.0]
+    del timings["w64-l2-stage1-s1"]
+    assert ladder.training_minutes(timings, config, "w64-l2", [0, 1]) is None
+    rows = hand_rows()
+    report = summarize(rows, ["large"], {"large": {**EXTRAS["large"], "training_minutes": 30.0,
+                                                   "training_minutes_by_seed": [20.0, 40.0]}})
+    text = ladder.markdown({"settings": {"command": "", "training_steps": {"reader": 1, "generator": 1},
+                                         "reader": "r", "generator": "g", "seeds": [0, 1]}, **report})
+    assert "| 30.0 (20.0 / 40.0) |" in text
+
+
 def test_a_rung_reaching_on_three_seeds_is_enough_for_the_default():
     rows = hand_rows()
     rows += [{**row, "seed": 2} for row in rows if row["size"] == "large" and row["seed"] == 1]

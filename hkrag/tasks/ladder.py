@@ -444,14 +444,14 @@ def ndcg_means(scores: Sequence[Mapping[str, Mapping[str, Mapping[str, float]]]]
 
 
 def training_minutes(timings: Mapping[str, float], config: LadderConfig, size: str, seeds: Sequence[int]
-                     ) -> float | None:
-    """Mean over seeds of one generator's training time (reader, stage 1, stage 2), in minutes; None when a run's
-    time is missing."""
+                     ) -> list[float] | None:
+    """Each seed's training time of one generator (reader, stage 1, stage 2), in minutes; None when a run's time is
+    missing. Seeds trained side by side (``--workers``) shared the cores, so each took longer than alone."""
     parts = [[timings.get(config.folder(size, job, seed).name) for job in ("reader", "stage1", "generator")]
              for seed in seeds]
     if any(value is None for seed in parts for value in seed):
         return None
-    return float(np.mean([sum(seed) for seed in parts])) / 60
+    return [sum(seed) / 60 for seed in parts]
 
 
 def run_matrix(rows: Sequence[Mapping[str, Any]], size: str, pages: str, generator: str,
@@ -542,7 +542,7 @@ def write_report(config: LadderConfig, models: Mapping[str, Phi3VConfig], steps:
     extras = {size: {"model": describe(models[size]), "config": sizes_named([size])[0].model_config(),
                      "seeds": seeds[size], "steps": step_figures(config, size, seeds[size]),
                      "rerank": rerank_figures(config, size, seeds[size]),
-                     "training_minutes": training_minutes(timings, config, size, seeds[size])}
+                     **_minutes(training_minutes(timings, config, size, seeds[size]))}
               for size in config.sizes}
     summary = summarize(rows, config.sizes, extras)
     settings = {"command": config.command, "sizes": list(config.sizes), "seeds": list(config.seeds),
@@ -556,6 +556,12 @@ def write_report(config: LadderConfig, models: Mapping[str, Phi3VConfig], steps:
     write_text(config.out / "ladder.md", markdown(report))
     write_bytes(config.out / "ladder.png", plot(report))
     return report
+
+
+def _minutes(by_seed: Sequence[float] | None) -> dict[str, Any]:
+    """A size's ``training_minutes`` (mean over seeds) and ``training_minutes_by_seed``."""
+    return {"training_minutes": None if by_seed is None else float(np.mean(by_seed)),
+            "training_minutes_by_seed": None if by_seed is None else list(by_seed)}
 
 
 def _cell(found: Mapping[str, Any] | None, key: str = "mean") -> str:
@@ -573,6 +579,12 @@ def _number(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "—" if value is None else f"{scale * value:.{digits}f}"
 
 
+def _training_cell(row: Mapping[str, Any]) -> str:
+    by_seed = row.get("training_minutes_by_seed") or []
+    each = f" ({' / '.join(_number(value) for value in by_seed)})" if len(by_seed) > 1 else ""
+    return _number(row.get("training_minutes")) + each
+
+
 def markdown(report: Mapping[str, Any]) -> str:
     """The ladder as Markdown: one row per size, then the verdict and each size's failing steps."""
     settings = report["settings"]
@@ -583,7 +595,9 @@ def markdown(report: Mapping[str, Any]) -> str:
              f"every seed finished in the folder (this invocation ran seeds {settings['seeds']}). Relaxed accuracy "
              f"×100 [95 %] on the test split (gold pages; the reader's top 3 in pools single and all, a question's "
              f"pools one column): with several seeds the crossed seeds × questions interval, with one the "
-             f"percentile bootstrap over questions; per-query rows in `{PER_QUERY}`.\n",
+             f"percentile bootstrap over questions; per-query rows in `{PER_QUERY}`. Training minutes: the reader "
+             f"and both stages, the mean over seeds and, with several, each seed's (seeds trained side by side "
+             f"shared the cores; each run's seconds are in `ladder.json`'s timings).\n",
              "| size | model | seeds | single pass, gold | agents, gold | single pass, top 3 | agents, top 3 | "
              "agents − single pass, top 3 | Pruner AUROC, top 3 (all pool) | notes name the code | "
              "nDCG@5 reranked (reader alone), synfine, all | training min | s / query, top 3 (single pass / agents) |",
@@ -601,7 +615,7 @@ def markdown(report: Mapping[str, Any]) -> str:
             + f" | {_number(notes.get('rate'), 100)} ({notes.get('hits', 0)}/{notes.get('n', 0)}) | "
             + f"{_number((rerank.get('reranked') or {}).get('synfine_all'), 100)} "
             f"({_number((rerank.get('reader') or {}).get('synfine_all'), 100)}) | "
-            + f"{_number(row.get('training_minutes'))} | {seconds['retrieved-single_pass']:.3f} / "
+            + f"{_training_cell(row)} | {seconds['retrieved-single_pass']:.3f} / "
             f"{seconds['retrieved-hkrag']:.3f} |")
     reached = report["smallest_paying_size"]
     lines += ["", f"**Rule.** {report['rule']}.\n"]
