@@ -95,6 +95,19 @@ def test_the_command_refuses_a_folder_without_runs_and_a_folder_that_is_no_save(
     assert f"has no {MANIFEST_FILE}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("dest", ["out", "out/runs/saved", ".", "docs"])
+def test_a_save_never_replaces_its_own_folder_or_a_folder_that_is_no_save(tmp_path, dest):
+    _ladder(tmp_path / "out")
+    _write(tmp_path / "docs" / "README.md", "keep me")
+    before = _tree(tmp_path)
+    with pytest.raises(ValueError, match="overlap|not a pieces save"):
+        save(tmp_path / "out", tmp_path / dest)
+    assert _tree(tmp_path) == before
+    save(tmp_path / "out", tmp_path / "saved")
+    with pytest.raises(ValueError, match="overlap"):
+        restore(tmp_path / "saved", tmp_path / "saved" / "runs")
+
+
 def test_an_interrupted_run_carried_by_save_and_restore_continues_to_the_uninterrupted_weights(tmp_path):
     from safetensors.torch import load_file
 

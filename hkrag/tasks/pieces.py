@@ -61,11 +61,16 @@ def _copy(source: Path, target: Path, gzipped: list[str], root: Path) -> None:
 
 def save(out: Path, dest: Path) -> list[str]:
     """Copy ``out``'s files and runs (as the module says) into ``dest``, which is replaced whole; returns the runs'
-    names. ``ValueError`` when ``out`` holds no ``runs`` folder."""
+    names. ``ValueError`` when ``out`` holds no ``runs`` folder, or ``dest`` is not a new folder or an earlier save
+    apart from ``out`` (replacing it would lose data)."""
     runs = sorted(path for path in (out / RUNS_DIR).glob("*") if path.is_dir())
     if not runs:
         raise ValueError(f"{out} holds no runs (no folder under {out / RUNS_DIR}): "
                          "is it a ladder's or replica's --out?")
+    _apart(out, dest)
+    if dest.exists() and not (dest / MANIFEST_FILE).is_file():
+        raise ValueError(f"{dest} exists and is not a pieces save (no {MANIFEST_FILE}): a save replaces its folder "
+                         "whole, so give a new folder or an earlier save")
     gzipped: list[str] = []
     with atomic_directory(dest) as tmp:
         for path in sorted(out.iterdir()):
@@ -82,6 +87,7 @@ def restore(src: Path, out: Path) -> dict[str, list[str]]:
     """Put ``save``'s folder ``src`` back as ``out``: each run absent from ``out/runs`` is restored whole (each
     atomically), one already there is kept as it is (it may be further along); ``out``'s own files likewise.
     Returns ``{"restored": [...], "kept": [...]}`` (run names)."""
+    _apart(src, out)
     gzipped = set(read_json(src / MANIFEST_FILE, keys=("gzipped",), what="a pieces save")["gzipped"])
     done: dict[str, list[str]] = {"restored": [], "kept": []}
     for path in sorted(src.iterdir()):
@@ -97,6 +103,13 @@ def restore(src: Path, out: Path) -> dict[str, list[str]]:
                 _unpack(path, tmp / path.relative_to(run).parent, gzipped, src)
         done["restored"].append(run.name)
     return done
+
+
+def _apart(first: Path, second: Path) -> None:
+    """``ValueError`` unless neither folder is the other or lies inside it."""
+    a, b = first.resolve(), second.resolve()
+    if a.is_relative_to(b) or b.is_relative_to(a):
+        raise ValueError(f"{first} and {second} overlap: the save and the command's folder must be apart")
 
 
 def _unpack(path: Path, folder: Path, gzipped: set[str], root: Path) -> None:
