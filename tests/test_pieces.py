@@ -21,6 +21,8 @@ def _write(path: Path, text: str) -> None:
 def _checkpoint(run: Path, name: str) -> None:
     _write(run / "checkpoints" / name / "state.json", json.dumps({"step": name}))
     _write(run / "checkpoints" / name / "adapter" / "weights.bin", name)
+    _write(run / "checkpoints" / name / "optimizer.pt", name)
+    _write(run / "checkpoints" / name / "rng-0.pt", name)
 
 
 def _ladder(out: Path) -> None:
@@ -57,6 +59,9 @@ def test_a_save_keeps_the_needed_checkpoint_and_gzips_json_lines(tmp_path):
     assert checkpoints == ["final", "step-1000"]  # the reader's final, the generator's latest finished step
     assert "runs/r-reader-s0/checkpoints/final/state.json" in saved
     assert "runs/r-generator-s0/checkpoints/step-1000/adapter/weights.bin" in saved
+    step = "runs/r-generator-s0/checkpoints/step-1000"
+    assert {f"{step}/optimizer.pt", f"{step}/rng-0.pt"} <= saved.keys()  # what the unfinished run resumes from
+    assert not any(name.startswith("runs/r-reader-s0/checkpoints/final/") and name.endswith(".pt") for name in saved)
     assert not any(name.endswith(".html") for name in saved)
     assert gzip.decompress(saved["runs/r-gold-s0/trace.jsonl.gz"]) == b'{"q": 1}\n'
     manifest = json.loads(saved[MANIFEST_FILE])
@@ -74,7 +79,8 @@ def test_a_restore_puts_back_what_was_saved_and_keeps_runs_already_there(tmp_pat
     assert done == {"restored": ["r-generator-s0", "r-gold-s0", "r-reader-s0"], "kept": []}
     original, back = _tree(tmp_path / "out"), _tree(tmp_path / "back")
     dropped = {name for name in original if name.endswith(".html") or "step-500" in name or ".tmp" in name
-               or name.startswith("runs/r-reader-s0/checkpoints/step-")}
+               or name.startswith("runs/r-reader-s0/checkpoints/step-")
+               or (name.startswith("runs/r-reader-s0/checkpoints/final/") and name.endswith(".pt"))}
     assert back == {name: data for name, data in original.items() if name not in dropped}
 
     _write(tmp_path / "back" / "runs" / "r-gold-s0" / "rag.json", '{"further": true}')

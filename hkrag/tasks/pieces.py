@@ -3,9 +3,9 @@ ladder's, the replica's: every run under ``OUT/runs`` and ``OUT``'s own files) i
 ``restore`` puts it back, so the same command, run again, continues where the last sitting stopped.
 
 A finished run keeps everything but its intermediate checkpoints (``checkpoints/final`` stays, what later runs
-load) and its HTML views; an unfinished training run keeps its latest ``step-N`` checkpoint, its base, its
-``.hydra`` overrides and ``pieces.json`` (the seconds of each sitting), which is what
-:func:`~hkrag.tasks.common.run_job` resumes from. JSON-lines files are gzipped on the way (byte for byte
+load, without its optimizer, scheduler and RNG states) and its HTML views; an unfinished training run keeps its
+latest ``step-N`` checkpoint, its base, its ``.hydra`` overrides and ``pieces.json`` (the seconds of each sitting),
+which is what :func:`~hkrag.tasks.common.run_job` resumes from. JSON-lines files are gzipped on the way (byte for byte
 reproducible) and unpacked on the way back.
 
     python -m hkrag.tasks.pieces save outputs/ladder_l4t16 docs/ladder/l4t16/pieces
@@ -32,6 +32,9 @@ MANIFEST_FILE = "pieces_manifest.json"
 """What ``save`` wrote: each gzipped file's path (relative to the saved folder), for ``restore`` to unpack."""
 DROPPED_SUFFIXES = (".html",)
 """Views rebuilt from the runs' data, not read by any later run or report."""
+RESUME_ONLY = ("optimizer.pt", "scheduler.pt", "rng-")
+"""A checkpoint's files only a resumed run reads: dropped from a finished run's ``final`` (later runs load its base
+and adapter)."""
 
 
 def kept_checkpoint(run: Path) -> Path | None:
@@ -44,9 +47,11 @@ def kept_checkpoint(run: Path) -> Path | None:
 def _files(run: Path) -> list[Path]:
     """``run``'s files to carry: all but other checkpoints than :func:`kept_checkpoint` and the dropped views."""
     kept, checkpoints = kept_checkpoint(run), run / CHECKPOINTS_DIR
+    finished = kept is not None and kept.name == FINAL_CHECKPOINT
     return sorted(path for path in run.rglob("*") if path.is_file()
                   and not path.name.endswith(DROPPED_SUFFIXES)
-                  and (not path.is_relative_to(checkpoints) or (kept is not None and path.is_relative_to(kept))))
+                  and (not path.is_relative_to(checkpoints) or (kept is not None and path.is_relative_to(kept)))
+                  and not (finished and path.parent == kept and path.name.startswith(RESUME_ONLY)))
 
 
 def _copy(source: Path, target: Path, gzipped: list[str], root: Path) -> None:
