@@ -45,13 +45,21 @@ def kept_checkpoint(run: Path) -> Path | None:
 
 
 def _files(run: Path) -> list[Path]:
-    """``run``'s files to carry: all but other checkpoints than :func:`kept_checkpoint` and the dropped views."""
-    kept, checkpoints = kept_checkpoint(run), run / CHECKPOINTS_DIR
-    finished = kept is not None and kept.name == FINAL_CHECKPOINT
-    return sorted(path for path in run.rglob("*") if path.is_file()
-                  and not path.name.endswith(DROPPED_SUFFIXES)
-                  and (not path.is_relative_to(checkpoints) or (kept is not None and path.is_relative_to(kept)))
-                  and not (finished and path.parent == kept and path.name.startswith(RESUME_ONLY)))
+    """``run``'s files a later sitting needs (:func:`_carried`)."""
+    kept = kept_checkpoint(run)
+    return sorted(path for path in run.rglob("*") if path.is_file() and _carried(path, run, kept))
+
+
+def _carried(path: Path, run: Path, kept: Path | None) -> bool:
+    """Whether ``path`` of ``run`` is carried: not a dropped view, and inside ``checkpoints`` only within ``kept``
+    (:func:`kept_checkpoint`), a finished run's ``final`` without its :data:`RESUME_ONLY` files."""
+    if path.name.endswith(DROPPED_SUFFIXES):
+        return False
+    if not path.is_relative_to(run / CHECKPOINTS_DIR):
+        return True
+    if kept is None or not path.is_relative_to(kept):
+        return False
+    return not (kept.name == FINAL_CHECKPOINT and path.parent == kept and path.name.startswith(RESUME_ONLY))
 
 
 def _copy(source: Path, target: Path, gzipped: list[str], root: Path) -> None:
