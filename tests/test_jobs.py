@@ -117,3 +117,50 @@ def test_an_interrupted_training_run_continues_from_its_latest_checkpoint(tmp_pa
     (split / "report.json").unlink()
     run_job(split, [*overrides[:-1], "trainer.log_every=1", "eval_before_after=false"])  # other overrides: anew
     assert len(json.loads((split / PIECES_FILE).read_text())) == 1
+
+
+STOPPED_RUN = """
+import sys, time
+from pathlib import Path
+from hkrag.tasks.common import run_jobs
+
+
+def stays(folder, overrides, config, done):
+    folder.mkdir(parents=True)
+    try:
+        time.sleep(60)
+    finally:
+        (folder / "finally").write_text("ran")
+    return 60.0
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    list(run_jobs([(out / name, [], "train", "done") for name in ("a", "b")], workers=int(sys.argv[2]),
+                  runner=stays))
+"""
+
+
+@pytest.mark.parametrize(("stop", "workers"), [("SIGTERM", 2), ("SIGINT", 1)])  # either signal does either path
+def test_a_stop_signal_ends_every_running_job_through_its_finally(tmp_path, stop, workers):
+    """Started as a background shell job is (SIGINT ignored), run_jobs stops on SIGTERM or SIGINT sent to the main
+    process alone: every running job, in the main process or in a worker, runs its ``finally`` and the command
+    ends at once with KeyboardInterrupt (before, SIGINT did nothing and SIGTERM skipped the ``finally``)."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "stopped_run.py"
+    script.write_text(STOPPED_RUN)
+    running = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(workers)], stderr=subprocess.PIPE,
+                               text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    started = [tmp_path / name for name in ("a", "b")[:workers]]
+    deadline = time.time() + 60
+    while not all(folder.is_dir() for folder in started) and time.time() < deadline:
+        time.sleep(0.05)
+    assert all(folder.is_dir() for folder in started), "the jobs did not start within a minute"
+    running.send_signal(getattr(signal, stop))
+    _, errors = running.communicate(timeout=30)
+    assert running.returncode != 0 and f"KeyboardInterrupt: stopped by {stop}" in errors
+    assert all((folder / "finally").read_text() == "ran" for folder in started)
+    assert not (tmp_path / "b").exists() or workers == 2  # in turn, the queued job never started

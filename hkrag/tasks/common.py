@@ -14,10 +14,13 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -455,10 +458,12 @@ def run_jobs(jobs: Sequence[Job], workers: int = 1, desc: str = "replica jobs",
     before, so a chain's next job starts when its own previous one ends, not when a whole stage does; ready jobs
     start in the order given. A failing job stops the rest: running ones finish, queued ones are dropped, and the
     error is raised (a rerun resumes). ``ValueError`` for a need that names no job, or needs that form a cycle.
-    ``runner`` runs one job (default :func:`run_job`)."""
+    ``runner`` runs one job (default :func:`run_job`). SIGTERM stops it as Ctrl-C does, and so does SIGINT where
+    the shell started it ignored (a background job): every running job ends through its ``finally`` (a training
+    run's piece is recorded), side by side ones too, and ``KeyboardInterrupt`` is raised."""
     waits, runner = _waits(jobs, needs or {}), runner or run_job
     todo = [job for job in jobs if not _finished(job)]
-    with tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, unit="job") as progress:
+    with _stoppable(), tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, unit="job") as progress:
         finished = (_side_by_side(todo, workers, waits, runner) if workers > 1 and len(todo) > 1
                     else _in_turn(todo, waits, runner))
         for name, seconds in finished:
@@ -504,20 +509,64 @@ def _side_by_side(jobs: Sequence[Job], workers: int, waits: Mapping[Path, set[Pa
                   ) -> Iterator[tuple[str, float]]:
     threads = max(1, (os.cpu_count() or 1) // workers)  # more would spin-wait on shared cores (docs/training.md)
     pending, done, running = list(jobs), set(), {}
-    with ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), torch.set_num_threads, (threads,)) as pool:
+    with ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _start_worker, (threads,)) as pool:
         try:
             while pending or running:
                 for job in _ready(pending, waits, done)[:workers - len(running)]:
                     pending.remove(job)
-                    running[pool.submit(runner, *job)] = job[0]
+                    running[pool.submit(_run_stoppably, runner, *job)] = job[0]
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in finished:
                     folder = running.pop(future)
                     seconds = future.result()
                     done.add(folder)
                     yield folder.name, seconds
+        except KeyboardInterrupt:
+            for worker in multiprocessing.active_children():  # a Ctrl-C from a terminal reached them already
+                worker.terminate()
+            raise
         finally:
             pool.shutdown(cancel_futures=True)
+
+
+STOPS = (signal.SIGINT, signal.SIGTERM)
+"""The signals that stop a run of jobs through their ``finally`` (:func:`run_jobs`)."""
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """Raise ``KeyboardInterrupt`` for a stop signal, ignoring further ones so that no ``finally`` is cut short."""
+    for stop in STOPS:
+        signal.signal(stop, signal.SIG_IGN)
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
+@contextmanager
+def _stoppable() -> Iterator[None]:
+    """Within it, SIGINT and SIGTERM raise ``KeyboardInterrupt`` (once); the handlers before are restored after.
+    Only the main thread can set handlers: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {stop: signal.signal(stop, _interrupt) for stop in STOPS}
+    try:
+        yield
+    finally:
+        for stop, handler in before.items():
+            signal.signal(stop, handler)
+
+
+def _start_worker(threads: int) -> None:
+    """A side-by-side worker: ``threads`` threads, stop signals ignored between jobs (an idle worker killed by
+    one would break the pool, which then kills the others mid-``finally``)."""
+    torch.set_num_threads(threads)
+    for stop in STOPS:
+        signal.signal(stop, signal.SIG_IGN)
+
+
+def _run_stoppably(runner: Runner, *job: Any) -> float:
+    """``runner(*job)`` in a worker, stopped through its ``finally`` by SIGINT or SIGTERM."""
+    with _stoppable():
+        return runner(*job)
 
 
 TIMINGS_FILE = "timings.json"
