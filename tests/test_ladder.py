@@ -344,8 +344,9 @@ COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "ladder"
                          ids=["ladder", "r6000", "t16", "l4t16"])
 def test_the_committed_ladder_re_derives_from_its_per_query_data(folder, reader_steps):
     """docs/ladder/ladder.json (the w128-l2 rung on a 6,000-step reader, docs/ladder/r6000, the w128-l2-t16 rung,
-    docs/ladder/t16, and the w128-l4-t16 one, docs/ladder/l4t16): the accuracies, paired differences and nDCG@5 figures follow from the committed per-query rows
-    and per-query nDCG (a report edited by hand, or built from other runs, fails)."""
+    docs/ladder/t16, and the w128-l4-t16 one, docs/ladder/l4t16): the accuracies, paired differences and nDCG@5
+    figures follow from the committed per-query rows and per-query nDCG (a report edited by hand, or built from
+    other runs, fails)."""
     report = json.loads((folder / "ladder.json").read_text())
     rows = [json.loads(line) for line in (folder / ladder.PER_QUERY).read_text().splitlines()]
     assert {row["size"] for row in rows} == set(report["sizes"])

@@ -51,6 +51,8 @@ EXTERNAL: tuple[tuple[str, str], ...] = (
 """Commands of programs outside this project: neither parsed nor run (regex on the command, reason)."""
 
 OFFLINE: tuple[tuple[str, str], ...] = (
+    (r"pieces restore docs/ladder/l4t16/pieces",
+     "the w128-l4-t16 rung's pieces, removed from the tree once it finished (commit 469a6fc holds them)"),
     (r"(^|/)pip install", "installs packages over the network (checked: requirements, extras, constraints file)"),
     (r"-m pytest|^python tests/", "the test suite itself, which CI runs (.ci/run; checked: markers and paths)"),
     (r"data=opendocvqa|opendocvqa_corpus", "OpenDocVQA from the Hugging Face hub (network)"),
@@ -113,7 +115,7 @@ message (regex on the command, the message)."""
 SLOW: tuple[tuple[str, str], ...] = (
     (r"^python train\.py -m ", "a sweep of 12 demo runs (about 10 min; tiny: 12 short runs)"),
     (r"multirun/train/<stamp>", "reads the sweep's output"),
-    (r"hkrag\.tasks\.(replica|chain|table6|ladder)", "runs of runs (minutes even with their tiny flags)"),
+    (r"hkrag\.tasks\.(replica|chain|table6|ladder)\b", "runs of runs (minutes even with their tiny flags)"),
     (r"^python eval\.py -m ", "a sweep over the Judger threshold"),
     (r"multirun/eval/<stamp>", "reads the sweep's output"),
     (r"degrade=|task=degradation", "re-OCRs every degraded page"),
@@ -128,7 +130,7 @@ TINY_FLAGS: tuple[tuple[str, str], ...] = (
     (r"hkrag\.tasks\.chain", "--seeds 0 --generator-steps 2 --curve-every 0 --eval rag.max_queries=2"),
     (r"hkrag\.tasks\.chain.*--pretrain-steps", "--pretrain-steps 2"),
     (r"hkrag\.tasks\.table6", "--seeds 0 --generator-steps 2 --eval rag.max_queries=2 --eval rag.pools=[single]"),
-    (r"hkrag\.tasks\.ladder", "--sizes w64-l2 --seeds 0 --reader-steps 2 --generator-steps 2 --eval rag.max_queries=2 "
+    (r"hkrag\.tasks\.ladder\b", "--sizes w64-l2 --seeds 0 --reader-steps 2 --generator-steps 2 --eval rag.max_queries=2 "
                                 "--eval rag.pools=[single]"),
     (r"hkrag\.data\.layout train", "--steps 2"),
     (r"bench/lvlm\.py", "--questions 1 --repeats 1 --new-tokens 2"),
@@ -137,7 +139,7 @@ TINY_FLAGS: tuple[tuple[str, str], ...] = (
 )
 """Modules' own flags that shrink them (every matching row; they follow the command's own flags, so they win; for
 the runs-of-runs modules (:data:`RUNS_OF_RUNS`) the train.py shrink overrides follow the command's overrides)."""
-RUNS_OF_RUNS = r"hkrag\.tasks\.(replica|chain|table6|ladder)"
+RUNS_OF_RUNS = r"hkrag\.tasks\.(replica|chain|table6|ladder)\b"
 """The modules that start train.py runs and take its overrides (:data:`RUNS_SHRINK`)."""
 
 SMALL_DATA = ("data.synthetic.n_train=40", "data.synthetic.n_test=12", "data.synthetic.train_groups_per_style=2",
@@ -170,6 +172,9 @@ SMALL_WORKSPACE = re.compile(r"hkrag\.data\.(ocr|degrade|pdf|layout|region_corpu
 bench/grounding.py, OCR every test question's page three times and training pages at nine settings, unless it reuses
 the committed test rows), and those that read what one of them wrote (a degraded corpus)."""
 REREAD = re.compile(r"--out (docs/[\w/.-]+).*--reuse-test")
+COMMITTED_INPUTS = re.compile(r"(?<=hkrag\.tasks\.ladder_overview)((?: docs/[\w/.-]+)+)")
+"""A command whose inputs are committed report folders (the ladder's overview reads ``docs/ladder/*/ladder.json``):
+it runs on copies of them in its workspace."""
 """A command that reads its ``--out`` report folder back (bench/grounding.py ``--reuse-test``): it runs on a copy of the
 committed folder, in the demo's workspace (the built-in corpus those rows are of)."""
 
@@ -484,7 +489,7 @@ def run_command(command: rc.Command, request) -> None:
         if small and not (cwd / "outputs" / "train").exists():  # the small corpus's pages, the demo's model
             (cwd / "outputs").mkdir(exist_ok=True)
             (cwd / "outputs" / "train").symlink_to(runs)
-    for folder in REREAD.findall(command.text):
+    for folder in [*REREAD.findall(command.text), *" ".join(COMMITTED_INPUTS.findall(command.text)).split()]:
         shutil.copytree(ROOT / folder, cwd / folder, dirs_exist_ok=True)
     if "=data/synthetic_ocr" in command.text and not (cwd / "data" / "synthetic_ocr").is_dir():
         run_shell(OCR_CORPUS, cwd)

@@ -585,6 +585,35 @@ def _training_cell(row: Mapping[str, Any]) -> str:
     return _number(row.get("training_minutes")) + each
 
 
+COLUMNS = ("single pass, gold", "agents, gold", "single pass, top 3", "agents, top 3", "agents − single pass, top 3",
+           "Pruner AUROC, top 3 (all pool)", "notes name the code", "nDCG@5 reranked (reader alone), synfine, all",
+           "training min", "s / query, top 3 (single pass / agents)")
+"""The figures of a rung's row in the ladder's table, after its name, model and seeds (:func:`table_row`)."""
+
+
+def table_head(first: Sequence[str] = ("size", "model", "seeds")) -> list[str]:
+    """The Markdown table's header and rule lines: ``first`` columns, then :data:`COLUMNS`."""
+    names = [*first, *COLUMNS]
+    return ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+
+
+def table_row(name: str, row: Mapping[str, Any], first: Sequence[str] = ()) -> str:
+    """One rung's Markdown row: its name, ``first`` extra cells, model and seeds, then :data:`COLUMNS`."""
+    accuracy, steps, rerank = row["accuracy"], row.get("steps") or {}, row.get("rerank") or {}
+    auroc = steps.get("pruner_auroc_all_pool") or steps.get("pruner_auroc") or {}
+    notes = steps.get("notes_code") or {}
+    seconds = row["seconds_per_query"]
+    cells = [name, *first, row.get("model", ""), _seeds(row), *(_cell(accuracy[run]) for run in RUNS),
+             _cell(row["agents_minus_single_pass"], "diff"),
+             f"{auroc['auroc']:.3f} [{auroc['low']:.3f}, {auroc['high']:.3f}]" if auroc.get("auroc") is not None
+             else "—",
+             f"{_number(notes.get('rate'), 100)} ({notes.get('hits', 0)}/{notes.get('n', 0)})",
+             f"{_number((rerank.get('reranked') or {}).get('synfine_all'), 100)} "
+             f"({_number((rerank.get('reader') or {}).get('synfine_all'), 100)})",
+             _training_cell(row), f"{seconds['retrieved-single_pass']:.3f} / {seconds['retrieved-hkrag']:.3f}"]
+    return "| " + " | ".join(cells) + " |"
+
+
 def markdown(report: Mapping[str, Any]) -> str:
     """The ladder as Markdown: one row per size, then the verdict and each size's failing steps."""
     settings = report["settings"]
@@ -598,25 +627,8 @@ def markdown(report: Mapping[str, Any]) -> str:
              f"percentile bootstrap over questions; per-query rows in `{PER_QUERY}`. Training minutes: the reader "
              f"and both stages, the mean over seeds and, with several, each seed's (seeds trained side by side "
              f"shared the cores; each run's seconds are in `ladder.json`'s timings).\n",
-             "| size | model | seeds | single pass, gold | agents, gold | single pass, top 3 | agents, top 3 | "
-             "agents − single pass, top 3 | Pruner AUROC, top 3 (all pool) | notes name the code | "
-             "nDCG@5 reranked (reader alone), synfine, all | training min | s / query, top 3 (single pass / agents) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for size, row in report["sizes"].items():
-        accuracy, steps, rerank = row["accuracy"], row.get("steps") or {}, row.get("rerank") or {}
-        auroc = steps.get("pruner_auroc_all_pool") or steps.get("pruner_auroc") or {}
-        notes = steps.get("notes_code") or {}
-        seconds = row["seconds_per_query"]
-        lines.append(
-            f"| {size} | {row.get('model', '')} | {_seeds(row)} | " + " | ".join(_cell(accuracy[run]) for run in RUNS)
-            + f" | {_cell(row['agents_minus_single_pass'], 'diff')} | "
-            + (f"{auroc['auroc']:.3f} [{auroc['low']:.3f}, {auroc['high']:.3f}]" if auroc.get("auroc") is not None
-               else "—")
-            + f" | {_number(notes.get('rate'), 100)} ({notes.get('hits', 0)}/{notes.get('n', 0)}) | "
-            + f"{_number((rerank.get('reranked') or {}).get('synfine_all'), 100)} "
-            f"({_number((rerank.get('reader') or {}).get('synfine_all'), 100)}) | "
-            + f"{_training_cell(row)} | {seconds['retrieved-single_pass']:.3f} / "
-            f"{seconds['retrieved-hkrag']:.3f} |")
+             *table_head()]
+    lines += [table_row(size, row) for size, row in report["sizes"].items()]
     reached = report["smallest_paying_size"]
     lines += ["", f"**Rule.** {report['rule']}.\n"]
     if reached:
