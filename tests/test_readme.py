@@ -130,8 +130,8 @@ TINY_FLAGS: tuple[tuple[str, str], ...] = (
     (r"hkrag\.tasks\.chain", "--seeds 0 --generator-steps 2 --curve-every 0 --eval rag.max_queries=2"),
     (r"hkrag\.tasks\.chain.*--pretrain-steps", "--pretrain-steps 2"),
     (r"hkrag\.tasks\.table6", "--seeds 0 --generator-steps 2 --eval rag.max_queries=2 --eval rag.pools=[single]"),
-    (r"hkrag\.tasks\.ladder\b", "--sizes w64-l2 --seeds 0 --reader-steps 2 --generator-steps 2 --eval rag.max_queries=2 "
-                                "--eval rag.pools=[single]"),
+    (r"hkrag\.tasks\.ladder\b", "--sizes w64-l2 --seeds 0 --reader-steps 2 --generator-steps 2 "
+                                 "--eval rag.max_queries=2 --eval rag.pools=[single]"),
     (r"hkrag\.data\.layout train", "--steps 2"),
     (r"bench/lvlm\.py", "--questions 1 --repeats 1 --new-tokens 2"),
     (r"bench/agents\.py", "--queries 1 --repeats 1"),
@@ -172,11 +172,11 @@ SMALL_WORKSPACE = re.compile(r"hkrag\.data\.(ocr|degrade|pdf|layout|region_corpu
 bench/grounding.py, OCR every test question's page three times and training pages at nine settings, unless it reuses
 the committed test rows), and those that read what one of them wrote (a degraded corpus)."""
 REREAD = re.compile(r"--out (docs/[\w/.-]+).*--reuse-test")
+"""A command that reads its ``--out`` report folder back (bench/grounding.py ``--reuse-test``): it runs on a copy of the
+committed folder, in the demo's workspace (the built-in corpus those rows are of)."""
 COMMITTED_INPUTS = re.compile(r"(?<=hkrag\.tasks\.ladder_overview)((?: docs/[\w/.-]+)+)")
 """A command whose inputs are committed report folders (the ladder's overview reads ``docs/ladder/*/ladder.json``):
 it runs on copies of them in its workspace."""
-"""A command that reads its ``--out`` report folder back (bench/grounding.py ``--reuse-test``): it runs on a copy of the
-committed folder, in the demo's workspace (the built-in corpus those rows are of)."""
 
 
 def first_match(table: tuple[tuple[str, str], ...], text: str) -> str | None:

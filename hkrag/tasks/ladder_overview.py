@@ -13,13 +13,12 @@ steps; the same rung in two reports is refused, naming both.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hkrag.io import write_bytes, write_json, write_text
+from hkrag.io import FileFormatError, read_json, write_bytes, write_json, write_text
 from hkrag.tasks.ladder import LadderError, plot, table_head, table_row
 
 REPORT = "ladder.json"
@@ -31,8 +30,8 @@ def load_report(folder: Path) -> dict[str, Any]:
     if not path.is_file():
         raise LadderError(f"no ladder report in {folder}: {path} does not exist (run python -m hkrag.tasks.ladder)")
     try:
-        report = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+        report = read_json(path)
+    except FileFormatError as error:
         raise LadderError(f"{path} is not JSON: {error}") from error
     if not isinstance(report, dict) or not {"sizes", "settings"} <= report.keys():
         raise LadderError(f"{path} is not a ladder report: it needs 'sizes' and 'settings'")
